@@ -1,0 +1,231 @@
+"""Start-up configuration: vLLM's `--speculative-config` and the engine's limits.
+
+Built once at start-up, validated in `__post_init__`/`parse`, passed explicitly.
+Every rejection raises `ConfigError` naming the field and, where there are any,
+the allowed values.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from dataclasses import dataclass
+from typing import Any
+
+from specdec.errors import ConfigError
+
+logger = logging.getLogger(__name__)
+
+SPECULATIVE_METHODS = ("ngram", "eagle", "eagle3", "draft_model")
+MODEL_METHODS = ("eagle", "eagle3", "draft_model")
+DEFAULT_PROMPT_LOOKUP = 5
+
+# Fields vLLM's SpeculativeConfig knows that specdec accepts but does not use: a
+# config written for vLLM keeps working, and start-up warns about each one given.
+VLLM_FIELDS_UNUSED = (
+    "draft_tensor_parallel_size",
+    "disable_by_batch_size",
+    "quantization",
+    "max_model_len",
+    "revision",
+    "code_revision",
+    "disable_padded_drafter_batch",
+    "speculative_token_tree",
+    "disable_log_stats",
+    "enforce_eager",
+    "parallel_drafting",
+)
+_KNOWN_FIELDS = (
+    "method",
+    "num_speculative_tokens",
+    "model",
+    "prompt_lookup_min",
+    "prompt_lookup_max",
+)
+
+
+def _require_int(raw: dict[str, Any], field_name: str, minimum: int) -> int | None:
+    value = raw.get(field_name)
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ConfigError(
+            f"speculative config: {field_name} must be an integer >= {minimum}, got {value!r}",
+            param=field_name,
+        )
+    if value < minimum:
+        raise ConfigError(
+            f"speculative config: {field_name} must be >= {minimum}, got {value}",
+            param=field_name,
+        )
+    return value
+
+
+@dataclass(frozen=True)
+class SpeculativeConfig:
+    """What `--speculative-config` says, validated and with vLLM's defaults filled in.
+
+    ngram: `prompt_lookup_min`/`prompt_lookup_max` default to 5 and 5; when only one is
+    given the other copies it. Model methods need `model` (a draft model or head).
+    """
+
+    method: str
+    num_speculative_tokens: int
+    model: str | None = None
+    prompt_lookup_min: int | None = None
+    prompt_lookup_max: int | None = None
+
+    @classmethod
+    def parse(cls, text: str | dict[str, Any] | None) -> SpeculativeConfig | None:
+        """Parses the flag's JSON (or an already-decoded dict); None/empty means off."""
+        if text is None:
+            return None
+        if isinstance(text, str):
+            if not text.strip():
+                return None
+            try:
+                raw = json.loads(text)
+            except json.JSONDecodeError as exc:
+                raise ConfigError(
+                    f"--speculative-config is not valid JSON: {exc}", param="speculative_config"
+                ) from None
+        else:
+            raw = dict(text)
+        if raw is None:
+            return None
+        if not isinstance(raw, dict):
+            raise ConfigError(
+                "--speculative-config must be a JSON object, e.g. "
+                '{"method": "ngram", "num_speculative_tokens": 3}',
+                param="speculative_config",
+            )
+        unknown = sorted(set(raw) - set(_KNOWN_FIELDS) - set(VLLM_FIELDS_UNUSED))
+        if unknown:
+            raise ConfigError(
+                f"speculative config: unknown field(s) {', '.join(unknown)}; known fields are "
+                f"{', '.join(_KNOWN_FIELDS)}",
+                param=unknown[0],
+            )
+        for name in sorted(set(raw) & set(VLLM_FIELDS_UNUSED)):
+            logger.warning("speculative config: field %r is accepted for vLLM compatibility "
+                           "but not used by specdec", name)
+
+        model = raw.get("model")
+        if model is not None and (not isinstance(model, str) or not model):
+            raise ConfigError("speculative config: model must be a non-empty string (a path "
+                              "or a shipped draft name)", param="model")
+        method = raw.get("method")
+        if method is None:
+            method = _infer_method(model)
+        if method not in SPECULATIVE_METHODS:
+            raise ConfigError(
+                f"speculative config: method {method!r} is not supported; allowed values: "
+                f"{', '.join(SPECULATIVE_METHODS)}",
+                param="method",
+            )
+        if "num_speculative_tokens" not in raw:
+            raise ConfigError("speculative config: num_speculative_tokens is required "
+                              "(an integer >= 1)", param="num_speculative_tokens")
+        num_tokens = _require_int(raw, "num_speculative_tokens", 1)
+        if num_tokens is None:
+            raise ConfigError("speculative config: num_speculative_tokens must be an integer "
+                              ">= 1, got null", param="num_speculative_tokens")
+
+        lookup_min = _require_int(raw, "prompt_lookup_min", 1)
+        lookup_max = _require_int(raw, "prompt_lookup_max", 1)
+        if method == "ngram":
+            if model is not None and model not in ("ngram", "[ngram]"):
+                raise ConfigError("speculative config: model is not used by method 'ngram'; "
+                                  "leave it out", param="model")
+            model = None
+            if lookup_min is None and lookup_max is None:
+                lookup_min = lookup_max = DEFAULT_PROMPT_LOOKUP
+            elif lookup_min is None:
+                lookup_min = lookup_max
+            elif lookup_max is None:
+                lookup_max = lookup_min
+            assert lookup_min is not None and lookup_max is not None
+            if lookup_min > lookup_max:
+                raise ConfigError(
+                    f"speculative config: prompt_lookup_min ({lookup_min}) must be <= "
+                    f"prompt_lookup_max ({lookup_max})",
+                    param="prompt_lookup_min",
+                )
+        else:
+            for name, value in (("prompt_lookup_min", lookup_min), ("prompt_lookup_max", lookup_max)):
+                if value is not None:
+                    raise ConfigError(f"speculative config: {name} applies to method 'ngram' "
+                                      f"only, not {method!r}", param=name)
+            if model is None:
+                raise ConfigError(f"speculative config: method {method!r} needs model (the "
+                                  "draft model or head path)", param="model")
+        return cls(method=method, num_speculative_tokens=num_tokens, model=model,
+                   prompt_lookup_min=lookup_min, prompt_lookup_max=lookup_max)
+
+    def to_json(self) -> str:
+        """The config as `--speculative-config` JSON, to pass to child processes."""
+        raw: dict[str, Any] = {"method": self.method,
+                               "num_speculative_tokens": self.num_speculative_tokens}
+        if self.model is not None:
+            raw["model"] = self.model
+        if self.method == "ngram":
+            raw["prompt_lookup_min"] = self.prompt_lookup_min
+            raw["prompt_lookup_max"] = self.prompt_lookup_max
+        return json.dumps(raw)
+
+
+def _infer_method(model: str | None) -> str:
+    """vLLM infers the method from `model` when `method` is absent."""
+    if model is None:
+        raise ConfigError("speculative config: method is required; allowed values: "
+                          f"{', '.join(SPECULATIVE_METHODS)}", param="method")
+    if model in ("ngram", "[ngram]"):
+        return "ngram"
+    lowered = model.lower()
+    if "eagle3" in lowered:
+        return "eagle3"
+    if "eagle" in lowered:
+        return "eagle"
+    return "draft_model"
+
+
+def parse_additional_config(text: str | None, used_keys: tuple[str, ...] = ()) -> dict[str, Any]:
+    """Parses `--additional-config` JSON; keys specdec does not use are named in a warning."""
+    if text is None or not text.strip():
+        return {}
+    try:
+        raw = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise ConfigError(f"--additional-config is not valid JSON: {exc}",
+                          param="additional_config") from None
+    if not isinstance(raw, dict):
+        raise ConfigError("--additional-config must be a JSON object", param="additional_config")
+    unused = sorted(set(raw) - set(used_keys))
+    if unused:
+        logger.warning("--additional-config: key(s) not used by specdec: %s", ", ".join(unused))
+    return raw
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """The verifier engine's limits (vLLM's flag names)."""
+
+    max_model_len: int
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 2048
+    block_size: int = 16
+    num_kv_blocks: int = 0
+    # Per-step deadline for drafter proposals; a late proposal means that sequence
+    # decodes one token this step.
+    draft_timeout_s: float = 0.05
+
+    def __post_init__(self) -> None:
+        for name in ("max_model_len", "max_num_seqs", "max_num_batched_tokens", "block_size"):
+            value = getattr(self, name)
+            if value < 1:
+                raise ConfigError(f"{name} must be >= 1, got {value}", param=name)
+        if self.num_kv_blocks < 1:
+            raise ConfigError(f"num_kv_blocks must be >= 1, got {self.num_kv_blocks} (the "
+                              "memory budget holds no KV block)", param="gpu_memory_utilization")
+        if self.draft_timeout_s <= 0:
+            raise ConfigError("draft timeout must be > 0", param="draft_timeout_ms")
