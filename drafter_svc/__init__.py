@@ -1,0 +1,1 @@
+"""specdec drafter service: one proposer per stream, served over gRPC."""

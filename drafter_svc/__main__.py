@@ -1,0 +1,5 @@
+import sys
+
+from drafter_svc.server import main
+
+sys.exit(main())

@@ -1,0 +1,158 @@
+"""The one shape every drafting method has, and the ngram method behind it.
+
+A `Proposer` owns per-sequence drafting state for ONE verifier stream: the token
+history for ngram, a draft KV cache for draft_model / eagle / eagle3. The verified
+context is authoritative: the drafter appends only what the verifier sends, never its
+own drafts, so after each step its history equals the verifier's context.
+
+Terms: a draft is up to k proposed tokens; *accepted* tokens are the leading draft
+tokens the target agreed with (Leviathan et al. 2023). Model methods use
+`num_accepted_tokens` to roll their draft KV back to the verified context; ngram keeps
+no draft state, so for it rollback is a no-op.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Protocol
+
+import numpy as np
+
+from drafter_svc.ngram_proposer import NgramProposer
+from specdec.config import SpeculativeConfig
+from specdec.errors import ConfigError
+
+if TYPE_CHECKING:  # torch is imported only by methods that run a model
+    import torch
+
+
+@dataclass(frozen=True, slots=True)
+class ProposerInfo:
+    """What GetInfo reports about a method."""
+
+    method: str
+    max_num_speculative_tokens: int
+    # Target layers whose hidden states the method needs; -1 = final normed state.
+    hidden_state_layer_ids: tuple[int, ...] = ()
+    # 0 / "" when the method does not depend on the vocabulary / tokenizer.
+    vocab_size: int = 0
+    tokenizer_fingerprint: str = ""
+
+
+@dataclass(slots=True)
+class Proposal:
+    draft_token_ids: list[int]
+    # [len(draft_token_ids), vocab_size]; None for greedy (one-hot) drafts.
+    draft_probs: torch.Tensor | None = None
+
+
+class Proposer(Protocol):
+    """Per-stream drafting state plus the method's batched `propose`."""
+
+    info: ProposerInfo
+
+    def context_len(self, seq_id: int) -> int | None:
+        """Tokens held for seq_id, or None when the sequence is unknown."""
+        ...
+
+    def add_sequence(self, seq_id: int) -> None:
+        """Starts (or restarts, dropping old state) an empty sequence."""
+        ...
+
+    def append_tokens(self, seq_id: int, token_ids: Sequence[int],
+                      hidden_states: torch.Tensor | None) -> None:
+        """Appends verified tokens (and their target hidden states, when the method needs them)."""
+        ...
+
+    def rollback(self, seq_id: int, num_accepted_tokens: int) -> None:
+        """Discards draft state past the accepted part of the previous draft."""
+        ...
+
+    def remove_sequence(self, seq_id: int) -> None:
+        """Drops all state of seq_id; unknown ids are ignored."""
+        ...
+
+    def propose(self, seq_ids: Sequence[int], num_tokens: Sequence[int]) -> list[Proposal]:
+        """One proposal per seq_id, at most num_tokens[i] (and max k) tokens each."""
+        ...
+
+
+class TokenHistory:
+    """A growing int64 token array with amortised O(1) appends (capacity doubles)."""
+
+    __slots__ = ("_buffer", "_length")
+
+    def __init__(self, initial_capacity: int = 256) -> None:
+        self._buffer = np.empty(max(initial_capacity, 16), dtype=np.int64)
+        self._length = 0
+
+    def __len__(self) -> int:
+        return self._length
+
+    def extend(self, token_ids: Sequence[int]) -> None:
+        num_new = len(token_ids)
+        if num_new == 0:
+            return
+        needed = self._length + num_new
+        if needed > self._buffer.shape[0]:
+            grown = np.empty(max(needed, 2 * self._buffer.shape[0]), dtype=np.int64)
+            grown[:self._length] = self._buffer[:self._length]
+            self._buffer = grown
+        self._buffer[self._length:needed] = token_ids
+        self._length = needed
+
+    def view(self) -> np.ndarray:
+        """The tokens so far, without copying; valid until the next extend."""
+        return self._buffer[:self._length]
+
+
+@dataclass(slots=True)
+class NgramMethod:
+    """The ngram method as a `Proposer`: per-sequence state is the token history only."""
+
+    proposer: NgramProposer
+    info: ProposerInfo
+    _histories: dict[int, TokenHistory] = field(default_factory=dict)
+
+    @classmethod
+    def from_config(cls, config: SpeculativeConfig) -> NgramMethod:
+        assert config.prompt_lookup_min is not None and config.prompt_lookup_max is not None
+        return cls(
+            proposer=NgramProposer(config.prompt_lookup_min, config.prompt_lookup_max,
+                                   config.num_speculative_tokens),
+            info=ProposerInfo(method="ngram",
+                              max_num_speculative_tokens=config.num_speculative_tokens),
+        )
+
+    def context_len(self, seq_id: int) -> int | None:
+        history = self._histories.get(seq_id)
+        return None if history is None else len(history)
+
+    def add_sequence(self, seq_id: int) -> None:
+        self._histories[seq_id] = TokenHistory()
+
+    def append_tokens(self, seq_id: int, token_ids: Sequence[int],
+                      hidden_states: torch.Tensor | None) -> None:
+        self._histories[seq_id].extend(token_ids)
+
+    def rollback(self, seq_id: int, num_accepted_tokens: int) -> None:
+        # Drafts never enter the history, so there is nothing to undo.
+        pass
+
+    def remove_sequence(self, seq_id: int) -> None:
+        self._histories.pop(seq_id, None)
+
+    def propose(self, seq_ids: Sequence[int], num_tokens: Sequence[int]) -> list[Proposal]:
+        return [Proposal(self.proposer.propose(self._histories[seq_id].view(), count))
+                for seq_id, count in zip(seq_ids, num_tokens)]
+
+
+def proposer_factory(config: SpeculativeConfig) -> Callable[[], Proposer]:
+    """Checks the method at start-up; returns a callable making a fresh Proposer per stream."""
+    if config.method == "ngram":
+        NgramMethod.from_config(config)  # validates the lookup bounds once, at start-up
+        return lambda: NgramMethod.from_config(config)
+    raise ConfigError(
+        f"speculative config: method {config.method!r} is not implemented yet in drafter_svc "
+        "(only 'ngram' is available now)", param="method")

@@ -1,0 +1,113 @@
+"""The drafter process: a grpc.aio server with Drafter, health and reflection."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import signal
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+from drafter_svc.proposer import proposer_factory
+from drafter_svc.servicer import DrafterServicer
+from specdec.config import SpeculativeConfig
+from specdec.errors import ConfigError
+from specdec.v1 import specdec_pb2, specdec_pb2_grpc
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_PORT = 50052
+MAX_MESSAGE_BYTES = 64 << 20
+DRAFTER_SERVICE_NAME = specdec_pb2.DESCRIPTOR.services_by_name["Drafter"].full_name
+
+
+async def start_drafter_server(config: SpeculativeConfig, host: str = "127.0.0.1",
+                               port: int = DEFAULT_PORT, *,
+                               max_message_bytes: int = MAX_MESSAGE_BYTES,
+                               ) -> tuple[grpc.aio.Server, int]:
+    """Builds the proposer, binds host:port (0 = any free port) and starts serving.
+
+    Returns the started server and the bound port. Health reports SERVING for the whole
+    server and for the Drafter service once started; `stop_drafter_server` flips it.
+    """
+    make_proposer = proposer_factory(config)
+    info = make_proposer().info
+    server = grpc.aio.server(options=[
+        ("grpc.max_send_message_length", max_message_bytes),
+        ("grpc.max_receive_message_length", max_message_bytes),
+    ])
+    specdec_pb2_grpc.add_DrafterServicer_to_server(DrafterServicer(make_proposer, info), server)
+    health_servicer = health.aio.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    reflection.enable_server_reflection(
+        (DRAFTER_SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), server)
+    address = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+    bound_port = server.add_insecure_port(address)
+    if bound_port == 0:
+        raise ConfigError(f"drafter: cannot bind {address}", param="port")
+    await server.start()
+    for service in ("", DRAFTER_SERVICE_NAME):
+        await health_servicer.set(service, health_pb2.HealthCheckResponse.SERVING)
+    server.health_servicer = health_servicer  # type: ignore[attr-defined]
+    logger.info("drafter serving on %s:%d: method=%s num_speculative_tokens=%d%s", host,
+                bound_port, config.method, config.num_speculative_tokens,
+                f" prompt_lookup=[{config.prompt_lookup_min}, {config.prompt_lookup_max}]"
+                if config.method == "ngram" else "")
+    return server, bound_port
+
+
+async def stop_drafter_server(server: grpc.aio.Server, grace_s: float = 5.0) -> None:
+    """Reports NOT_SERVING, then stops, letting open streams finish within grace_s."""
+    health_servicer = getattr(server, "health_servicer", None)
+    if health_servicer is not None:
+        await health_servicer.enter_graceful_shutdown()
+    await server.stop(grace_s)
+
+
+def build_arg_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="python -m drafter_svc",
+        description="specdec drafter: proposes draft tokens to verifiers over gRPC.")
+    parser.add_argument("--speculative-config", required=True,
+                        help='vLLM-style JSON, e.g. \'{"method": "ngram", '
+                             '"num_speculative_tokens": 3, "prompt_lookup_max": 4}\'')
+    parser.add_argument("--host", default="127.0.0.1", help="address to bind (default %(default)s)")
+    parser.add_argument("--port", type=int, default=DEFAULT_PORT,
+                        help="port to bind; 0 picks a free one and logs it (default %(default)s)")
+    parser.add_argument("--log-level", default="info", type=str.lower,
+                        choices=("debug", "info", "warning", "error"),
+                        help="logging level (default %(default)s)")
+    return parser
+
+
+async def serve(config: SpeculativeConfig, host: str, port: int) -> None:
+    server, _ = await start_drafter_server(config, host, port)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for signum in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(signum, stop.set)
+    await stop.wait()
+    logger.info("drafter shutting down")
+    await stop_drafter_server(server)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_arg_parser().parse_args(argv)
+    # The same format as specdec.cli.setup_logging (not imported: it pulls in torch).
+    logging.basicConfig(level=args.log_level.upper(),
+                        format="%(asctime)s drafter %(levelname)s %(name)s: %(message)s")
+    try:
+        config = SpeculativeConfig.parse(args.speculative_config)
+        if config is None:
+            raise ConfigError("--speculative-config is empty; the drafter needs a method",
+                              param="speculative_config")
+        if not 0 <= args.port <= 65535:
+            raise ConfigError(f"--port must be in [0, 65535], got {args.port}", param="port")
+        asyncio.run(serve(config, args.host, args.port))
+    except ConfigError as exc:
+        logger.error("%s", exc.message)
+        return 2
+    return 0

@@ -1,0 +1,471 @@
+"""The verifier's client of the drafter replicas: one bidi stream each, one message per step.
+
+Each engine step the engine calls `DrafterPool.propose` once. The pool sends ONE
+ProposeRequest to every replica that holds some of the step's sequences, all at once,
+waits at most `timeout_s`, and returns the drafts that arrived in time. A drafter can
+cost speed, never correctness: a replica that is slow, down, refused or answering
+garbage simply yields no drafts, and `propose` never raises.
+
+Invariants:
+- a sequence sticks to the replica it was assigned to (least loaded healthy one) until
+  that replica goes down; then it is reassigned on its next step with a full resync;
+- `_SeqState.num_synced_tokens` tokens of the sequence's verified context are on its
+  replica; each step sends only `token_ids[num_synced_tokens:]`. It is advanced when the
+  message is queued: the stream is ordered, and a stream that breaks loses all the
+  replica's state anyway (its sequences are dropped here and resynced elsewhere);
+- responses are matched by step_id; a late one is discarded except for its
+  needs_resync flags (the drafter restarts a sequence from any full context, so an
+  extra resync is harmless).
+
+Replicas come from `targets` ("host:port"); each host name is resolved at start and
+every `resolve_interval_s`, one replica per address, so a compose service scaled to N
+drafters behind one name gives N replicas.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import socket
+import time
+from dataclasses import dataclass
+
+import grpc
+import torch
+
+from specdec.errors import ConfigError, DrafterMismatchError
+from specdec.v1 import specdec_pb2, specdec_pb2_grpc
+
+logger = logging.getLogger(__name__)
+
+_GET_INFO_TIMEOUT_S = 5.0
+# Steps sent but not yet answered before a replica counts as stuck and is reconnected.
+_MAX_UNANSWERED_STEPS = 32
+_WARNING_INTERVAL_S = 10.0
+_PROBS_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+
+
+@dataclass(slots=True)
+class DraftRequest:
+    seq_id: int
+    token_ids: list[int]          # the whole verified context (prompt + output so far); read, never copied by the caller
+    num_accepted_tokens: int      # of this sequence's previous draft
+    num_speculative_tokens: int   # 0 = just sync state
+
+
+@dataclass(slots=True)
+class Draft:
+    token_ids: list[int]
+    probs: torch.Tensor | None    # [len(token_ids), vocab] or None
+
+
+@dataclass(slots=True)
+class _SeqState:
+    replica: _Replica
+    num_synced_tokens: int
+
+
+class DrafterPool:
+    def __init__(self, targets: list[str], *, resolve_interval_s: float = 10.0,
+                 backoff_initial_s: float = 0.5, backoff_max_s: float = 10.0,
+                 vocab_size: int, tokenizer_fingerprint: str,
+                 max_message_bytes: int = 64 << 20) -> None:
+        self._targets = [_split_host_port(target) for target in targets]
+        self._resolve_interval_s = resolve_interval_s
+        self.backoff_initial_s = backoff_initial_s
+        self.backoff_max_s = backoff_max_s
+        self.vocab_size = vocab_size
+        self.tokenizer_fingerprint = tokenizer_fingerprint
+        self.channel_options = [
+            ("grpc.max_send_message_length", max_message_bytes),
+            ("grpc.max_receive_message_length", max_message_bytes),
+            # Our own backoff decides when to retry; a shared subchannel stuck in gRPC's
+            # reconnect backoff (up to 120 s) would make a restarted drafter look down.
+            ("grpc.use_local_subchannel_pool", 1),
+            ("grpc.initial_reconnect_backoff_ms", int(backoff_initial_s * 1000)),
+            ("grpc.min_reconnect_backoff_ms", int(backoff_initial_s * 1000)),
+            ("grpc.max_reconnect_backoff_ms", int(backoff_max_s * 1000)),
+            # Notice a vanished drafter (container killed) within ~15 s.
+            ("grpc.keepalive_time_ms", 10_000),
+            ("grpc.keepalive_timeout_ms", 5_000),
+        ]
+        self._replicas: dict[str, _Replica] = {}
+        self._addresses_by_target: dict[tuple[str, int], set[str]] = {}
+        self._seqs: dict[int, _SeqState] = {}
+        self._step_id = 0
+        self._resolve_task: asyncio.Task[None] | None = None
+
+    async def start(self) -> None:
+        """Resolves the targets and starts connecting; does not wait for any replica."""
+        await self._resolve()
+        self._resolve_task = asyncio.create_task(self._resolve_periodically())
+
+    async def close(self) -> None:
+        if self._resolve_task is not None:
+            self._resolve_task.cancel()
+            await asyncio.gather(self._resolve_task, return_exceptions=True)
+            self._resolve_task = None
+        replicas, self._replicas = list(self._replicas.values()), {}
+        await asyncio.gather(*(replica.close() for replica in replicas))
+        self._seqs.clear()
+
+    def num_healthy(self) -> int:
+        return sum(replica.healthy for replica in self._replicas.values())
+
+    async def wait_for_healthy(self, num_replicas: int = 1, timeout_s: float = 10.0) -> bool:
+        """Waits until at least num_replicas replicas are healthy; False on timeout."""
+        deadline = time.monotonic() + timeout_s
+        while self.num_healthy() < num_replicas:
+            if time.monotonic() >= deadline:
+                return False
+            await asyncio.sleep(0.01)
+        return True
+
+    async def propose(self, requests: list[DraftRequest], finished_seq_ids: list[int],
+                      timeout_s: float) -> dict[int, Draft]:
+        """Drafts for the sequences whose replica answered within timeout_s; never raises."""
+        try:
+            return await self._propose(requests, finished_seq_ids, timeout_s)
+        except Exception:
+            logger.exception("drafter pool: propose failed; no drafts this step")
+            return {}
+
+    async def _propose(self, requests: list[DraftRequest], finished_seq_ids: list[int],
+                       timeout_s: float) -> dict[int, Draft]:
+        self._step_id += 1
+        step_id = self._step_id
+        messages: dict[_Replica, specdec_pb2.ProposeRequest] = {}
+        # Per replica: seq_id -> number of draft tokens asked for.
+        asked: dict[_Replica, dict[int, int]] = {}
+
+        def message_for(replica: _Replica) -> specdec_pb2.ProposeRequest:
+            message = messages.get(replica)
+            if message is None:
+                message = messages[replica] = specdec_pb2.ProposeRequest(step_id=step_id)
+                asked[replica] = {}
+            return message
+
+        for seq_id in finished_seq_ids:
+            state = self._seqs.pop(seq_id, None)
+            if state is not None:
+                state.replica.seq_ids.discard(seq_id)
+                if state.replica.healthy:
+                    message_for(state.replica).finished_seq_ids.append(seq_id)
+
+        for request in requests:
+            state = self._seqs.get(request.seq_id)
+            if state is None or not state.replica.healthy:
+                state = self._assign(request.seq_id)
+                if state is None:
+                    continue  # no healthy replica: no drafts this step
+            replica = state.replica
+            token_ids = request.token_ids
+            if state.num_synced_tokens > len(token_ids):
+                state.num_synced_tokens = 0  # the context shrank (should not happen): resync
+            num_tokens = min(max(request.num_speculative_tokens, 0),
+                             replica.max_num_speculative_tokens)
+            message_for(replica).sequences.add(
+                seq_id=request.seq_id,
+                new_token_ids=token_ids[state.num_synced_tokens:],
+                num_accepted_tokens=max(request.num_accepted_tokens, 0),
+                context_len=len(token_ids),
+                num_speculative_tokens=num_tokens,
+            )
+            state.num_synced_tokens = len(token_ids)
+            if num_tokens > 0:
+                asked[replica][request.seq_id] = num_tokens
+
+        waiting: dict[asyncio.Future[specdec_pb2.ProposeResponse | None], _Replica] = {}
+        for replica, message in messages.items():
+            future = replica.send(message, wants_response=bool(asked[replica]))
+            if future is not None:
+                waiting[future] = replica
+        if not waiting:
+            return {}
+        done, late = await asyncio.wait(waiting, timeout=timeout_s)
+        for future in late:
+            waiting[future].forget(step_id)
+        drafts: dict[int, Draft] = {}
+        for future in done:
+            response = future.result()
+            if response is not None:  # None: the replica failed during the step
+                replica = waiting[future]
+                self._collect(replica, response, asked[replica], drafts)
+        return drafts
+
+    def _assign(self, seq_id: int) -> _SeqState | None:
+        """Puts seq_id on the least loaded healthy replica, to be synced from scratch."""
+        healthy = [replica for replica in self._replicas.values() if replica.healthy]
+        if not healthy:
+            return None
+        old = self._seqs.get(seq_id)
+        if old is not None:
+            old.replica.seq_ids.discard(seq_id)
+        replica = min(healthy, key=lambda candidate: len(candidate.seq_ids))
+        replica.seq_ids.add(seq_id)
+        state = self._seqs[seq_id] = _SeqState(replica, 0)
+        return state
+
+    def _collect(self, replica: _Replica, response: specdec_pb2.ProposeResponse,
+                 asked: dict[int, int], drafts: dict[int, Draft]) -> None:
+        """Validates one in-time response; bad drafts are dropped with a (rate-limited) warning."""
+        for sequence_draft in response.drafts:
+            seq_id = sequence_draft.seq_id
+            if sequence_draft.needs_resync:
+                self.mark_needs_resync(replica, seq_id)
+                continue
+            token_ids = list(sequence_draft.draft_token_ids)
+            num_asked = asked.get(seq_id)
+            if not token_ids or seq_id in drafts:
+                continue
+            if num_asked is None or len(token_ids) > num_asked:
+                replica.warn(f"dropped a draft for seq {seq_id}: {len(token_ids)} tokens, "
+                             f"asked for {num_asked or 0}")
+                continue
+            if self.vocab_size and max(token_ids) >= self.vocab_size:
+                replica.warn(f"dropped a draft for seq {seq_id}: token id {max(token_ids)} is "
+                             f"outside the vocabulary (size {self.vocab_size})")
+                continue
+            probs = None
+            if sequence_draft.HasField("draft_probs"):
+                probs = _decode_probs(sequence_draft.draft_probs, len(token_ids), self.vocab_size)
+                if probs is None:
+                    replica.warn(f"dropped a draft for seq {seq_id}: malformed draft_probs")
+                    continue
+            drafts[seq_id] = Draft(token_ids, probs)
+
+    def mark_needs_resync(self, replica: _Replica, seq_id: int) -> None:
+        state = self._seqs.get(seq_id)
+        if state is not None and state.replica is replica:
+            state.num_synced_tokens = 0
+
+    def check_info(self, info: specdec_pb2.DrafterInfo) -> DrafterMismatchError | None:
+        """Why a drafter cannot serve this verifier, or None when it can."""
+        problems = []
+        if info.vocab_size and info.vocab_size != self.vocab_size:
+            problems.append(f"its vocab_size is {info.vocab_size}, the verifier's is "
+                            f"{self.vocab_size}")
+        if info.tokenizer_fingerprint and info.tokenizer_fingerprint != self.tokenizer_fingerprint:
+            problems.append(f"its tokenizer fingerprint is {info.tokenizer_fingerprint!r}, the "
+                            f"verifier's is {self.tokenizer_fingerprint!r}")
+        if problems:
+            return DrafterMismatchError("drafter built for another model: " + "; ".join(problems))
+        if info.hidden_state_layer_ids:
+            return DrafterMismatchError(
+                f"drafter method {info.method!r} needs target hidden states (layers "
+                f"{list(info.hidden_state_layer_ids)}), which this verifier does not send yet")
+        return None
+
+    def drop_replica_sequences(self, replica: _Replica) -> None:
+        """The replica lost its stream: its sequences get reassigned on their next step."""
+        for seq_id in replica.seq_ids:
+            state = self._seqs.get(seq_id)
+            if state is not None and state.replica is replica:
+                del self._seqs[seq_id]
+        replica.seq_ids.clear()
+
+    async def _resolve_periodically(self) -> None:
+        while True:
+            await asyncio.sleep(self._resolve_interval_s)
+            try:
+                await self._resolve()
+            except Exception:
+                logger.exception("drafter pool: resolving %s failed", self._targets)
+
+    async def _resolve(self) -> None:
+        """Reconciles replicas with what the targets resolve to now (a failed lookup keeps the old)."""
+        for host, port in self._targets:
+            try:
+                infos = await asyncio.to_thread(socket.getaddrinfo, host, port,
+                                                type=socket.SOCK_STREAM)
+            except OSError as exc:
+                logger.warning("drafter pool: cannot resolve %s:%d: %s", host, port, exc)
+                continue
+            self._addresses_by_target[(host, port)] = {
+                _format_address(info[4][0], port) for info in infos
+                if info[0] in (socket.AF_INET, socket.AF_INET6)}
+        wanted = set().union(*self._addresses_by_target.values())
+        for address in sorted(set(self._replicas) - wanted):
+            logger.info("drafter pool: replica %s is gone from DNS", address)
+            await self._replicas.pop(address).close()
+        for address in sorted(wanted - set(self._replicas)):
+            logger.info("drafter pool: adding replica %s", address)
+            replica = self._replicas[address] = _Replica(self, address)
+            replica.start()
+
+
+class _Replica:
+    """One drafter address: a channel, one long-lived Propose stream, a health flag."""
+
+    def __init__(self, pool: DrafterPool, address: str) -> None:
+        self.pool = pool
+        self.address = address
+        self.healthy = False
+        self.max_num_speculative_tokens = 0
+        self.seq_ids: set[int] = set()
+        self._outbox: asyncio.Queue[specdec_pb2.ProposeRequest | None] = asyncio.Queue()
+        self._pending: dict[int, asyncio.Future[specdec_pb2.ProposeResponse | None]] = {}
+        self._num_unanswered = 0
+        self._call: grpc.aio.StreamStreamCall | None = None
+        self._task: asyncio.Task[None] | None = None
+        self._closing = False
+        self._last_warning_at = float("-inf")
+        self._num_suppressed_warnings = 0
+        self._last_refusal = ""
+
+    def start(self) -> None:
+        self._task = asyncio.create_task(self._run(), name=f"drafter-replica-{self.address}")
+
+    async def close(self) -> None:
+        self._closing = True
+        self._outbox.put_nowait(None)  # half-close the stream: the drafter drops our state
+        await asyncio.sleep(0)
+        if self._task is not None:
+            self._task.cancel()
+            await asyncio.gather(self._task, return_exceptions=True)
+
+    def send(self, message: specdec_pb2.ProposeRequest, wants_response: bool,
+             ) -> asyncio.Future[specdec_pb2.ProposeResponse | None] | None:
+        """Queues one step's message; returns the future of its response, if one is wanted."""
+        if not self.healthy:
+            return None
+        if self._num_unanswered >= _MAX_UNANSWERED_STEPS and self._call is not None:
+            logger.warning("drafter %s has not answered %d steps; reconnecting", self.address,
+                           self._num_unanswered)
+            self._call.cancel()
+            return None
+        self._num_unanswered += 1
+        self._outbox.put_nowait(message)
+        if not wants_response:
+            return None
+        future: asyncio.Future[specdec_pb2.ProposeResponse | None] = (
+            asyncio.get_running_loop().create_future())
+        self._pending[message.step_id] = future
+        return future
+
+    def forget(self, step_id: int) -> None:
+        future = self._pending.pop(step_id, None)
+        if future is not None and not future.done():
+            future.cancel()
+
+    def warn(self, text: str) -> None:
+        """Logs at most one warning per _WARNING_INTERVAL_S, counting the ones held back."""
+        now = time.monotonic()
+        if now - self._last_warning_at < _WARNING_INTERVAL_S:
+            self._num_suppressed_warnings += 1
+            return
+        suppressed = (f" (and {self._num_suppressed_warnings} similar since the last warning)"
+                      if self._num_suppressed_warnings else "")
+        self._last_warning_at, self._num_suppressed_warnings = now, 0
+        logger.warning("drafter %s: %s%s", self.address, text, suppressed)
+
+    async def _run(self) -> None:
+        backoff_s = self.pool.backoff_initial_s
+        was_up = True  # the first failure is logged at WARNING, repeats at DEBUG
+        while True:
+            channel = grpc.aio.insecure_channel(self.address, options=self.pool.channel_options)
+            try:
+                async for _ in self._serve(channel):
+                    backoff_s = self.pool.backoff_initial_s
+                    was_up = True
+                raise ConnectionError("the drafter ended the stream")
+            except DrafterMismatchError as exc:
+                # ERROR once per distinct reason; the periodic re-checks repeat it at DEBUG.
+                logger.log(logging.ERROR if exc.message != self._last_refusal else logging.DEBUG,
+                           "drafter %s refused: %s; serving without it", self.address,
+                           exc.message)
+                self._last_refusal = exc.message
+                backoff_s = self.pool.backoff_max_s
+            except asyncio.CancelledError:
+                current = asyncio.current_task()
+                if self._closing or (current is not None and current.cancelling()):
+                    raise
+                # Our own call.cancel() (a stuck replica): reconnect like any failure.
+                logger.warning("drafter %s: stream cancelled; reconnecting", self.address)
+            except Exception as exc:
+                logger.log(logging.WARNING if was_up else logging.DEBUG,
+                           "drafter %s unavailable (%s); retrying in %.2f s",
+                           self.address, _describe(exc), backoff_s)
+                was_up = False
+            finally:
+                self._mark_down()
+                await channel.close(grace=None)
+            await asyncio.sleep(backoff_s)
+            backoff_s = min(backoff_s * 2, self.pool.backoff_max_s)
+
+    async def _serve(self, channel: grpc.aio.Channel):
+        """Checks GetInfo, opens the Propose stream; yields once connected and after each response."""
+        stub = specdec_pb2_grpc.DrafterStub(channel)
+        info = await stub.GetInfo(specdec_pb2.GetDrafterInfoRequest(),
+                                  timeout=_GET_INFO_TIMEOUT_S)
+        refusal = self.pool.check_info(info)
+        if refusal is not None:
+            raise refusal
+        self.max_num_speculative_tokens = info.max_num_speculative_tokens
+        self._outbox = asyncio.Queue()
+        self._call = stub.Propose(_drain(self._outbox))
+        self.healthy = True
+        logger.info("drafter %s connected: method=%s max k=%d", self.address, info.method,
+                    info.max_num_speculative_tokens)
+        yield
+        async for response in self._call:
+            self._on_response(response)
+            yield
+
+    def _on_response(self, response: specdec_pb2.ProposeResponse) -> None:
+        self._num_unanswered = max(0, self._num_unanswered - 1)
+        future = self._pending.pop(response.step_id, None)
+        if future is not None and not future.done():
+            future.set_result(response)
+            return
+        for sequence_draft in response.drafts:  # late: only its resync requests still count
+            if sequence_draft.needs_resync:
+                self.pool.mark_needs_resync(self, sequence_draft.seq_id)
+
+    def _mark_down(self) -> None:
+        self.healthy = False
+        self._call = None
+        self._num_unanswered = 0
+        self._outbox.put_nowait(None)  # ends the request stream of a half-dead call
+        for future in self._pending.values():
+            if not future.done():
+                future.set_result(None)
+        self._pending.clear()
+        self.pool.drop_replica_sequences(self)
+
+
+async def _drain(outbox: asyncio.Queue[specdec_pb2.ProposeRequest | None]):
+    """The request side of a Propose stream: messages as propose() queues them."""
+    while (message := await outbox.get()) is not None:
+        yield message
+
+
+def _decode_probs(message: specdec_pb2.Tensor, num_tokens: int, vocab_size: int,
+                  ) -> torch.Tensor | None:
+    """[num_tokens, vocab] float32 probabilities, or None when the message is malformed."""
+    dtype = _PROBS_DTYPES.get(message.dtype)
+    shape = list(message.shape)
+    if dtype is None or len(shape) != 2 or shape[0] != num_tokens:
+        return None
+    if (vocab_size and shape[1] != vocab_size) or shape[1] == 0:
+        return None
+    if len(message.data) != shape[0] * shape[1] * dtype.itemsize:
+        return None
+    return torch.frombuffer(bytearray(message.data), dtype=dtype).view(shape).float()
+
+
+def _split_host_port(target: str) -> tuple[str, int]:
+    host, sep, port = target.rpartition(":")
+    if not sep or not host or not port.isdigit():
+        raise ConfigError(f"drafter target {target!r} is not host:port", param="drafters")
+    return host.strip("[]"), int(port)
+
+
+def _format_address(ip: str, port: int) -> str:
+    return f"[{ip}]:{port}" if ":" in ip else f"{ip}:{port}"
+
+
+def _describe(exc: Exception) -> str:
+    if isinstance(exc, grpc.aio.AioRpcError):
+        return f"{exc.code().name}: {exc.details()}"
+    return str(exc) or type(exc).__name__
