@@ -1,0 +1,67 @@
+"""`python -m gateway`: the OpenAI-compatible HTTP gateway in front of the verifiers."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+
+import uvicorn
+
+from gateway.app import GatewayConfig, create_app
+from specdec.errors import SpecdecError
+
+logger = logging.getLogger("gateway")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="python -m gateway",
+        description="OpenAI-compatible HTTP gateway of specdec: chat template, validation, "
+                    "SSE and stop strings in front of one or more verifiers.")
+    parser.add_argument("--model", required=True,
+                        help="model whose tokenizer and chat template to load (a path or a "
+                             "shipped model name, as given to the verifier)")
+    parser.add_argument("--served-model-name", default=None,
+                        help="model name in the API (default: --model as given)")
+    parser.add_argument("--verifier", action="append", required=True, metavar="HOST:PORT",
+                        help="verifier gRPC address; repeat for several (round-robin)")
+    parser.add_argument("--host", default="127.0.0.1")
+    parser.add_argument("--port", type=int, default=18080)
+    parser.add_argument("--api-key", default=os.environ.get("SPECDEC_API_KEY") or None,
+                        help="require 'Authorization: Bearer KEY' on /v1/* "
+                             "(default: $SPECDEC_API_KEY)")
+    parser.add_argument("--max-model-len", type=int, default=None,
+                        help="context length limit (default: the verifier's)")
+    parser.add_argument("--trust-remote-code", action="store_true",
+                        help="accepted for vLLM compatibility")
+    parser.add_argument("--log-level", default="info", type=str.lower,
+                        choices=["critical", "error", "warning", "info", "debug"])
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=args.log_level.upper(),
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    # Imported here: the model-files module is only needed by the real server.
+    from specdec.models.model_files import load_tokenizer, resolve_model
+
+    try:
+        config = GatewayConfig(model=args.model, served_model_name=args.served_model_name,
+                               verifier_addresses=tuple(args.verifier),
+                               max_model_len=args.max_model_len, api_key=args.api_key,
+                               host=args.host, port=args.port)
+        tokenizer = load_tokenizer(resolve_model(args.model))
+    except (SpecdecError, OSError) as exc:
+        print(f"error: {getattr(exc, 'message', exc)}", file=sys.stderr)
+        return 2
+    app = create_app(config, tokenizer)
+    uvicorn.Server(uvicorn.Config(app, host=config.host, port=config.port,
+                                  log_level=args.log_level, timeout_graceful_shutdown=5)).run()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,334 @@
+"""The gateway's Starlette app: routes, lifespan, API key check, SSE.
+
+All state lives on `app.state`, set up in the lifespan: config, tokenizer, verifier
+client, metrics. `create_app` takes the tokenizer (and optionally a verifier client) so
+tests inject small ones.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import functools
+import hmac
+import json
+import logging
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass
+from typing import Any
+
+from starlette.applications import Starlette
+from starlette.concurrency import run_in_threadpool
+from starlette.datastructures import Headers
+from starlette.exceptions import HTTPException
+from starlette.middleware import Middleware
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.routing import Route
+from starlette.types import ASGIApp, Receive, Scope, Send
+
+from gateway import responses
+from gateway.chat import render_chat_prompt, tokenize_prompt
+from gateway.detokenizer import IncrementalDetokenizer, StopStringMatcher
+from gateway.errors import (
+    RequestTooLargeError,
+    error_payload,
+    error_response,
+    plain_error_response,
+)
+from gateway.generation import GenerationResult, build_generate_request, stream_text
+from gateway.metrics import GatewayMetrics, RequestCountMiddleware
+from gateway.protocol import (
+    SamplingOptions,
+    parse_chat_request,
+    parse_completion_request,
+    parse_json_body,
+)
+from gateway.verifier_client import VerifierClient
+from specdec.errors import ConfigError, ModelNotFoundError
+
+logger = logging.getLogger(__name__)
+
+Handler = Callable[[Request], Awaitable[Response]]
+
+
+@dataclass(frozen=True)
+class GatewayConfig:
+    """Validated start-up configuration of one gateway."""
+
+    model: str
+    verifier_addresses: tuple[str, ...] = ()
+    # Defaults to `model` as given (vLLM).
+    served_model_name: str | None = None
+    # Defaults to the verifier's (GetInfo).
+    max_model_len: int | None = None
+    api_key: str | None = None
+    host: str = "127.0.0.1"
+    port: int = 18080
+    max_request_bytes: int = 32 * 1024 * 1024
+
+    def __post_init__(self) -> None:
+        if not self.model:
+            raise ConfigError("--model must not be empty", param="model")
+        object.__setattr__(self, "verifier_addresses", tuple(self.verifier_addresses))
+        for address in self.verifier_addresses:
+            host, _, port = address.rpartition(":")
+            if not host or not port.isdigit() or not 0 < int(port) < 65536:
+                raise ConfigError(f"--verifier must be host:port, got {address!r}",
+                                  param="verifier")
+        if self.max_model_len is not None and self.max_model_len < 1:
+            raise ConfigError(f"--max-model-len must be >= 1, got {self.max_model_len}",
+                              param="max_model_len")
+        if self.api_key is not None and not self.api_key:
+            raise ConfigError("--api-key must not be empty", param="api_key")
+        if not 0 <= self.port < 65536:
+            raise ConfigError(f"--port must be in [0, 65535], got {self.port}", param="port")
+
+    @property
+    def model_name(self) -> str:
+        return self.served_model_name or self.model
+
+
+class ApiKeyMiddleware:
+    """Bearer-token check on /v1/*; /health and /metrics stay open."""
+
+    def __init__(self, app: ASGIApp, api_key: str | None) -> None:
+        self.app = app
+        self._api_key = api_key.encode() if api_key else None
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if (self._api_key is not None and scope["type"] == "http"
+                and scope["path"].startswith("/v1/")):
+            scheme, _, token = Headers(scope=scope).get("authorization", "").partition(" ")
+            if scheme.lower() != "bearer" or not hmac.compare_digest(
+                    token.strip().encode(), self._api_key):
+                response = plain_error_response(
+                    401, "Invalid or missing API key; send 'Authorization: Bearer <key>'.",
+                    code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
+                await response(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
+
+
+def _openai_errors(handler: Handler) -> Handler:
+    """Every failure of an endpoint leaves as OpenAI error JSON, never as a traceback."""
+
+    @functools.wraps(handler)
+    async def wrapped(request: Request) -> Response:
+        try:
+            return await handler(request)
+        except Exception as exc:
+            return error_response(exc)
+
+    return wrapped
+
+
+async def _read_json(request: Request) -> dict[str, Any]:
+    limit = request.app.state.config.max_request_bytes
+    body = bytearray()
+    async for chunk in request.stream():
+        body += chunk
+        if len(body) > limit:
+            raise RequestTooLargeError(f"The request body is larger than {limit} bytes.")
+    return parse_json_body(bytes(body))
+
+
+def _check_model(request: Request, model: str | None) -> None:
+    served = request.app.state.config.model_name
+    if model is not None and model != served:
+        raise ModelNotFoundError(f"The model `{model}` does not exist.", "model")
+
+
+async def _wait_for_disconnect(request: Request) -> None:
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
+async def _collect_text(request: Request, texts: AsyncIterator[str]) -> str | None:
+    """All text of a non-streaming request; None (and the call cancelled) if the client left."""
+
+    async def collect() -> str:
+        return "".join([text async for text in texts])
+
+    collect_task = asyncio.ensure_future(collect())
+    watch_task = asyncio.ensure_future(_wait_for_disconnect(request))
+    try:
+        await asyncio.wait({collect_task, watch_task}, return_when=asyncio.FIRST_COMPLETED)
+    except BaseException:
+        collect_task.cancel()
+        raise
+    finally:
+        watch_task.cancel()
+    if collect_task.done():
+        return collect_task.result()
+    collect_task.cancel()  # the client left: stream_text's cleanup cancels the verifier call
+    with contextlib.suppress(asyncio.CancelledError):
+        await collect_task
+    return None
+
+
+async def _sse(request: Request, chunks: AsyncIterator[dict], texts: AsyncIterator[str],
+               on_finish: Callable[[], None]) -> AsyncIterator[str]:
+    """`data: {chunk}` events then `data: [DONE]`; checks for a disconnect after each."""
+    try:
+        async for chunk in chunks:
+            yield f"data: {json.dumps(chunk, ensure_ascii=False)}\n\n"
+            if await request.is_disconnected():
+                return
+        yield "data: [DONE]\n\n"
+    except Exception as exc:  # headers are sent: the error travels as an event
+        _, body = error_payload(exc)
+        yield f"data: {json.dumps(body)}\n\n"
+        yield "data: [DONE]\n\n"
+    finally:
+        await chunks.aclose()
+        await texts.aclose()  # cancels the verifier call if it still runs
+        on_finish()
+
+
+async def _chat_chunks(response_id: str, created: int, model: str, texts: AsyncIterator[str],
+                       result: GenerationResult, include_usage: bool) -> AsyncIterator[dict]:
+    yield responses.chat_chunk(response_id, created, model,
+                               {"role": "assistant", "content": ""}, None, include_usage)
+    async for text in texts:
+        yield responses.chat_chunk(response_id, created, model, {"content": text}, None,
+                                   include_usage)
+    yield responses.chat_chunk(response_id, created, model, {}, result.finish_reason,
+                               include_usage)
+    if include_usage:
+        yield responses.usage_chunk(response_id, created, model, "chat.completion.chunk",
+                                    result)
+
+
+async def _completion_chunks(response_id: str, created: int, model: str,
+                             texts: AsyncIterator[str], result: GenerationResult,
+                             include_usage: bool) -> AsyncIterator[dict]:
+    async for text in texts:
+        yield responses.completion_chunk(response_id, created, model, text, None,
+                                         include_usage)
+    yield responses.completion_chunk(response_id, created, model, "", result.finish_reason,
+                                     include_usage)
+    if include_usage:
+        yield responses.usage_chunk(response_id, created, model, "text_completion", result)
+
+
+async def _generate(request: Request, prompt_token_ids: list[int], sampling: SamplingOptions,
+                    *, chat: bool, stream: bool, include_usage: bool, started_at: float,
+                    prompt_param: str) -> Response:
+    state = request.app.state
+    info = await state.verifier.get_info()
+    max_model_len = state.config.max_model_len or info.max_model_len
+    generate_request = build_generate_request(prompt_token_ids, sampling, info, max_model_len,
+                                              prompt_param)
+    result = GenerationResult(num_prompt_tokens=len(prompt_token_ids), started_at=started_at)
+    # Waits for the first response, so an unreachable verifier is still a plain 503.
+    verifier_stream = await state.verifier.generate(generate_request)
+    texts = stream_text(verifier_stream,
+                        IncrementalDetokenizer(state.tokenizer, prompt_token_ids),
+                        StopStringMatcher(sampling.stop), result)
+    response_id = responses.new_id("chatcmpl" if chat else "cmpl")
+    created = responses.now()
+    model = state.config.model_name
+    if not stream:
+        text = await _collect_text(request, texts)
+        state.metrics.observe_generation(result)
+        if text is None:
+            return Response(status_code=499)
+        build = responses.chat_completion if chat else responses.text_completion
+        return JSONResponse(build(response_id, created, model, text, result))
+    make_chunks = _chat_chunks if chat else _completion_chunks
+    chunks = make_chunks(response_id, created, model, texts, result, include_usage)
+    return StreamingResponse(
+        _sse(request, chunks, texts, lambda: state.metrics.observe_generation(result)),
+        media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+
+
+@_openai_errors
+async def chat_completions(request: Request) -> Response:
+    started_at = time.monotonic()
+    chat = parse_chat_request(await _read_json(request))
+    _check_model(request, chat.model)
+    prompt_token_ids = await run_in_threadpool(render_chat_prompt, request.app.state.tokenizer,
+                                               chat.messages)
+    return await _generate(request, prompt_token_ids, chat.sampling, chat=True,
+                           stream=chat.stream, include_usage=chat.include_usage,
+                           started_at=started_at, prompt_param="messages")
+
+
+@_openai_errors
+async def completions(request: Request) -> Response:
+    started_at = time.monotonic()
+    completion = parse_completion_request(await _read_json(request))
+    _check_model(request, completion.model)
+    prompt_token_ids = await run_in_threadpool(tokenize_prompt, request.app.state.tokenizer,
+                                               completion.prompt)
+    return await _generate(request, prompt_token_ids, completion.sampling, chat=False,
+                           stream=completion.stream, include_usage=completion.include_usage,
+                           started_at=started_at, prompt_param="prompt")
+
+
+@_openai_errors
+async def list_models(request: Request) -> Response:
+    state = request.app.state
+    info = state.verifier.cached_info
+    max_model_len = state.config.max_model_len or (info.max_model_len if info else None)
+    return JSONResponse(responses.model_list(state.config.model_name, state.config.model,
+                                             state.created, max_model_len))
+
+
+async def health(request: Request) -> Response:
+    if await request.app.state.verifier.probe_all():
+        return JSONResponse({"status": "ok"})
+    return JSONResponse({"status": "unavailable"}, status_code=503)
+
+
+async def metrics(request: Request) -> Response:
+    return await request.app.state.metrics.endpoint(request)
+
+
+async def _http_exception(request: Request, exc: Exception) -> Response:
+    assert isinstance(exc, HTTPException)
+    return plain_error_response(exc.status_code, str(exc.detail), headers=exc.headers)
+
+
+async def _unhandled_exception(request: Request, exc: Exception) -> Response:
+    return error_response(exc)
+
+
+def create_app(config: GatewayConfig, tokenizer: Any,
+               verifier_client: VerifierClient | None = None) -> Starlette:
+    """The gateway app. It owns `verifier_client` (started and closed in the lifespan)."""
+    if verifier_client is None and not config.verifier_addresses:
+        raise ConfigError("at least one --verifier host:port is needed", param="verifier")
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: Starlette) -> AsyncIterator[None]:
+        client = verifier_client or VerifierClient(config.verifier_addresses)
+        await client.start()
+        app.state.config = config
+        app.state.tokenizer = tokenizer
+        app.state.verifier = client
+        app.state.metrics = GatewayMetrics(config.model_name)
+        app.state.created = responses.now()
+        logger.info("gateway serving model %r (tokenizer %s) via verifiers %s",
+                    config.model_name, config.model, ", ".join(client.addresses))
+        try:
+            yield
+        finally:
+            await client.close()
+
+    routes = [
+        Route("/v1/chat/completions", chat_completions, methods=["POST"]),
+        Route("/v1/completions", completions, methods=["POST"]),
+        Route("/v1/models", list_models, methods=["GET"]),
+        Route("/health", health, methods=["GET"]),
+        Route("/metrics", metrics, methods=["GET"]),
+    ]
+    middleware = [
+        Middleware(RequestCountMiddleware),
+        Middleware(ApiKeyMiddleware, api_key=config.api_key),
+    ]
+    return Starlette(routes=routes, middleware=middleware, lifespan=lifespan,
+                     exception_handlers={HTTPException: _http_exception,
+                                         Exception: _unhandled_exception})

@@ -1,0 +1,121 @@
+"""The one place that turns errors into OpenAI error JSON and HTTP status codes.
+
+Domain code raises `specdec.errors` types; gRPC failures from the verifier are first turned
+into those types by `error_from_grpc`, then every error leaves through `error_response`.
+Never send a traceback to a client: unexpected exceptions become a generic 500.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import grpc
+from starlette.responses import JSONResponse
+
+from specdec.errors import (
+    InvalidRequestError,
+    ModelNotFoundError,
+    OverloadedError,
+    SpecdecError,
+    UnavailableError,
+)
+
+logger = logging.getLogger(__name__)
+
+# HTTP status -> OpenAI error "type".
+_ERROR_TYPES = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    404: "invalid_request_error",
+    405: "invalid_request_error",
+    413: "invalid_request_error",
+    429: "rate_limit_error",
+    500: "server_error",
+    503: "service_unavailable_error",
+}
+
+_GRPC_TO_ERROR: dict[grpc.StatusCode, type[SpecdecError]] = {
+    grpc.StatusCode.UNAVAILABLE: UnavailableError,
+    grpc.StatusCode.DEADLINE_EXCEEDED: UnavailableError,
+    grpc.StatusCode.CANCELLED: UnavailableError,
+    grpc.StatusCode.RESOURCE_EXHAUSTED: OverloadedError,
+    grpc.StatusCode.INVALID_ARGUMENT: InvalidRequestError,
+    grpc.StatusCode.OUT_OF_RANGE: InvalidRequestError,
+    grpc.StatusCode.FAILED_PRECONDITION: InvalidRequestError,
+    grpc.StatusCode.NOT_FOUND: ModelNotFoundError,
+}
+
+GENERIC_SERVER_MESSAGE = "The server had an error while processing your request."
+
+
+def error_body(status: int, message: str, param: str | None = None,
+               code: str | None = None) -> dict:
+    """The OpenAI error object: {"error": {"message", "type", "param", "code"}}."""
+    return {
+        "error": {
+            "message": message,
+            "type": _ERROR_TYPES.get(status, "invalid_request_error" if status < 500
+                                     else "server_error"),
+            "param": param,
+            "code": code,
+        }
+    }
+
+
+def status_for(exc: SpecdecError) -> tuple[int, str | None]:
+    """HTTP status and OpenAI error code for a domain error."""
+    if isinstance(exc, RequestTooLargeError):
+        return 413, "request_too_large"
+    if isinstance(exc, InvalidRequestError):
+        return 400, None
+    if isinstance(exc, ModelNotFoundError):
+        return 404, "model_not_found"
+    if isinstance(exc, OverloadedError):
+        return 429, "overloaded"
+    if isinstance(exc, UnavailableError):
+        return 503, "service_unavailable"
+    return 500, "internal_error"
+
+
+def error_payload(exc: BaseException) -> tuple[int, dict]:
+    """Status and body for any exception; unexpected ones are logged, never described."""
+    if isinstance(exc, SpecdecError):
+        status, code = status_for(exc)
+        if status == 500:
+            logger.error("request failed: %s", exc.message)
+            return status, error_body(status, GENERIC_SERVER_MESSAGE, None, code)
+        return status, error_body(status, exc.message, exc.param, code)
+    logger.error("unexpected error while serving a request", exc_info=exc)
+    return 500, error_body(500, GENERIC_SERVER_MESSAGE, None, "internal_error")
+
+
+def error_response(exc: BaseException) -> JSONResponse:
+    status, body = error_payload(exc)
+    headers = {"Retry-After": "1"} if status in (429, 503) else None
+    return JSONResponse(body, status_code=status, headers=headers)
+
+
+def plain_error_response(status: int, message: str, param: str | None = None,
+                         code: str | None = None,
+                         headers: dict[str, str] | None = None) -> JSONResponse:
+    return JSONResponse(error_body(status, message, param, code), status_code=status,
+                        headers=headers)
+
+
+def error_from_grpc(err: grpc.aio.AioRpcError) -> SpecdecError:
+    """Maps a verifier's gRPC status to the domain error the gateway answers with."""
+    code = err.code()
+    error_type = _GRPC_TO_ERROR.get(code, SpecdecError)
+    details = err.details() or code.name
+    if error_type is UnavailableError:
+        return UnavailableError(f"the verifier is unavailable: {details}")
+    if error_type is OverloadedError:
+        return OverloadedError(f"the verifier is overloaded, retry later: {details}")
+    if error_type is SpecdecError:
+        # Kept for the log line only; clients get the generic message.
+        return SpecdecError(f"verifier error {code.name}: {details}")
+    return error_type(details)
+
+
+class RequestTooLargeError(InvalidRequestError):
+    """The request body exceeds the gateway's limit (HTTP 413)."""

@@ -1,0 +1,149 @@
+"""One request's generation: sampling options -> GenerateRequest, responses -> text deltas.
+
+`stream_text` is the single loop shared by chat and completions, streaming or not: it
+detokenizes incrementally, applies stop strings and cancels the verifier call the moment
+a stop string is found (or the consumer goes away), so the verifier frees the sequence.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+
+from gateway.detokenizer import IncrementalDetokenizer, StopStringMatcher
+from gateway.protocol import SamplingOptions
+from gateway.verifier_client import GenerationStream
+from specdec.errors import InvalidRequestError, UnavailableError
+from specdec.v1 import specdec_pb2
+
+_FINISH_REASONS = {
+    specdec_pb2.FINISH_REASON_STOP: "stop",
+    specdec_pb2.FINISH_REASON_LENGTH: "length",
+}
+
+
+@dataclass(slots=True)
+class GenerationResult:
+    """Filled in by `stream_text` as the generation runs."""
+
+    num_prompt_tokens: int
+    started_at: float = field(default_factory=time.monotonic)
+    num_completion_tokens: int = 0
+    finish_reason: str | None = None
+    first_token_at: float | None = None
+    finished_at: float | None = None
+    # The verifier's counters are per request and cumulative: the latest one is the total.
+    speculation: specdec_pb2.SpeculationStats | None = None
+
+
+def build_generate_request(prompt_token_ids: list[int], sampling: SamplingOptions,
+                           info: specdec_pb2.VerifierInfo, max_model_len: int,
+                           prompt_param: str) -> specdec_pb2.GenerateRequest:
+    """Checks lengths against max_model_len and fills in vLLM's default max_tokens."""
+    num_prompt_tokens = len(prompt_token_ids)
+    if num_prompt_tokens >= max_model_len:
+        raise InvalidRequestError(
+            f"This model's maximum context length is {max_model_len} tokens. However, your "
+            f"{prompt_param} has {num_prompt_tokens} tokens, which leaves no room for the "
+            "completion.", prompt_param)
+    max_tokens = sampling.max_tokens
+    if max_tokens is None:
+        max_tokens = max_model_len - num_prompt_tokens
+    elif num_prompt_tokens + max_tokens > max_model_len:
+        raise InvalidRequestError(
+            f"This model's maximum context length is {max_model_len} tokens. However, you "
+            f"requested {num_prompt_tokens + max_tokens} tokens ({num_prompt_tokens} in the "
+            f"{prompt_param}, {max_tokens} in the completion). Please reduce the length of "
+            f"the {prompt_param} or max_tokens.", "max_tokens")
+    speculation = specdec_pb2.SpeculationOverride()
+    if sampling.speculation is not None:
+        speculation.enabled = sampling.speculation.enabled
+        num_tokens = sampling.speculation.num_speculative_tokens
+        if num_tokens is not None:
+            if num_tokens > info.num_speculative_tokens:
+                raise InvalidRequestError(
+                    f"speculation must be at most the server's num_speculative_tokens "
+                    f"({info.num_speculative_tokens}), got {num_tokens}.", "speculation")
+            speculation.num_speculative_tokens = num_tokens
+    params = specdec_pb2.SamplingParams(
+        temperature=sampling.temperature,
+        top_p=sampling.top_p,
+        top_k=sampling.top_k,
+        repetition_penalty=sampling.repetition_penalty,
+        max_tokens=max_tokens,
+        stop_token_ids=sampling.stop_token_ids,
+        ignore_eos=sampling.ignore_eos,
+    )
+    if sampling.seed is not None:
+        params.seed = sampling.seed
+    return specdec_pb2.GenerateRequest(
+        request_id=uuid.uuid4().hex, prompt_token_ids=prompt_token_ids, sampling=params,
+        speculation=speculation)
+
+
+async def stream_text(stream: GenerationStream, detokenizer: IncrementalDetokenizer,
+                      stop_matcher: StopStringMatcher,
+                      result: GenerationResult) -> AsyncIterator[str]:
+    """Yields text deltas (never empty); sets result.finish_reason before returning.
+
+    Closing the generator early (client gone) cancels the verifier call.
+    """
+    try:
+        async for response in stream:
+            if response.token_ids:
+                if result.first_token_at is None:
+                    result.first_token_at = time.monotonic()
+                result.num_completion_tokens += len(response.token_ids)
+            if response.HasField("speculation"):
+                result.speculation = response.speculation
+            finished = response.finish_reason != specdec_pb2.FINISH_REASON_UNSPECIFIED
+            text = detokenizer.push(response.token_ids)
+            if finished:
+                text += detokenizer.flush()
+            released, stopped = stop_matcher.push(text)
+            if stopped:
+                stream.cancel()
+                result.finish_reason = "stop"
+            elif finished:
+                released += stop_matcher.flush()
+                reason = _FINISH_REASONS.get(response.finish_reason)
+                if reason is None:
+                    raise UnavailableError("The verifier aborted the request.")
+                result.finish_reason = reason
+            if released:
+                yield released
+            if result.finish_reason is not None:
+                return
+        raise UnavailableError("The verifier ended the stream without a finish reason.")
+    finally:
+        result.finished_at = time.monotonic()
+        stream.cancel()
+
+
+def speculation_usage(stats: specdec_pb2.SpeculationStats | None) -> dict:
+    """usage.speculation: the verifier's counters plus vLLM's derived figures."""
+    if stats is None:
+        stats = specdec_pb2.SpeculationStats()
+    num_drafts = stats.num_drafts
+    num_draft_tokens = stats.num_draft_tokens
+    num_accepted = stats.num_accepted_tokens
+    return {
+        "num_drafts": num_drafts,
+        "num_draft_tokens": num_draft_tokens,
+        "num_accepted_tokens": num_accepted,
+        "accepted_per_position": list(stats.accepted_per_position),
+        "acceptance_rate": num_accepted / num_draft_tokens if num_draft_tokens else 0.0,
+        # Tokens per verify step: the accepted drafts plus the recovered or bonus token.
+        "mean_acceptance_length": 1.0 + num_accepted / num_drafts if num_drafts else 1.0,
+    }
+
+
+def usage(result: GenerationResult) -> dict:
+    return {
+        "prompt_tokens": result.num_prompt_tokens,
+        "completion_tokens": result.num_completion_tokens,
+        "total_tokens": result.num_prompt_tokens + result.num_completion_tokens,
+        "speculation": speculation_usage(result.speculation),
+    }

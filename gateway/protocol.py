@@ -1,0 +1,319 @@
+"""OpenAI request bodies -> validated domain objects.
+
+Every field has explicit bounds; every rejection is an `InvalidRequestError` naming the
+field. Unknown fields are ignored (clients send many); `null` means "use the default".
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass
+from typing import Any
+
+from specdec.errors import InvalidRequestError
+
+MAX_TEMPERATURE = 100.0
+MAX_STOP_STRINGS = 64
+MAX_STOP_STRING_CHARS = 1024
+MAX_STOP_TOKEN_IDS = 1024
+CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")
+_SEED_RANGE = (-(2**63), 2**64 - 1)
+
+
+@dataclass(frozen=True, slots=True)
+class SpeculationChoice:
+    """The `speculation` extension: false turns it off, an integer k caps the draft length."""
+
+    enabled: bool
+    num_speculative_tokens: int | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class SamplingOptions:
+    temperature: float
+    top_p: float
+    top_k: int
+    repetition_penalty: float
+    # None: generate up to max_model_len (vLLM's default).
+    max_tokens: int | None
+    stop: tuple[str, ...]
+    stop_token_ids: tuple[int, ...]
+    ignore_eos: bool
+    seed: int | None
+    speculation: SpeculationChoice | None
+
+
+@dataclass(frozen=True, slots=True)
+class ChatRequest:
+    model: str | None
+    # Each {"role": ..., "content": str} (plus "name" when given), ready for the template.
+    messages: list[dict[str, str]]
+    sampling: SamplingOptions
+    stream: bool
+    include_usage: bool
+
+
+@dataclass(frozen=True, slots=True)
+class CompletionRequest:
+    model: str | None
+    # Text to tokenize, or token ids as given.
+    prompt: str | list[int]
+    sampling: SamplingOptions
+    stream: bool
+    include_usage: bool
+
+
+def _reject_constant(name: str) -> None:
+    raise ValueError(f"{name} is not valid JSON")
+
+
+def parse_json_body(raw: bytes) -> dict[str, Any]:
+    """Decodes a request body: strict UTF-8, strict JSON (no NaN), an object at the top."""
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError:
+        raise InvalidRequestError("The request body is not valid UTF-8.") from None
+    try:
+        body = json.loads(text, parse_constant=_reject_constant)
+    except (ValueError, RecursionError) as exc:
+        reason = exc.msg if isinstance(exc, json.JSONDecodeError) else str(exc) or "too deep"
+        raise InvalidRequestError(f"The request body is not valid JSON: {reason}.") from None
+    if not isinstance(body, dict):
+        raise InvalidRequestError("The request body must be a JSON object.")
+    return body
+
+
+def _type_name(value: Any) -> str:
+    return {bool: "boolean", int: "integer", float: "number", str: "string", list: "array",
+            dict: "object"}.get(type(value), type(value).__name__)
+
+
+def _number(body: dict[str, Any], name: str, default: float, *, minimum: float,
+            maximum: float, min_exclusive: bool = False) -> float:
+    value = body.get(name)
+    if value is None:
+        return default
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise InvalidRequestError(f"{name} must be a number, got {_type_name(value)}.", name)
+    try:
+        number = float(value)
+    except OverflowError:
+        number = math.inf
+    too_low = number <= minimum if min_exclusive else number < minimum
+    if too_low or number > maximum or not math.isfinite(number):
+        low = "(" if min_exclusive else "["
+        raise InvalidRequestError(
+            f"{name} must be in {low}{minimum:g}, {maximum:g}], got {value}.", name)
+    return number
+
+
+def _integer(body: dict[str, Any], name: str, *, minimum: int,
+             maximum: int | None = None) -> int | None:
+    value = body.get(name)
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise InvalidRequestError(f"{name} must be an integer, got {_type_name(value)}.", name)
+    if value < minimum or (maximum is not None and value > maximum):
+        bound = f"in [{minimum}, {maximum}]" if maximum is not None else f">= {minimum}"
+        raise InvalidRequestError(f"{name} must be {bound}, got {value}.", name)
+    return value
+
+
+def _boolean(body: dict[str, Any], name: str, default: bool) -> bool:
+    value = body.get(name)
+    if value is None:
+        return default
+    if not isinstance(value, bool):
+        raise InvalidRequestError(f"{name} must be a boolean, got {_type_name(value)}.", name)
+    return value
+
+
+def _top_k(body: dict[str, Any]) -> int:
+    value = _integer(body, "top_k", minimum=-1, maximum=2**31 - 1)
+    return -1 if value is None or value == 0 else value
+
+
+def _stop(body: dict[str, Any]) -> tuple[str, ...]:
+    value = body.get("stop")
+    if value is None:
+        return ()
+    stops = [value] if isinstance(value, str) else value
+    if not isinstance(stops, list) or not all(isinstance(s, str) for s in stops):
+        raise InvalidRequestError("stop must be a string or an array of strings.", "stop")
+    if len(stops) > MAX_STOP_STRINGS:
+        raise InvalidRequestError(f"stop takes at most {MAX_STOP_STRINGS} strings.", "stop")
+    if any(not s or len(s) > MAX_STOP_STRING_CHARS for s in stops):
+        raise InvalidRequestError(
+            f"each stop string must have 1 to {MAX_STOP_STRING_CHARS} characters.", "stop")
+    return tuple(dict.fromkeys(stops))
+
+
+def _token_ids(value: Any, name: str, max_len: int) -> list[int]:
+    if not isinstance(value, list) or len(value) > max_len or not all(
+            isinstance(t, int) and not isinstance(t, bool) and 0 <= t < 2**32 for t in value):
+        raise InvalidRequestError(
+            f"{name} must be an array of at most {max_len} non-negative token ids.", name)
+    return value
+
+
+def _speculation(body: dict[str, Any]) -> SpeculationChoice | None:
+    value = body.get("speculation")
+    if value is None:
+        return None
+    if isinstance(value, bool):
+        return SpeculationChoice(enabled=value)
+    if isinstance(value, int) and 0 <= value < 2**31:
+        return SpeculationChoice(enabled=value > 0, num_speculative_tokens=value)
+    raise InvalidRequestError(
+        "speculation must be false, true, or an integer number of speculative tokens >= 0.",
+        "speculation")
+
+
+def _stream_options(body: dict[str, Any], stream: bool) -> bool:
+    """Returns include_usage."""
+    options = body.get("stream_options")
+    if options is None:
+        return False
+    if not isinstance(options, dict):
+        raise InvalidRequestError("stream_options must be an object.", "stream_options")
+    if not stream:
+        raise InvalidRequestError("stream_options is only allowed when stream is true.",
+                                  "stream_options")
+    return _boolean(options, "include_usage", False)
+
+
+def _reject_unsupported(body: dict[str, Any]) -> None:
+    n = _integer(body, "n", minimum=1, maximum=2**31 - 1)
+    if n is not None and n != 1:
+        raise InvalidRequestError("Only n=1 is supported.", "n")
+    best_of = _integer(body, "best_of", minimum=1, maximum=2**31 - 1)
+    if best_of is not None and best_of != 1:
+        raise InvalidRequestError("Only best_of=1 is supported.", "best_of")
+    for name in ("presence_penalty", "frequency_penalty"):
+        if _number(body, name, 0.0, minimum=-2.0, maximum=2.0) != 0.0:
+            raise InvalidRequestError(f"{name} is not supported; use repetition_penalty.", name)
+    logprobs = body.get("logprobs")
+    if logprobs is not None and logprobs is not False:
+        raise InvalidRequestError("logprobs are not supported.", "logprobs")
+
+
+def _model(body: dict[str, Any]) -> str | None:
+    model = body.get("model")
+    if model is not None and not isinstance(model, str):
+        raise InvalidRequestError(f"model must be a string, got {_type_name(model)}.", "model")
+    return model
+
+
+def parse_sampling(body: dict[str, Any]) -> SamplingOptions:
+    _reject_unsupported(body)
+    # max_completion_tokens is the newer name; it wins when both are given.
+    max_tokens = _integer(body, "max_completion_tokens", minimum=1, maximum=2**31 - 1)
+    if max_tokens is None:
+        max_tokens = _integer(body, "max_tokens", minimum=1, maximum=2**31 - 1)
+    seed = _integer(body, "seed", minimum=_SEED_RANGE[0], maximum=_SEED_RANGE[1])
+    stop_token_ids = body.get("stop_token_ids")
+    return SamplingOptions(
+        temperature=_number(body, "temperature", 1.0, minimum=0.0, maximum=MAX_TEMPERATURE),
+        top_p=_number(body, "top_p", 1.0, minimum=0.0, maximum=1.0, min_exclusive=True),
+        top_k=_top_k(body),
+        repetition_penalty=_number(body, "repetition_penalty", 1.0, minimum=0.0,
+                                   maximum=MAX_TEMPERATURE, min_exclusive=True),
+        max_tokens=max_tokens,
+        stop=_stop(body),
+        stop_token_ids=tuple(_token_ids(stop_token_ids, "stop_token_ids", MAX_STOP_TOKEN_IDS))
+        if stop_token_ids is not None else (),
+        ignore_eos=_boolean(body, "ignore_eos", False),
+        # The wire carries uint64: a negative seed keeps its two's-complement bits.
+        seed=None if seed is None else seed & (2**64 - 1),
+        speculation=_speculation(body),
+    )
+
+
+def _message_content(message: dict[str, Any], index: int) -> str:
+    content = message.get("content")
+    if content is None:
+        if message["role"] == "assistant":
+            return ""
+        raise InvalidRequestError(f"messages[{index}].content is required.", "messages")
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list):
+        texts = []
+        for part in content:
+            if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(
+                    part.get("text"), str):
+                raise InvalidRequestError(
+                    f"messages[{index}].content parts must be {{\"type\": \"text\", "
+                    "\"text\": string}; only text content is supported.", "messages")
+            texts.append(part["text"])
+        return "".join(texts)
+    raise InvalidRequestError(
+        f"messages[{index}].content must be a string or an array of text parts.", "messages")
+
+
+def parse_messages(value: Any) -> list[dict[str, str]]:
+    if value is None:
+        raise InvalidRequestError("messages is required.", "messages")
+    if not isinstance(value, list) or not value:
+        raise InvalidRequestError("messages must be a non-empty array.", "messages")
+    messages = []
+    for index, message in enumerate(value):
+        if not isinstance(message, dict):
+            raise InvalidRequestError(f"messages[{index}] must be an object.", "messages")
+        role = message.get("role")
+        if role not in CHAT_ROLES:
+            raise InvalidRequestError(
+                f"messages[{index}].role must be one of {', '.join(CHAT_ROLES)}, got "
+                f"{role!r}.", "messages")
+        parsed = {"role": "system" if role == "developer" else role,
+                  "content": _message_content(message, index)}
+        name = message.get("name")
+        if name is not None:
+            if not isinstance(name, str):
+                raise InvalidRequestError(f"messages[{index}].name must be a string.",
+                                          "messages")
+            parsed["name"] = name
+        messages.append(parsed)
+    return messages
+
+
+def parse_chat_request(body: dict[str, Any]) -> ChatRequest:
+    model = _model(body)
+    messages = parse_messages(body.get("messages"))
+    stream = _boolean(body, "stream", False)
+    return ChatRequest(model=model, messages=messages, sampling=parse_sampling(body),
+                       stream=stream, include_usage=_stream_options(body, stream))
+
+
+def _prompt(value: Any) -> str | list[int]:
+    # A batch of one is accepted; larger batches are not supported (n=1 semantics).
+    if isinstance(value, list) and len(value) == 1 and isinstance(value[0], (str, list)):
+        value = value[0]
+    if isinstance(value, str):
+        if not value:
+            raise InvalidRequestError("prompt must not be empty.", "prompt")
+        return value
+    if isinstance(value, list) and value and all(
+            isinstance(t, int) and not isinstance(t, bool) for t in value):
+        if any(t < 0 or t >= 2**32 for t in value):
+            raise InvalidRequestError("prompt token ids must be non-negative.", "prompt")
+        return value
+    if value is None:
+        raise InvalidRequestError("prompt is required.", "prompt")
+    raise InvalidRequestError(
+        "prompt must be a non-empty string or a non-empty array of token ids "
+        "(batches of more than one prompt are not supported).", "prompt")
+
+
+def parse_completion_request(body: dict[str, Any]) -> CompletionRequest:
+    model = _model(body)
+    prompt = _prompt(body.get("prompt"))
+    if body.get("echo") is True:
+        raise InvalidRequestError("echo is not supported.", "echo")
+    if body.get("suffix") is not None:
+        raise InvalidRequestError("suffix is not supported.", "suffix")
+    stream = _boolean(body, "stream", False)
+    return CompletionRequest(model=model, prompt=prompt, sampling=parse_sampling(body),
+                             stream=stream, include_usage=_stream_options(body, stream))
