@@ -1,0 +1,34 @@
+"""`python -m specdec serve ...` starts the whole service; `bench` measures it."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+
+from specdec.cli import setup_logging
+from specdec.errors import ConfigError
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m specdec")
+    commands = parser.add_subparsers(dest="command", required=True)
+    from specdec import bench, launcher
+
+    serve_parser = commands.add_parser("serve", help="start drafter, verifier and gateway")
+    launcher.add_serve_args(serve_parser)
+    bench_parser = commands.add_parser("bench", help="tokens/s with and without speculation")
+    bench.add_bench_args(bench_parser)
+    args = parser.parse_args(argv)
+    setup_logging(args.log_level, "specdec")
+    try:
+        if args.command == "serve":
+            return launcher.serve(args)
+        return bench.run(args)
+    except ConfigError as exc:
+        logging.getLogger("specdec").error("%s", exc.message)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

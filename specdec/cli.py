@@ -1,0 +1,57 @@
+"""vLLM-style flags shared by the launcher and the services, defined once."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+
+from specdec.models.model_files import DEFAULT_MODEL
+
+ADDITIONAL_CONFIG_KEYS: tuple[str, ...] = ()
+
+
+def add_model_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--model", default=DEFAULT_MODEL,
+                        help=f"HF directory, .gguf file or {DEFAULT_MODEL!r} (default)")
+    parser.add_argument("--served-model-name", default=None,
+                        help="name clients use in 'model' (default: --model as given)")
+    parser.add_argument("--trust-remote-code", action="store_true",
+                        help="accepted for vLLM compatibility; specdec never runs model code")
+
+
+def add_engine_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--dtype", default="auto",
+                        help="auto | float32 | bfloat16 | float16 (auto: float32 on cpu)")
+    parser.add_argument("--device", default="auto", help="auto | cpu | cuda | npu")
+    parser.add_argument("--max-model-len", type=int, default=None,
+                        help="context length (default: the model's)")
+    parser.add_argument("--max-num-seqs", type=int, default=256)
+    parser.add_argument("--max-num-batched-tokens", type=int, default=2048,
+                        help="tokens per engine step; longer prompts prefill in chunks")
+    parser.add_argument("--gpu-memory-utilization", type=float, default=0.9,
+                        help="fraction of device memory (RAM on cpu) for weights, activations "
+                             "and the KV cache")
+    parser.add_argument("--num-gpu-blocks-override", type=int, default=None,
+                        help="KV blocks to allocate, bypassing the memory budget")
+    parser.add_argument("--block-size", type=int, default=16)
+    parser.add_argument("--tensor-parallel-size", type=int, default=1)
+    parser.add_argument("--draft-timeout-ms", type=float, default=50.0,
+                        help="per-step deadline for drafter proposals")
+    parser.add_argument("--additional-config", default=None, help="JSON object")
+    parser.add_argument("--threads", type=int, default=None, help="torch CPU threads")
+
+
+def add_speculative_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--speculative-config", default=None,
+                        help='JSON, e.g. \'{"method": "ngram", "num_speculative_tokens": 3, '
+                             '"prompt_lookup_min": 2, "prompt_lookup_max": 5}\'')
+
+
+def add_logging_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--log-level", default="info",
+                        choices=["debug", "info", "warning", "error"])
+
+
+def setup_logging(level: str, name: str) -> None:
+    logging.basicConfig(level=level.upper(),
+                        format=f"%(asctime)s {name} %(levelname)s %(name)s: %(message)s")

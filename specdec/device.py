@@ -1,0 +1,65 @@
+"""Device and dtype selection, and the memory a device offers."""
+
+from __future__ import annotations
+
+import importlib.util
+import logging
+import os
+
+import torch
+
+from specdec.errors import ConfigError
+
+logger = logging.getLogger(__name__)
+
+DEVICES = ("auto", "cpu", "cuda", "npu")
+DTYPES = {
+    "float32": torch.float32, "float": torch.float32, "fp32": torch.float32,
+    "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
+    "float16": torch.float16, "half": torch.float16, "fp16": torch.float16,
+}
+
+
+def npu_available() -> bool:
+    if importlib.util.find_spec("torch_npu") is None:
+        return False
+    import torch_npu  # noqa: F401  (registers torch.npu)
+    return bool(torch.npu.is_available())  # type: ignore[attr-defined]
+
+
+def resolve_device(name: str) -> torch.device:
+    """`auto` picks npu (torch_npu importable and a device present), then cuda, then cpu."""
+    if name not in DEVICES:
+        raise ConfigError(f"--device {name!r} is not supported; allowed values: "
+                          f"{', '.join(DEVICES)}", param="device")
+    if name == "auto":
+        if npu_available():
+            return torch.device("npu")
+        if torch.cuda.is_available():
+            return torch.device("cuda")
+        return torch.device("cpu")
+    if name == "npu" and not npu_available():
+        raise ConfigError("--device npu: torch_npu is not installed or no NPU is present",
+                          param="device")
+    if name == "cuda" and not torch.cuda.is_available():
+        raise ConfigError("--device cuda: no CUDA device is present", param="device")
+    return torch.device(name)
+
+
+def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
+    """`auto` is float32 on the CPU (bit-exact speculation) and bfloat16 on accelerators."""
+    if name == "auto":
+        return torch.float32 if device.type == "cpu" else torch.bfloat16
+    if name not in DTYPES:
+        raise ConfigError(f"--dtype {name!r} is not supported; allowed values: auto, "
+                          "float32, bfloat16, float16", param="dtype")
+    return DTYPES[name]
+
+
+def device_memory_bytes(device: torch.device) -> int:
+    """Total memory of the device: the accelerator's, or the machine's RAM on the CPU."""
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).total_memory
+    if device.type == "npu":
+        return torch.npu.get_device_properties(device).total_memory  # type: ignore[attr-defined]
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")

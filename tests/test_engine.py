@@ -1,0 +1,196 @@
+"""The verifier engine on a tiny random model with a real ngram drafter service.
+
+Greedy speculation must give exactly the tokens plain decoding gives, whatever the
+batch, the chunking, the pool size or the drafter's health.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+
+import pytest
+
+from drafter_svc.server import start_drafter_server, stop_drafter_server
+from specdec.config import SpeculativeConfig
+from specdec.errors import InvalidRequestError
+from specdec.sampling_params import SamplingParams
+from tests.tiny_models import EOS_TOKEN_ID, make_tiny_llama
+from verifier_svc.builder import VerifierConfig, build_engine
+from verifier_svc.engine import Engine
+
+# Prompts with repeats, so the ngram drafter finds matches.
+PROMPTS = [
+    [5, 6, 7, 8, 9, 5, 6, 7, 8, 9, 5, 6, 7],
+    [10, 11, 12, 13, 10, 11, 12, 13, 10, 11],
+    [20, 21, 22, 23, 24, 25, 26, 27, 28, 29, 30, 31, 32, 33, 20, 21, 22, 23],
+    [40, 41, 40, 41, 40, 41, 40],
+]
+MAX_TOKENS = 24
+
+
+@pytest.fixture(scope="module")
+def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return make_tiny_llama(tmp_path_factory.mktemp("tiny-llama"))
+
+
+def spec_config(k: int) -> SpeculativeConfig:
+    config = SpeculativeConfig.parse({"method": "ngram", "num_speculative_tokens": k,
+                                      "prompt_lookup_min": 1, "prompt_lookup_max": 3})
+    assert config is not None
+    return config
+
+
+async def generate(engine: Engine, prompt: list[int], params: SamplingParams,
+                   num_speculative_tokens: int | None = None) -> list[int]:
+    seq_id, queue = engine.add_request("t", prompt, params, num_speculative_tokens)
+    tokens: list[int] = []
+    while True:
+        output = await queue.get()
+        assert not isinstance(output, Exception), output
+        tokens.extend(output.token_ids)
+        if output.finish_reason is not None:
+            return tokens
+
+
+def greedy(max_tokens: int = MAX_TOKENS) -> SamplingParams:
+    return SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+
+
+class EngineHarness:
+    """An engine (and, with speculation, a drafter service) started for one test."""
+
+    def __init__(self, model_dir: Path, device: str, k: int | None = None, **overrides: object):
+        self.model_dir = model_dir
+        self.device = device
+        self.k = k
+        self.overrides = overrides
+        self.drafter = None
+
+    async def __aenter__(self) -> Engine:
+        spec = spec_config(self.k) if self.k else None
+        targets: tuple[str, ...] = ()
+        if spec is not None:
+            self.drafter, port = await start_drafter_server(spec, "127.0.0.1", 0)
+            targets = (f"127.0.0.1:{port}",)
+        values: dict[str, object] = dict(
+            model=str(self.model_dir), device=self.device, dtype="float32", max_model_len=256,
+            max_num_seqs=8, max_num_batched_tokens=64, block_size=4, num_gpu_blocks_override=256,
+            speculative_config=spec, drafter_targets=targets, draft_timeout_s=1.0)
+        values.update(self.overrides)
+        self.engine, _ = build_engine(VerifierConfig(**values))  # type: ignore[arg-type]
+        await self.engine.start()
+        return self.engine
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.engine.stop()
+        if self.drafter is not None:
+            await stop_drafter_server(self.drafter)
+
+
+async def plain_outputs(model_dir: Path, device: str) -> list[list[int]]:
+    async with EngineHarness(model_dir, device) as engine:
+        return [await generate(engine, prompt, greedy()) for prompt in PROMPTS]
+
+
+@pytest.fixture(scope="module")
+def expected(tiny_model: Path, device) -> list[list[int]]:
+    return asyncio.run(plain_outputs(tiny_model, str(device)))
+
+
+@pytest.mark.parametrize("k", [1, 3, 5])
+async def test_greedy_invariance_with_ngram(tiny_model: Path, device, expected, k: int) -> None:
+    async with EngineHarness(tiny_model, str(device), k=k) as engine:
+        outputs = [await generate(engine, prompt, greedy()) for prompt in PROMPTS]
+        spec = engine.spec
+    assert outputs == expected
+    assert spec.num_draft_tokens > 0 and spec.num_accepted_tokens > 0, "ngram never helped"
+    assert all(len(tokens) == MAX_TOKENS for tokens in outputs)
+
+
+async def test_concurrent_batch_equals_one_at_a_time(tiny_model: Path, device, expected) -> None:
+    async with EngineHarness(tiny_model, str(device), k=3, max_num_batched_tokens=16) as engine:
+        outputs = await asyncio.gather(*(generate(engine, p, greedy()) for p in PROMPTS))
+        assert engine.scheduler.block_manager.num_free_blocks == 256
+    assert list(outputs) == expected
+
+
+async def test_preemption_under_a_small_pool_keeps_outputs(tiny_model: Path, device, expected) -> None:
+    # 14 blocks of 4 tokens: the four sequences (up to 42 tokens each) cannot all fit.
+    async with EngineHarness(tiny_model, str(device), k=3, num_gpu_blocks_override=14,
+                             max_model_len=56) as engine:
+        outputs = await asyncio.gather(*(generate(engine, p, greedy()) for p in PROMPTS))
+        assert engine.scheduler.num_preemptions > 0
+        assert engine.scheduler.block_manager.num_free_blocks == 14
+    assert list(outputs) == expected
+
+
+async def test_dead_drafter_costs_speed_not_output(tiny_model: Path, device, expected) -> None:
+    # Nothing listens on the drafter address: every step decodes one token.
+    async with EngineHarness(tiny_model, str(device), max_model_len=256,
+                             speculative_config=spec_config(3),
+                             drafter_targets=("127.0.0.1:1",), draft_timeout_s=0.01) as engine:
+        outputs = [await generate(engine, prompt, greedy()) for prompt in PROMPTS]
+        assert engine.spec.num_draft_tokens == 0
+    assert outputs == expected
+
+
+async def test_speculation_override_per_request(tiny_model: Path, device, expected) -> None:
+    async with EngineHarness(tiny_model, str(device), k=3) as engine:
+        output = await generate(engine, PROMPTS[0], greedy(), num_speculative_tokens=0)
+        assert engine.spec.num_drafts == 0
+    assert output == expected[0]
+
+
+async def test_seeded_sampling_is_reproducible(tiny_model: Path, device) -> None:
+    params = SamplingParams(temperature=0.8, top_p=0.9, top_k=20, seed=1234, max_tokens=16,
+                            ignore_eos=True)
+    async with EngineHarness(tiny_model, str(device), k=3) as engine:
+        first = await generate(engine, PROMPTS[1], params)
+        second = await generate(engine, PROMPTS[1], params)
+        other = await generate(engine, PROMPTS[1], SamplingParams(
+            temperature=0.8, top_p=0.9, top_k=20, seed=4321, max_tokens=16, ignore_eos=True))
+    assert first == second
+    assert len(first) == 16 and first != other
+
+
+async def test_stop_token_ids_and_eos(tiny_model: Path, device, expected) -> None:
+    stop_id = expected[0][5]
+    cut = expected[0].index(stop_id)
+    async with EngineHarness(tiny_model, str(device), k=3) as engine:
+        seq_id, queue = engine.add_request(
+            "s", PROMPTS[0], SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS,
+                                            stop_token_ids=(stop_id,)))
+        tokens, last = [], None
+        while last is None or last.finish_reason is None:
+            last = await queue.get()
+            tokens.extend(last.token_ids)
+    assert tokens == expected[0][:cut]
+    assert last.finish_reason.value == "stop"
+    assert last.num_output_tokens == cut + 1  # the stop token counts, is not streamed
+    assert EOS_TOKEN_ID in engine.eos_token_ids
+
+
+async def test_abort_frees_blocks(tiny_model: Path, device) -> None:
+    async with EngineHarness(tiny_model, str(device), k=3) as engine:
+        seq_id, queue = engine.add_request("a", PROMPTS[2], greedy(max_tokens=200))
+        await queue.get()
+        assert engine.scheduler.block_manager.num_free_blocks < 256
+        engine.abort(seq_id)
+        assert engine.scheduler.block_manager.num_free_blocks == 256
+        assert not engine.scheduler.has_work()
+
+
+@pytest.mark.parametrize("prompt,params,param", [
+    ([], greedy(), "prompt"),
+    ([5, 10_000], greedy(), "prompt"),
+    (list(range(3, 90)) * 3, greedy(), "prompt"),
+    ([5, 6], greedy(max_tokens=255), "max_tokens"),
+])
+async def test_invalid_requests_are_refused(tiny_model: Path, device, prompt, params, param) -> None:
+    async with EngineHarness(tiny_model, str(device)) as engine:
+        with pytest.raises(InvalidRequestError) as info:
+            engine.add_request("bad", prompt, params)
+        assert info.value.param == param
+        # The engine still serves.
+        assert len(await generate(engine, PROMPTS[0], greedy(max_tokens=4))) == 4

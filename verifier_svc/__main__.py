@@ -1,0 +1,69 @@
+"""`python -m verifier_svc`: the target model behind the Verifier gRPC service."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import sys
+
+import torch
+
+from specdec.cli import (ADDITIONAL_CONFIG_KEYS, add_engine_args, add_logging_args,
+                         add_model_args, add_speculative_args, setup_logging)
+from specdec.config import SpeculativeConfig, parse_additional_config
+from specdec.errors import ConfigError
+from specdec.grpc_server import run_until_signalled
+from verifier_svc.builder import VerifierConfig
+from verifier_svc.server import start_verifier
+
+logger = logging.getLogger("verifier_svc")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="python -m verifier_svc", description=__doc__)
+    add_model_args(parser)
+    add_engine_args(parser)
+    add_speculative_args(parser)
+    parser.add_argument("--drafter", action="append", default=[],
+                        help="drafter address host:port (repeatable; a name may resolve to "
+                             "several replicas)")
+    parser.add_argument("--host", default="127.0.0.1")
+    parser.add_argument("--port", type=int, default=50051)
+    add_logging_args(parser)
+    return parser
+
+
+def config_from_args(args: argparse.Namespace) -> VerifierConfig:
+    parse_additional_config(args.additional_config, ADDITIONAL_CONFIG_KEYS)
+    return VerifierConfig(
+        model=args.model, dtype=args.dtype, device=args.device, max_model_len=args.max_model_len,
+        max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
+        block_size=args.block_size, gpu_memory_utilization=args.gpu_memory_utilization,
+        num_gpu_blocks_override=args.num_gpu_blocks_override,
+        tensor_parallel_size=args.tensor_parallel_size,
+        speculative_config=SpeculativeConfig.parse(args.speculative_config),
+        drafter_targets=tuple(args.drafter), draft_timeout_s=args.draft_timeout_ms / 1000)
+
+
+async def serve(args: argparse.Namespace) -> None:
+    verifier = await start_verifier(config_from_args(args), args.host, args.port)
+    logger.info("verifier serving on %s:%d", args.host, verifier.port)
+    await run_until_signalled(verifier.server, verifier.engine.stop)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    setup_logging(args.log_level, "verifier")
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    try:
+        asyncio.run(serve(args))
+    except ConfigError as exc:
+        logger.error("%s", exc.message)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

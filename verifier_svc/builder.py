@@ -1,0 +1,159 @@
+"""Builds a verifier engine from its configuration: model, KV pool, scheduler, drafters."""
+
+from __future__ import annotations
+
+import json
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from specdec.block_manager import BlockManager
+from specdec.config import EngineConfig, SpeculativeConfig
+from specdec.device import device_memory_bytes, resolve_device, resolve_dtype
+from specdec.errors import ConfigError
+from specdec.kv_cache import KVCache
+from specdec.models.loader import load_model
+from specdec.models.model_files import load_tokenizer, resolve_model, tokenizer_fingerprint
+from specdec.scheduler import Scheduler
+from verifier_svc.drafter_pool import DrafterPool
+from verifier_svc.engine import Engine
+from verifier_svc.model_runner import ModelRunner
+
+logger = logging.getLogger(__name__)
+
+# Fixed headroom for allocator fragmentation and framework buffers.
+_ACTIVATION_SLACK_BYTES = 256 << 20
+
+
+@dataclass(frozen=True)
+class VerifierConfig:
+    model: str
+    dtype: str = "auto"
+    device: str = "auto"
+    max_model_len: int | None = None
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 2048
+    block_size: int = 16
+    gpu_memory_utilization: float = 0.9
+    num_gpu_blocks_override: int | None = None
+    tensor_parallel_size: int = 1
+    speculative_config: SpeculativeConfig | None = None
+    drafter_targets: tuple[str, ...] = ()
+    draft_timeout_s: float = 0.05
+
+    def __post_init__(self) -> None:
+        if self.tensor_parallel_size != 1:
+            raise ConfigError(f"--tensor-parallel-size {self.tensor_parallel_size} is not "
+                              "supported yet; only 1 is", param="tensor_parallel_size")
+        if not 0 < self.gpu_memory_utilization <= 1:
+            raise ConfigError("--gpu-memory-utilization must be in (0, 1], got "
+                              f"{self.gpu_memory_utilization}", param="gpu_memory_utilization")
+        if self.speculative_config is not None and not self.drafter_targets:
+            raise ConfigError("--speculative-config is set but no --drafter address is given",
+                              param="drafter")
+
+
+@dataclass(frozen=True)
+class ServedModel:
+    """What the verifier tells gateways about its model (Verifier.GetInfo)."""
+
+    model_path: str
+    max_model_len: int
+    vocab_size: int
+    eos_token_ids: tuple[int, ...]
+    speculative_method: str
+    num_speculative_tokens: int
+    tokenizer_fingerprint: str
+
+
+def build_engine(config: VerifierConfig) -> tuple[Engine, ServedModel]:
+    device = resolve_device(config.device)
+    dtype = resolve_dtype(config.dtype, device)
+    model_dir = resolve_model(config.model)
+    model = load_model(model_dir, dtype, device)
+    model_config = model.config
+    tokenizer = load_tokenizer(model_dir)
+
+    max_model_len = config.max_model_len or model_config.max_position_embeddings
+    if max_model_len > model_config.max_position_embeddings:
+        raise ConfigError(f"--max-model-len {max_model_len} exceeds the model's "
+                          f"max_position_embeddings ({model_config.max_position_embeddings})",
+                          param="max_model_len")
+    num_blocks = _num_kv_blocks(config, model, dtype, device, max_model_len)
+    engine_config = EngineConfig(max_model_len=max_model_len, max_num_seqs=config.max_num_seqs,
+                                 max_num_batched_tokens=config.max_num_batched_tokens,
+                                 block_size=config.block_size, num_kv_blocks=num_blocks,
+                                 draft_timeout_s=config.draft_timeout_s)
+    if num_blocks * config.block_size < max_model_len:
+        raise ConfigError(f"the KV cache holds {num_blocks * config.block_size} tokens, less "
+                          f"than one sequence of --max-model-len {max_model_len}; raise "
+                          "--gpu-memory-utilization or lower --max-model-len",
+                          param="max_model_len")
+    kv_cache = KVCache.allocate(model_config, num_blocks, config.block_size, dtype, device)
+    runner = ModelRunner(model, kv_cache, config.block_size, device)
+    scheduler = Scheduler(engine_config, BlockManager(num_blocks, config.block_size))
+
+    fingerprint = tokenizer_fingerprint(tokenizer)
+    spec = config.speculative_config
+    pool = None
+    if spec is not None:
+        pool = DrafterPool(list(config.drafter_targets), vocab_size=model_config.vocab_size,
+                           tokenizer_fingerprint=fingerprint)
+    eos_token_ids = _eos_token_ids(model_dir, model_config.eos_token_ids, tokenizer)
+    engine = Engine(engine_config, runner, scheduler, vocab_size=model_config.vocab_size,
+                    eos_token_ids=eos_token_ids,
+                    num_speculative_tokens=spec.num_speculative_tokens if spec else 0,
+                    drafter_pool=pool)
+    logger.info("verifier: model %s on %s in %s, max_model_len %d, %d KV blocks of %d tokens "
+                "(%d tokens), speculation %s", model_dir, device, dtype, max_model_len,
+                num_blocks, config.block_size, num_blocks * config.block_size,
+                f"{spec.method} k={spec.num_speculative_tokens} via {', '.join(config.drafter_targets)}"
+                if spec else "off")
+    served = ServedModel(model_path=str(model_dir), max_model_len=max_model_len,
+                         vocab_size=model_config.vocab_size, eos_token_ids=eos_token_ids,
+                         speculative_method=spec.method if spec else "",
+                         num_speculative_tokens=spec.num_speculative_tokens if spec else 0,
+                         tokenizer_fingerprint=fingerprint)
+    return engine, served
+
+
+def _num_kv_blocks(config: VerifierConfig, model: torch.nn.Module, dtype: torch.dtype,
+                   device: torch.device, max_model_len: int) -> int:
+    """Blocks that fit the memory budget, capped at what the limits can ever use."""
+    if config.num_gpu_blocks_override is not None:
+        return config.num_gpu_blocks_override
+    model_config = model.config
+    bytes_per_block = KVCache.bytes_per_block(model_config, config.block_size, dtype)
+    weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    element = torch.tensor([], dtype=dtype).element_size()
+    activation_bytes = (config.max_num_batched_tokens * element
+                        * (4 * model_config.hidden_size + 2 * model_config.intermediate_size)
+                        + config.max_num_batched_tokens * model_config.vocab_size * 4
+                        + _ACTIVATION_SLACK_BYTES)
+    budget = (int(config.gpu_memory_utilization * device_memory_bytes(device))
+              - weight_bytes - activation_bytes)
+    usable = max(0, budget) // bytes_per_block
+    blocks_per_seq = -(-max_model_len // config.block_size)
+    most_ever_used = config.max_num_seqs * blocks_per_seq
+    num_blocks = min(usable, most_ever_used)
+    logger.info("KV budget: %.2f GiB of %.2f GiB device memory after %.2f GiB weights and "
+                "%.2f GiB activations -> %d blocks (%d usable, %d the limits can use)",
+                max(0, budget) / 2**30, device_memory_bytes(device) / 2**30, weight_bytes / 2**30,
+                activation_bytes / 2**30, num_blocks, usable, most_ever_used)
+    return num_blocks
+
+
+def _eos_token_ids(model_dir: Path, config_eos: tuple[int, ...] | list[int],
+                   tokenizer: object) -> tuple[int, ...]:
+    """EOS ids from config.json, generation_config.json and the tokenizer, in that order."""
+    ids: list[int] = list(config_eos or ())
+    generation_config = model_dir / "generation_config.json"
+    if generation_config.is_file():
+        value = json.loads(generation_config.read_text()).get("eos_token_id")
+        ids.extend(value if isinstance(value, list) else [] if value is None else [value])
+    tokenizer_eos = getattr(tokenizer, "eos_token_id", None)
+    if tokenizer_eos is not None:
+        ids.append(tokenizer_eos)
+    return tuple(dict.fromkeys(ids))

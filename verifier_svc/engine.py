@@ -1,0 +1,312 @@
+"""The verifier's engine: schedule, draft, verify, stream; one step at a time.
+
+A step is three phases:
+1. `scheduler.schedule()` picks the sequences and reserves their KV slots;
+2. the drafter pool proposes up to k tokens for each sequence in decode (one message per
+   drafter replica, bounded by a deadline: a late proposal just means no draft);
+3. one forward over every chunk and draft, then the rejection sampler keeps the accepted
+   drafts plus one recovered or bonus token, and the sequence's KV shrinks back to what
+   was accepted.
+
+All engine state is touched only on the event loop's thread; the forward runs in a
+single worker thread and reads nothing but the prepared tensors, so an abort arriving
+mid-forward frees blocks that no one reuses before the forward ends.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+
+import torch
+
+from specdec.config import EngineConfig
+from specdec.errors import InvalidRequestError
+from specdec.rejection_sampler import verify
+from specdec.sampling_params import SamplingParams
+from specdec.scheduler import ScheduledSequence, Scheduler
+from specdec.sequence import FinishReason, Sequence, SpeculationCounters
+from verifier_svc.drafter_pool import Draft, DraftRequest, DrafterPool
+from verifier_svc.model_runner import ModelRunner, StepInput
+
+logger = logging.getLogger(__name__)
+
+STATS_LOG_INTERVAL_S = 10.0
+
+
+@dataclass(slots=True)
+class RequestOutput:
+    """What one step produced for one request."""
+
+    token_ids: list[int]
+    finish_reason: FinishReason | None
+    num_prompt_tokens: int
+    num_output_tokens: int
+    # The request's counters so far: a client that stops early (stop strings) still has them.
+    spec: SpeculationCounters
+
+
+class EngineError(Exception):
+    """The step that served this request failed; the request cannot go on."""
+
+
+class Engine:
+    def __init__(self, config: EngineConfig, runner: ModelRunner, scheduler: Scheduler, *,
+                 vocab_size: int, eos_token_ids: tuple[int, ...],
+                 num_speculative_tokens: int = 0, drafter_pool: DrafterPool | None = None) -> None:
+        self.config = config
+        self.runner = runner
+        self.scheduler = scheduler
+        self.vocab_size = vocab_size
+        self.eos_token_ids = frozenset(eos_token_ids)
+        self.num_speculative_tokens = num_speculative_tokens if drafter_pool else 0
+        self.drafter_pool = drafter_pool
+        self.spec = SpeculationCounters()
+        self.num_steps = 0
+        self._seq_ids = itertools.count()
+        self._sequences: dict[int, Sequence] = {}
+        self._queues: dict[int, asyncio.Queue[RequestOutput | EngineError]] = {}
+        self._finished_for_drafter: list[int] = []
+        self._wakeup = asyncio.Event()
+        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="forward")
+        self._loop_task: asyncio.Task[None] | None = None
+        self._last_stats_log = time.monotonic()
+
+    # ------------------------------------------------------------ lifecycle
+
+    async def start(self) -> None:
+        if self.drafter_pool is not None:
+            await self.drafter_pool.start()
+        self._loop_task = asyncio.create_task(self._run(), name="engine-loop")
+
+    async def stop(self) -> None:
+        for seq in list(self._sequences.values()):
+            self.abort(seq.seq_id)
+        if self._loop_task is not None:
+            self._loop_task.cancel()
+            try:
+                await self._loop_task
+            except asyncio.CancelledError:
+                pass
+        if self.drafter_pool is not None:
+            await self.drafter_pool.close()
+        self._executor.shutdown(wait=True)
+
+    # ------------------------------------------------------------ requests
+
+    def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+                    num_speculative_tokens: int | None = None,
+                    ) -> tuple[int, asyncio.Queue[RequestOutput | EngineError]]:
+        """Queues a request; returns its sequence id and the queue its outputs arrive on."""
+        max_model_len = self.config.max_model_len
+        if not prompt_token_ids:
+            raise InvalidRequestError("the prompt is empty", param="prompt")
+        bad = next((t for t in prompt_token_ids if t >= self.vocab_size), None)
+        if bad is not None:
+            raise InvalidRequestError(f"prompt token id {bad} is outside the vocabulary "
+                                      f"(size {self.vocab_size})", param="prompt")
+        if len(prompt_token_ids) >= max_model_len:
+            raise InvalidRequestError(
+                f"This model's maximum context length is {max_model_len} tokens; the prompt "
+                f"has {len(prompt_token_ids)} tokens and leaves no room for output",
+                param="prompt")
+        if len(prompt_token_ids) + params.max_tokens > max_model_len:
+            raise InvalidRequestError(
+                f"This model's maximum context length is {max_model_len} tokens. However, you "
+                f"requested {len(prompt_token_ids) + params.max_tokens} tokens "
+                f"({len(prompt_token_ids)} in the prompt, {params.max_tokens} in the completion)",
+                param="max_tokens")
+        if num_speculative_tokens is None:
+            num_speculative_tokens = self.num_speculative_tokens
+        num_speculative_tokens = max(0, min(num_speculative_tokens, self.num_speculative_tokens))
+        generator = None
+        if params.seed is not None:
+            generator = torch.Generator().manual_seed(params.seed)
+        seq = Sequence(seq_id=next(self._seq_ids), request_id=request_id,
+                       token_ids=list(prompt_token_ids), prompt_len=len(prompt_token_ids),
+                       params=params, max_speculative_tokens=num_speculative_tokens,
+                       generator=generator)
+        queue: asyncio.Queue[RequestOutput | EngineError] = asyncio.Queue()
+        self._sequences[seq.seq_id] = seq
+        self._queues[seq.seq_id] = queue
+        self.scheduler.add(seq)
+        self._wakeup.set()
+        return seq.seq_id, queue
+
+    def abort(self, seq_id: int) -> None:
+        """Ends a sequence now (client gone); its KV blocks return to the pool at once."""
+        seq = self._sequences.pop(seq_id, None)
+        self._queues.pop(seq_id, None)
+        if seq is None:
+            return
+        if not seq.is_finished:
+            self.scheduler.finish(seq, FinishReason.ABORT)
+        self._forget_in_drafter(seq_id)
+
+    def _forget_in_drafter(self, seq_id: int) -> None:
+        if self.drafter_pool is not None:
+            self._finished_for_drafter.append(seq_id)
+
+    @property
+    def num_running(self) -> int:
+        return len(self.scheduler.running)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.scheduler.waiting)
+
+    # ------------------------------------------------------------ the loop
+
+    async def _run(self) -> None:
+        while True:
+            if not self.scheduler.has_work():
+                self._wakeup.clear()
+                await self._wakeup.wait()
+            try:
+                await self.step()
+            except asyncio.CancelledError:
+                raise
+            except Exception:
+                logger.exception("engine step failed")
+            # Let request handlers run between steps.
+            await asyncio.sleep(0)
+
+    def _speculative_tokens_for(self, seq: Sequence) -> int:
+        if seq.max_speculative_tokens == 0 or self.drafter_pool is None:
+            return 0
+        if self.drafter_pool.num_healthy() == 0:
+            return 0
+        # Drafting past max_tokens or max_model_len would be thrown away.
+        room = min(seq.params.max_tokens - seq.num_output_tokens - 1,
+                   self.config.max_model_len - seq.num_tokens)
+        return max(0, min(seq.max_speculative_tokens, room))
+
+    async def step(self) -> None:
+        plan = self.scheduler.schedule(self._speculative_tokens_for)
+        if not plan.scheduled:
+            return
+        drafts = await self._propose(plan.scheduled)
+        inputs, step_drafts = self._build_inputs(plan.scheduled, drafts)
+        batch = self.runner.prepare(inputs)
+        loop = asyncio.get_running_loop()
+        try:
+            logits = await loop.run_in_executor(self._executor, self.runner.execute, batch)
+        except Exception as exc:
+            logger.exception("forward failed; failing the %d sequences of this step",
+                             len(plan.scheduled))
+            for item in plan.scheduled:
+                self._fail(item.seq, EngineError(f"forward failed: {exc}"))
+            return
+        self.num_steps += 1
+        for index, item in enumerate(plan.scheduled):
+            seq = item.seq
+            if seq.is_finished:  # aborted while the forward ran
+                continue
+            if not item.samples:
+                seq.num_computed_tokens += item.num_query_tokens
+                continue
+            draft = step_drafts[index]
+            rows = logits[batch.logit_offsets[index]:batch.logit_offsets[index + 1]]
+            new_token_ids = verify(rows, draft.token_ids, seq.token_ids, seq.params,
+                                   seq.generator, draft.probs)
+            num_accepted = len(new_token_ids) - 1
+            seq.num_computed_tokens += item.num_query_tokens + num_accepted
+            seq.num_last_accepted = num_accepted
+            seq.spec.record(len(draft.token_ids), num_accepted)
+            self.spec.record(len(draft.token_ids), num_accepted)
+            self._append_tokens(seq, new_token_ids)
+        self._maybe_log_stats()
+
+    async def _propose(self, scheduled: list[ScheduledSequence]) -> dict[int, Draft]:
+        if self.drafter_pool is None:
+            return {}
+        requests = [DraftRequest(item.seq.seq_id, item.seq.token_ids, item.seq.num_last_accepted,
+                                 item.num_speculative_tokens)
+                    for item in scheduled if item.num_speculative_tokens > 0]
+        if not requests:
+            return {}
+        finished, self._finished_for_drafter = self._finished_for_drafter, []
+        return await self.drafter_pool.propose(requests, finished, self.config.draft_timeout_s)
+
+    def _build_inputs(self, scheduled: list[ScheduledSequence], drafts: dict[int, Draft],
+                      ) -> tuple[list[StepInput], list[Draft]]:
+        inputs: list[StepInput] = []
+        step_drafts: list[Draft] = []
+        for item in scheduled:
+            seq = item.seq
+            start = seq.num_computed_tokens
+            chunk = seq.token_ids[start:start + item.num_query_tokens]
+            draft = _NO_DRAFT
+            if item.num_speculative_tokens > 0:
+                proposed = drafts.get(seq.seq_id)
+                if proposed is not None and proposed.token_ids:
+                    draft = _truncate(proposed, item.num_speculative_tokens)
+            step_drafts.append(draft)
+            num_logit_rows = 1 + len(draft.token_ids) if item.samples else 0
+            inputs.append(StepInput(chunk + draft.token_ids, start, seq.block_table, num_logit_rows))
+        return inputs, step_drafts
+
+    def _append_tokens(self, seq: Sequence, new_token_ids: list[int]) -> None:
+        """Appends verified tokens, stopping at the first stop condition, and streams them."""
+        params = seq.params
+        visible: list[int] = []
+        finish: FinishReason | None = None
+        for token_id in new_token_ids:
+            seq.token_ids.append(token_id)
+            if (token_id in params.stop_token_ids
+                    or (not params.ignore_eos and token_id in self.eos_token_ids)):
+                # Counted in usage, not streamed: vLLM drops the stop token from the text.
+                seq.num_hidden_output_tokens += 1
+                finish = FinishReason.STOP
+                break
+            visible.append(token_id)
+            if (seq.num_output_tokens >= params.max_tokens
+                    or seq.num_tokens >= self.config.max_model_len):
+                finish = FinishReason.LENGTH
+                break
+        queue = self._queues.get(seq.seq_id)
+        output = RequestOutput(visible, finish, seq.prompt_len, seq.num_output_tokens, seq.spec)
+        if finish is not None:
+            self.scheduler.finish(seq, finish)
+            self._sequences.pop(seq.seq_id, None)
+            self._queues.pop(seq.seq_id, None)
+            self._forget_in_drafter(seq.seq_id)
+        else:
+            # Rejected drafts' slots go back to the pool.
+            self.scheduler.block_manager.trim(seq, seq.num_tokens)
+        if queue is not None:
+            queue.put_nowait(output)
+
+    def _fail(self, seq: Sequence, error: EngineError) -> None:
+        queue = self._queues.get(seq.seq_id)
+        self.abort(seq.seq_id)
+        if queue is not None:
+            queue.put_nowait(error)
+
+    def _maybe_log_stats(self) -> None:
+        now = time.monotonic()
+        if now - self._last_stats_log < STATS_LOG_INTERVAL_S or self.spec.num_drafts == 0:
+            return
+        self._last_stats_log = now
+        spec = self.spec
+        per_position = ", ".join(f"{n / spec.num_drafts:.2f}" for n in spec.accepted_per_position)
+        logger.info(
+            "speculation: acceptance rate %.3f, mean acceptance length %.2f, per-position "
+            "acceptance [%s], drafts %d; running %d, waiting %d, KV usage %.1f%%",
+            spec.num_accepted_tokens / max(1, spec.num_draft_tokens),
+            1 + spec.num_accepted_tokens / spec.num_drafts, per_position, spec.num_drafts,
+            self.num_running, self.num_waiting, 100 * self.scheduler.block_manager.usage)
+
+
+_NO_DRAFT = Draft(token_ids=[], probs=None)
+
+
+def _truncate(draft: Draft, num_tokens: int) -> Draft:
+    if len(draft.token_ids) <= num_tokens:
+        return draft
+    probs = draft.probs[:num_tokens] if draft.probs is not None else None
+    return Draft(token_ids=draft.token_ids[:num_tokens], probs=probs)

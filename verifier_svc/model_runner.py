@@ -1,0 +1,92 @@
+"""Owns the target model's tensors: turns a planned step into one forward pass.
+
+Input layout (flat batching): the tokens of every scheduled sequence concatenated, each
+sequence's uncomputed chunk followed by its draft tokens. Logits are computed only for
+the rows that are sampled: all 1 + k rows of a decode with k drafts, the last row of a
+prefill's final chunk, none for an intermediate chunk.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from specdec.attention import AttentionMetadata
+from specdec.kv_cache import KVCache
+from specdec.models.llama import LlamaForCausalLM
+
+
+@dataclass(slots=True)
+class StepInput:
+    """One sequence's share of a forward."""
+
+    token_ids: list[int]      # uncomputed chunk + drafts
+    start_position: int       # position of token_ids[0] (= tokens already in the cache)
+    block_table: list[int]
+    num_logit_rows: int       # trailing rows whose logits are needed
+
+
+@dataclass(slots=True)
+class PreparedBatch:
+    input_ids: torch.Tensor       # [num_tokens] int64
+    positions: torch.Tensor       # [num_tokens] int64
+    attn_metadata: AttentionMetadata
+    logit_indices: torch.Tensor   # [num_logit_rows] int64
+    logit_offsets: list[int]      # [num_seqs + 1]: sequence i's rows in the logits
+
+
+class ModelRunner:
+    def __init__(self, model: LlamaForCausalLM, kv_cache: KVCache, block_size: int,
+                 device: torch.device) -> None:
+        self.model = model
+        self.kv_cache = kv_cache
+        self.block_size = block_size
+        self.device = device
+
+    def prepare(self, inputs: list[StepInput]) -> PreparedBatch:
+        token_ids: list[int] = []
+        positions: list[int] = []
+        slots: list[int] = []
+        query_start_locs = [0]
+        context_lens: list[int] = []
+        block_tables: list[torch.Tensor] = []
+        logit_indices: list[int] = []
+        logit_offsets = [0]
+        block_size = self.block_size
+        for step in inputs:
+            num_query = len(step.token_ids)
+            start = step.start_position
+            token_ids.extend(step.token_ids)
+            table = step.block_table
+            for position in range(start, start + num_query):
+                positions.append(position)
+                slots.append(table[position // block_size] * block_size + position % block_size)
+            end = query_start_locs[-1] + num_query
+            logit_indices.extend(range(end - step.num_logit_rows, end))
+            logit_offsets.append(logit_offsets[-1] + step.num_logit_rows)
+            query_start_locs.append(end)
+            context_lens.append(start + num_query)
+            block_tables.append(torch.tensor(table, dtype=torch.long, device=self.device))
+        device = self.device
+        return PreparedBatch(
+            input_ids=torch.tensor(token_ids, dtype=torch.long, device=device),
+            positions=torch.tensor(positions, dtype=torch.long, device=device),
+            attn_metadata=AttentionMetadata(
+                slot_mapping=torch.tensor(slots, dtype=torch.long, device=device),
+                query_start_locs=query_start_locs,
+                context_lens=context_lens,
+                block_tables=block_tables,
+            ),
+            logit_indices=torch.tensor(logit_indices, dtype=torch.long, device=device),
+            logit_offsets=logit_offsets,
+        )
+
+    @torch.inference_mode()
+    def execute(self, batch: PreparedBatch) -> torch.Tensor:
+        """Runs the forward; returns float32 logits on the CPU, [num_logit_rows, vocab]."""
+        hidden = self.model(batch.input_ids, batch.positions, self.kv_cache, batch.attn_metadata)
+        if batch.logit_indices.numel() == 0:
+            return torch.empty(0, 0)
+        logits = self.model.compute_logits(hidden[batch.logit_indices])
+        return logits.float().cpu()

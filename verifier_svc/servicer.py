@@ -1,0 +1,110 @@
+"""Thin gRPC servicer: converts between proto messages and the engine's objects."""
+
+from __future__ import annotations
+
+import itertools
+import logging
+from collections.abc import AsyncIterator
+
+import grpc
+
+from specdec.errors import SpecdecError
+from specdec.grpc_status import error_details, status_for
+from specdec.sampling_params import SamplingParams
+from specdec.sequence import FinishReason, SpeculationCounters
+from specdec.v1 import specdec_pb2, specdec_pb2_grpc
+from verifier_svc.builder import ServedModel
+from verifier_svc.engine import Engine, EngineError
+
+logger = logging.getLogger(__name__)
+
+_FINISH_REASONS = {
+    None: specdec_pb2.FINISH_REASON_UNSPECIFIED,
+    FinishReason.STOP: specdec_pb2.FINISH_REASON_STOP,
+    FinishReason.LENGTH: specdec_pb2.FINISH_REASON_LENGTH,
+    FinishReason.ABORT: specdec_pb2.FINISH_REASON_ABORT,
+}
+
+
+def sampling_params_from_proto(message: specdec_pb2.SamplingParams, max_model_len: int,
+                               prompt_len: int) -> SamplingParams:
+    """Proto3 cannot tell 0 from unset: 0 means 1.0 for top_p and repetition_penalty, and
+    "up to max_model_len" for max_tokens (see the .proto)."""
+    max_tokens = message.max_tokens or max(1, max_model_len - prompt_len)
+    return SamplingParams(
+        temperature=message.temperature,
+        top_p=message.top_p or 1.0,
+        top_k=message.top_k,
+        repetition_penalty=message.repetition_penalty or 1.0,
+        seed=message.seed if message.HasField("seed") else None,
+        max_tokens=max_tokens,
+        stop_token_ids=tuple(message.stop_token_ids),
+        ignore_eos=message.ignore_eos,
+    )
+
+
+def speculation_to_proto(spec: SpeculationCounters) -> specdec_pb2.SpeculationStats:
+    return specdec_pb2.SpeculationStats(
+        num_drafts=spec.num_drafts, num_draft_tokens=spec.num_draft_tokens,
+        num_accepted_tokens=spec.num_accepted_tokens,
+        accepted_per_position=spec.accepted_per_position)
+
+
+class VerifierServicer(specdec_pb2_grpc.VerifierServicer):
+    def __init__(self, engine: Engine, served: ServedModel) -> None:
+        self.engine = engine
+        self.served = served
+        self._request_ids = itertools.count()
+
+    async def GetInfo(self, request: specdec_pb2.GetVerifierInfoRequest,
+                      context: grpc.aio.ServicerContext) -> specdec_pb2.VerifierInfo:
+        served = self.served
+        return specdec_pb2.VerifierInfo(
+            model_path=served.model_path, max_model_len=served.max_model_len,
+            vocab_size=served.vocab_size, eos_token_ids=served.eos_token_ids,
+            speculative_method=served.speculative_method,
+            num_speculative_tokens=served.num_speculative_tokens,
+            tokenizer_fingerprint=served.tokenizer_fingerprint)
+
+    async def Generate(self, request: specdec_pb2.GenerateRequest,
+                       context: grpc.aio.ServicerContext,
+                       ) -> AsyncIterator[specdec_pb2.GenerateResponse]:
+        request_id = request.request_id or f"req-{next(self._request_ids)}"
+        prompt = list(request.prompt_token_ids)
+        try:
+            params = sampling_params_from_proto(request.sampling, self.served.max_model_len,
+                                                len(prompt))
+            num_spec = _speculation_override(request.speculation)
+            seq_id, queue = self.engine.add_request(request_id, prompt, params, num_spec)
+        except SpecdecError as exc:
+            await context.abort(status_for(exc), error_details(exc))
+            return
+        try:
+            while True:
+                output = await queue.get()
+                if isinstance(output, EngineError):
+                    await context.abort(grpc.StatusCode.INTERNAL, str(output))
+                    return
+                response = specdec_pb2.GenerateResponse(
+                    token_ids=output.token_ids,
+                    finish_reason=_FINISH_REASONS[output.finish_reason])
+                if output.finish_reason is not None:
+                    response.usage.prompt_tokens = output.num_prompt_tokens
+                    response.usage.completion_tokens = output.num_output_tokens
+                if output.spec.num_drafts:
+                    response.speculation.CopyFrom(speculation_to_proto(output.spec))
+                yield response
+                if output.finish_reason is not None:
+                    return
+        finally:
+            # Cancelled or failed mid-stream: free the sequence's blocks now.
+            self.engine.abort(seq_id)
+
+
+def _speculation_override(message: specdec_pb2.SpeculationOverride) -> int | None:
+    if message.HasField("enabled") and not message.enabled:
+        return 0
+    if message.HasField("num_speculative_tokens"):
+        return message.num_speculative_tokens
+    return None
+
