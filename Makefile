@@ -1,0 +1,28 @@
+# specdec's everyday commands. `make test` and `make serve` work on a fresh machine.
+PYTHON ?= python3
+PORT ?= 18080
+SPEC ?= {"num_speculative_tokens":1,"method":"ngram","prompt_lookup_min":1,"prompt_lookup_max":8}
+PYTEST_ARGS ?=
+
+.PHONY: install test serve bench protos compose-config
+
+# pip takes torch==2.13.0 from the CPU wheel on disk (see pyproject.toml).
+install:
+	$(PYTHON) -m pip install -q -e '.[test]'
+
+test: install
+	$(PYTHON) -m pytest -q $(PYTEST_ARGS)
+
+serve: install
+	$(PYTHON) -m specdec serve --port $(PORT) --speculative-config '$(SPEC)'
+
+bench: install
+	$(PYTHON) -m specdec bench
+
+# Regenerates the committed gRPC stubs; tests/test_protos.py fails when they are stale.
+protos:
+	$(PYTHON) -m grpc_tools.protoc -I protos --python_out=. --pyi_out=. --grpc_python_out=. \
+		protos/specdec/v1/specdec.proto
+
+compose-config:
+	docker compose config -q
