@@ -71,6 +71,10 @@ class Sequence:
     # Output tokens that ended the sequence but are not streamed (EOS, stop ids).
     num_hidden_output_tokens: int = 0
     spec: SpeculationCounters = field(default_factory=SpeculationCounters)
+    # Target hidden states the drafter needs, row t for context position t,
+    # [prompt_len + max_tokens, width]; valid up to num_computed_tokens. None when not
+    # captured (no drafter needs them, or the sequence began before one said so).
+    hidden_states: torch.Tensor | None = None
     arrival_time: float = field(default_factory=time.monotonic)
 
     @property

@@ -51,6 +51,9 @@ class DraftRequest:
     token_ids: list[int]          # the whole verified context (prompt + output so far); read, never copied by the caller
     num_accepted_tokens: int      # of this sequence's previous draft
     num_speculative_tokens: int   # 0 = just sync state
+    # Target hidden states of context positions [0, rows), [rows, width]; rows is
+    # len(token_ids) - 1 once the sequence is in decode. None when not captured.
+    hidden_states: torch.Tensor | None = None
 
 
 @dataclass(slots=True)
@@ -63,6 +66,7 @@ class Draft:
 class _SeqState:
     replica: _Replica
     num_synced_tokens: int
+    num_synced_hidden_rows: int = 0
 
 
 class DrafterPool:
@@ -92,6 +96,9 @@ class DrafterPool:
         self._replicas: dict[str, _Replica] = {}
         self._addresses_by_target: dict[tuple[str, int], set[str]] = {}
         self._seqs: dict[int, _SeqState] = {}
+        # The target layers every replica needs (GetInfo), fixed by the first replica
+        # accepted; () when none are needed, None until a replica has connected.
+        self.hidden_state_layer_ids: tuple[int, ...] | None = None
         self._step_id = 0
         self._resolve_task: asyncio.Task[None] | None = None
 
@@ -162,15 +169,28 @@ class DrafterPool:
             token_ids = request.token_ids
             if state.num_synced_tokens > len(token_ids):
                 state.num_synced_tokens = 0  # the context shrank (should not happen): resync
+            hidden_rows = None
+            if self.hidden_state_layer_ids:
+                # Rows cover every context position but the last (see the .proto).
+                num_rows = len(token_ids) - 1
+                hidden = request.hidden_states
+                if hidden is None or hidden.shape[0] < num_rows:
+                    continue  # states not captured for this sequence: it cannot be drafted
+                if state.num_synced_tokens == 0:
+                    state.num_synced_hidden_rows = 0
+                hidden_rows = hidden[state.num_synced_hidden_rows:num_rows]
+                state.num_synced_hidden_rows = num_rows
             num_tokens = min(max(request.num_speculative_tokens, 0),
                              replica.max_num_speculative_tokens)
-            message_for(replica).sequences.add(
+            update = message_for(replica).sequences.add(
                 seq_id=request.seq_id,
                 new_token_ids=token_ids[state.num_synced_tokens:],
                 num_accepted_tokens=max(request.num_accepted_tokens, 0),
                 context_len=len(token_ids),
                 num_speculative_tokens=num_tokens,
             )
+            if hidden_rows is not None:
+                encode_tensor(hidden_rows, update.hidden_states)
             state.num_synced_tokens = len(token_ids)
             if num_tokens > 0:
                 asked[replica][request.seq_id] = num_tokens
@@ -238,6 +258,7 @@ class DrafterPool:
         state = self._seqs.get(seq_id)
         if state is not None and state.replica is replica:
             state.num_synced_tokens = 0
+            state.num_synced_hidden_rows = 0
 
     def check_info(self, info: specdec_pb2.DrafterInfo) -> DrafterMismatchError | None:
         """Why a drafter cannot serve this verifier, or None when it can."""
@@ -250,10 +271,14 @@ class DrafterPool:
                             f"verifier's is {self.tokenizer_fingerprint!r}")
         if problems:
             return DrafterMismatchError("drafter built for another model: " + "; ".join(problems))
-        if info.hidden_state_layer_ids:
+        layer_ids = tuple(info.hidden_state_layer_ids)
+        if self.hidden_state_layer_ids is None:
+            self.hidden_state_layer_ids = layer_ids
+        elif layer_ids != self.hidden_state_layer_ids:
             return DrafterMismatchError(
-                f"drafter method {info.method!r} needs target hidden states (layers "
-                f"{list(info.hidden_state_layer_ids)}), which this verifier does not send yet")
+                f"drafter method {info.method!r} needs target hidden states of layers "
+                f"{list(layer_ids)}, but the replicas already serving need "
+                f"{list(self.hidden_state_layer_ids)}")
         return None
 
     def drop_replica_sequences(self, replica: _Replica) -> None:
@@ -469,3 +494,10 @@ def _describe(exc: Exception) -> str:
     if isinstance(exc, grpc.aio.AioRpcError):
         return f"{exc.code().name}: {exc.details()}"
     return str(exc) or type(exc).__name__
+
+
+def encode_tensor(tensor: torch.Tensor, message: specdec_pb2.Tensor) -> None:
+    tensor = tensor.detach().contiguous().cpu()
+    message.data = tensor.view(-1).view(torch.uint8).numpy().tobytes()
+    message.dtype = str(tensor.dtype).removeprefix("torch.")
+    message.shape.extend(tensor.shape)

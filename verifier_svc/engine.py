@@ -31,7 +31,7 @@ from specdec.sampling_params import SamplingParams
 from specdec.scheduler import ScheduledSequence, Scheduler
 from specdec.sequence import FinishReason, Sequence, SpeculationCounters
 from verifier_svc.drafter_pool import Draft, DraftRequest, DrafterPool
-from verifier_svc.model_runner import ModelRunner, StepInput
+from verifier_svc.model_runner import ModelRunner, PreparedBatch, StepInput
 
 logger = logging.getLogger(__name__)
 
@@ -180,21 +180,34 @@ class Engine:
             return 0
         if self.drafter_pool.num_healthy() == 0:
             return 0
+        if self.hidden_layer_ids and seq.hidden_states is None:
+            return 0
         # Drafting past max_tokens or max_model_len would be thrown away.
         room = min(seq.params.max_tokens - seq.num_output_tokens - 1,
                    self.config.max_model_len - seq.num_tokens)
         return max(0, min(seq.max_speculative_tokens, room))
 
+    @property
+    def hidden_layer_ids(self) -> tuple[int, ...]:
+        """The target layers the drafters need states of; () when none (or not known yet)."""
+        if self.drafter_pool is None:
+            return ()
+        return self.drafter_pool.hidden_state_layer_ids or ()
+
     async def step(self) -> None:
         plan = self.scheduler.schedule(self._speculative_tokens_for)
         if not plan.scheduled:
             return
+        hidden_layer_ids = self.hidden_layer_ids
+        if hidden_layer_ids:
+            self._start_capture(plan.scheduled)
         drafts = await self._propose(plan.scheduled)
         inputs, step_drafts = self._build_inputs(plan.scheduled, drafts)
         batch = self.runner.prepare(inputs)
         loop = asyncio.get_running_loop()
         try:
-            logits = await loop.run_in_executor(self._executor, self.runner.execute, batch)
+            logits, hidden = await loop.run_in_executor(
+                self._executor, self.runner.execute, batch, hidden_layer_ids)
         except Exception as exc:
             logger.exception("forward failed; failing the %d sequences of this step",
                              len(plan.scheduled))
@@ -207,6 +220,7 @@ class Engine:
             if seq.is_finished:  # aborted while the forward ran
                 continue
             if not item.samples:
+                self._keep_hidden(seq, hidden, batch, index, item.num_query_tokens)
                 seq.num_computed_tokens += item.num_query_tokens
                 continue
             draft = step_drafts[index]
@@ -214,6 +228,7 @@ class Engine:
             new_token_ids = verify(rows, draft.token_ids, seq.token_ids, seq.params,
                                    seq.generator, draft.probs)
             num_accepted = len(new_token_ids) - 1
+            self._keep_hidden(seq, hidden, batch, index, item.num_query_tokens + num_accepted)
             seq.num_computed_tokens += item.num_query_tokens + num_accepted
             seq.num_last_accepted = num_accepted
             seq.spec.record(len(draft.token_ids), num_accepted)
@@ -221,12 +236,38 @@ class Engine:
             self._append_tokens(seq, new_token_ids)
         self._maybe_log_stats()
 
+    def _start_capture(self, scheduled: list[ScheduledSequence]) -> None:
+        """Gives hidden-state buffers to sequences whose first forward is this step.
+
+        A sequence that ran before any drafter asked for states never gets a buffer,
+        and so is never drafted for: its drafter would lack the states of its prefix.
+        """
+        width = len(self.hidden_layer_ids) * self.runner.model.config.hidden_size
+        for item in scheduled:
+            seq = item.seq
+            if seq.hidden_states is None and seq.num_computed_tokens == 0:
+                capacity = seq.prompt_len + seq.params.max_tokens
+                seq.hidden_states = torch.empty(capacity, width, dtype=self.runner.dtype)
+
+    def _keep_hidden(self, seq: Sequence, hidden: torch.Tensor | None, batch: PreparedBatch,
+                     index: int, num_valid: int) -> None:
+        """Stores the states of the tokens this step computed for good (rejected drafts' rows
+        are left out)."""
+        if hidden is None or seq.hidden_states is None:
+            return
+        first_row = batch.attn_metadata.query_start_locs[index]
+        start = seq.num_computed_tokens
+        seq.hidden_states[start:start + num_valid] = hidden[first_row:first_row + num_valid]
+
     async def _propose(self, scheduled: list[ScheduledSequence]) -> dict[int, Draft]:
         if self.drafter_pool is None:
             return {}
-        requests = [DraftRequest(item.seq.seq_id, item.seq.token_ids, item.seq.num_last_accepted,
-                                 item.num_speculative_tokens)
-                    for item in scheduled if item.num_speculative_tokens > 0]
+        requests = [
+            DraftRequest(item.seq.seq_id, item.seq.token_ids, item.seq.num_last_accepted,
+                         item.num_speculative_tokens,
+                         None if item.seq.hidden_states is None
+                         else item.seq.hidden_states[:item.seq.num_computed_tokens])
+            for item in scheduled if item.num_speculative_tokens > 0]
         if not requests:
             return {}
         finished, self._finished_for_drafter = self._finished_for_drafter, []

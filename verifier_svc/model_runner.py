@@ -43,6 +43,7 @@ class ModelRunner:
         self.kv_cache = kv_cache
         self.block_size = block_size
         self.device = device
+        self.dtype = kv_cache.key_caches[0].dtype
 
     def prepare(self, inputs: list[StepInput]) -> PreparedBatch:
         token_ids: list[int] = []
@@ -83,10 +84,29 @@ class ModelRunner:
         )
 
     @torch.inference_mode()
-    def execute(self, batch: PreparedBatch) -> torch.Tensor:
-        """Runs the forward; returns float32 logits on the CPU, [num_logit_rows, vocab]."""
-        hidden = self.model(batch.input_ids, batch.positions, self.kv_cache, batch.attn_metadata)
+    def execute(self, batch: PreparedBatch, hidden_layer_ids: tuple[int, ...] = (),
+                ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Runs the forward.
+
+        Returns float32 logits on the CPU, [num_logit_rows, vocab], and, when
+        `hidden_layer_ids` asks for them, the target hidden states of every input token
+        on the CPU, [num_tokens, len(hidden_layer_ids) * hidden]: layer id -1 is the
+        final hidden state after the last norm, layer id i the residual stream entering
+        layer i.
+        """
+        aux_layer_ids = tuple(i for i in hidden_layer_ids if i >= 0)
+        if aux_layer_ids:
+            hidden, aux = self.model(batch.input_ids, batch.positions, self.kv_cache,
+                                     batch.attn_metadata, aux_layer_ids)
+        else:
+            hidden = self.model(batch.input_ids, batch.positions, self.kv_cache,
+                                batch.attn_metadata)
+        captured = None
+        if hidden_layer_ids:
+            by_id = dict(zip(aux_layer_ids, aux)) if aux_layer_ids else {}
+            parts = [hidden if i < 0 else by_id[i] for i in hidden_layer_ids]
+            captured = torch.cat(parts, dim=-1).cpu()
         if batch.logit_indices.numel() == 0:
-            return torch.empty(0, 0)
+            return torch.empty(0, 0), captured
         logits = self.model.compute_logits(hidden[batch.logit_indices])
-        return logits.float().cpu()
+        return logits.float().cpu(), captured
