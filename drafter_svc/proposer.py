@@ -38,6 +38,9 @@ class ProposerInfo:
     # 0 / "" when the method does not depend on the vocabulary / tokenizer.
     vocab_size: int = 0
     tokenizer_fingerprint: str = ""
+    # Columns of SequenceUpdate.hidden_states (all layers asked for, concatenated); not in
+    # GetInfo: the servicer checks incoming rows against it. 0 when no states are needed.
+    hidden_state_width: int = 0
 
 
 @dataclass(slots=True)
@@ -76,6 +79,39 @@ class Proposer(Protocol):
     def propose(self, seq_ids: Sequence[int], num_tokens: Sequence[int]) -> list[Proposal]:
         """One proposal per seq_id, at most num_tokens[i] (and max k) tokens each."""
         ...
+
+    def close(self) -> None:
+        """The stream ended: releases shared resources (draft KV blocks) held for it."""
+        ...
+
+
+@dataclass(frozen=True)
+class ModelOptions:
+    """Drafter flags for the model methods (draft_model, eagle, eagle3); ngram ignores them."""
+
+    # The target the drafts are for: eagle heads borrow its embedding and lm_head and
+    # report its tokenizer; eagle3 derives its default layer ids from its depth.
+    # specdec.models.DEFAULT_MODEL, spelled out: importing it would pull in torch.
+    target_model: str = "smollm2-135m-instruct"
+    dtype: str = "auto"
+    device: str = "auto"
+    # The draft KV pool, shared by all streams: num_blocks x block_size token slots.
+    num_blocks: int = 512
+    block_size: int = 16
+    # Longest context drafted for (RoPE table size); None: the model's max_position_embeddings.
+    max_model_len: int | None = None
+    # Sample drafts from the draft distribution and send it as draft_probs (default: greedy).
+    draft_sampling: bool = False
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        for name in ("num_blocks", "block_size"):
+            if getattr(self, name) < 1:
+                raise ConfigError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}",
+                                  param=name)
+        if self.max_model_len is not None and self.max_model_len < 1:
+            raise ConfigError(f"--max-model-len must be >= 1, got {self.max_model_len}",
+                              param="max_model_len")
 
 
 class TokenHistory:
@@ -147,12 +183,31 @@ class NgramMethod:
         return [Proposal(self.proposer.propose(self._histories[seq_id].view(), count))
                 for seq_id, count in zip(seq_ids, num_tokens)]
 
+    def close(self) -> None:
+        self._histories.clear()
 
-def proposer_factory(config: SpeculativeConfig) -> Callable[[], Proposer]:
-    """Checks the method at start-up; returns a callable making a fresh Proposer per stream."""
+
+def proposer_factory(config: SpeculativeConfig,
+                     options: ModelOptions | None = None) -> Callable[[], Proposer]:
+    """Checks the method at start-up; returns a callable making a fresh Proposer per stream.
+
+    Model methods load their weights and allocate the draft KV pool here, once per server;
+    each stream's Proposer holds only its sequences' state and block tables.
+    """
     if config.method == "ngram":
         NgramMethod.from_config(config)  # validates the lookup bounds once, at start-up
         return lambda: NgramMethod.from_config(config)
-    raise ConfigError(
-        f"speculative config: method {config.method!r} is not implemented yet in drafter_svc "
-        "(only 'ngram' is available now)", param="method")
+    options = options or ModelOptions()
+    if config.method == "draft_model":
+        from drafter_svc.draft_model_proposer import build_draft_model_method
+
+        return build_draft_model_method(config, options)
+    if config.method == "eagle":
+        from drafter_svc.eagle_proposer import build_eagle_method
+
+        return build_eagle_method(config, options)
+    if config.method == "eagle3":
+        from drafter_svc.eagle3_proposer import build_eagle3_method
+
+        return build_eagle3_method(config, options)
+    raise ConfigError(f"speculative config: unknown method {config.method!r}", param="method")

@@ -11,7 +11,7 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from drafter_svc.proposer import proposer_factory
+from drafter_svc.proposer import ModelOptions, proposer_factory
 from drafter_svc.servicer import DrafterServicer
 from specdec.config import SpeculativeConfig
 from specdec.errors import ConfigError
@@ -27,13 +27,15 @@ DRAFTER_SERVICE_NAME = specdec_pb2.DESCRIPTOR.services_by_name["Drafter"].full_n
 async def start_drafter_server(config: SpeculativeConfig, host: str = "127.0.0.1",
                                port: int = DEFAULT_PORT, *,
                                max_message_bytes: int = MAX_MESSAGE_BYTES,
+                               options: ModelOptions | None = None,
                                ) -> tuple[grpc.aio.Server, int]:
     """Builds the proposer, binds host:port (0 = any free port) and starts serving.
 
+    Model methods load their weights here (`options`: target model, dtype, device, KV pool).
     Returns the started server and the bound port. Health reports SERVING for the whole
     server and for the Drafter service once started; `stop_drafter_server` flips it.
     """
-    make_proposer = proposer_factory(config)
+    make_proposer = proposer_factory(config, options)
     info = make_proposer().info
     server = grpc.aio.server(options=[
         ("grpc.max_send_message_length", max_message_bytes),
@@ -55,7 +57,7 @@ async def start_drafter_server(config: SpeculativeConfig, host: str = "127.0.0.1
     logger.info("drafter serving on %s:%d: method=%s num_speculative_tokens=%d%s", host,
                 bound_port, config.method, config.num_speculative_tokens,
                 f" prompt_lookup=[{config.prompt_lookup_min}, {config.prompt_lookup_max}]"
-                if config.method == "ngram" else "")
+                if config.method == "ngram" else f" model={config.model}")
     return server, bound_port
 
 
@@ -77,14 +79,33 @@ def build_arg_parser() -> argparse.ArgumentParser:
     parser.add_argument("--host", default="127.0.0.1", help="address to bind (default %(default)s)")
     parser.add_argument("--port", type=int, default=DEFAULT_PORT,
                         help="port to bind; 0 picks a free one and logs it (default %(default)s)")
+    defaults = ModelOptions()
+    parser.add_argument("--target-model", default=defaults.target_model,
+                        help="the verifier's model (eagle / eagle3 borrow its embedding and "
+                             "lm_head and report its tokenizer; default %(default)s)")
+    parser.add_argument("--dtype", default=defaults.dtype,
+                        help="draft model dtype: auto (float32 on cpu, bfloat16 on accelerators), "
+                             "float32, bfloat16, float16 (default %(default)s)")
+    parser.add_argument("--device", default=defaults.device,
+                        help="auto, cpu, cuda or npu (default %(default)s)")
+    parser.add_argument("--num-blocks", type=int, default=defaults.num_blocks,
+                        help="draft KV cache blocks shared by all streams (default %(default)s)")
+    parser.add_argument("--block-size", type=int, default=defaults.block_size,
+                        help="tokens per draft KV block (default %(default)s)")
+    parser.add_argument("--max-model-len", type=int, default=None,
+                        help="longest context to draft for (default: the model's maximum)")
+    parser.add_argument("--draft-sampling", action="store_true",
+                        help="sample drafts and send their probabilities (default: greedy drafts)")
+    parser.add_argument("--seed", type=int, default=defaults.seed,
+                        help="seed for --draft-sampling (default %(default)s)")
     parser.add_argument("--log-level", default="info", type=str.lower,
                         choices=("debug", "info", "warning", "error"),
                         help="logging level (default %(default)s)")
     return parser
 
 
-async def serve(config: SpeculativeConfig, host: str, port: int) -> None:
-    server, _ = await start_drafter_server(config, host, port)
+async def serve(config: SpeculativeConfig, host: str, port: int, options: ModelOptions) -> None:
+    server, _ = await start_drafter_server(config, host, port, options=options)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for signum in (signal.SIGTERM, signal.SIGINT):
@@ -106,7 +127,11 @@ def main(argv: list[str] | None = None) -> int:
                               param="speculative_config")
         if not 0 <= args.port <= 65535:
             raise ConfigError(f"--port must be in [0, 65535], got {args.port}", param="port")
-        asyncio.run(serve(config, args.host, args.port))
+        options = ModelOptions(target_model=args.target_model, dtype=args.dtype, device=args.device,
+                               num_blocks=args.num_blocks, block_size=args.block_size,
+                               max_model_len=args.max_model_len,
+                               draft_sampling=args.draft_sampling, seed=args.seed)
+        asyncio.run(serve(config, args.host, args.port, options))
     except ConfigError as exc:
         logger.error("%s", exc.message)
         return 2

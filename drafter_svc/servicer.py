@@ -7,6 +7,11 @@ Per SequenceUpdate, the sequence's drafter state is checked against `context_len
   a verifier's resync is idempotent;
 - a known sequence whose length + len(new_token_ids) == context_len is appended to;
 - anything else disagrees: answer needs_resync, propose nothing, drop the state.
+
+Methods that declared target layers (GetInfo.hidden_state_layer_ids) get each update's
+`hidden_states` decoded and checked: [rows, hidden_state_width] where rows cover the
+context positions the drafter has no row for yet, all but the last (see the proto). A
+missing or malformed tensor is INVALID_ARGUMENT for the stream, like any malformed request.
 """
 
 from __future__ import annotations
@@ -25,6 +30,9 @@ from specdec.v1 import specdec_pb2, specdec_pb2_grpc
 
 if TYPE_CHECKING:
     import torch
+
+HIDDEN_STATES_FIELD = "sequences.hidden_states"
+_HIDDEN_STATE_DTYPES = ("float32", "bfloat16", "float16")
 
 logger = logging.getLogger(__name__)
 
@@ -67,6 +75,7 @@ class DrafterServicer(specdec_pb2_grpc.DrafterServicer):
                     return
                 yield response
         finally:
+            proposer.close()  # returns shared draft KV blocks
             logger.info("Propose stream from %s closed", peer)
 
 
@@ -87,13 +96,13 @@ def handle_propose_request(proposer: Proposer,
     for update in request.sequences:
         seq_id = update.seq_id
         num_new = len(update.new_token_ids)
-        # hidden_states are ignored by methods that declared no layers (ngram).
-        hidden_states = None
         known_len = proposer.context_len(seq_id)
         if update.context_len == num_new:
+            hidden_states = _decode_hidden_states(proposer.info, update, 0)
             proposer.add_sequence(seq_id)
             proposer.append_tokens(seq_id, update.new_token_ids, hidden_states)
         elif known_len is not None and known_len + num_new == update.context_len:
+            hidden_states = _decode_hidden_states(proposer.info, update, known_len)
             proposer.rollback(seq_id, update.num_accepted_tokens)
             proposer.append_tokens(seq_id, update.new_token_ids, hidden_states)
         else:
@@ -112,14 +121,38 @@ def handle_propose_request(proposer: Proposer,
                 continue  # no draft: the verifier decodes one token for this sequence
             draft = response.drafts.add(seq_id=seq_id, draft_token_ids=proposal.draft_token_ids)
             if proposal.draft_probs is not None:
-                _encode_tensor(proposal.draft_probs, draft.draft_probs)
+                # Imported here: only model methods get here; ngram starts without torch.
+                from specdec.tensors import encode_tensor
+
+                encode_tensor(proposal.draft_probs, draft.draft_probs)
     return response
 
 
-def _encode_tensor(tensor: torch.Tensor, message: specdec_pb2.Tensor) -> None:
-    import torch  # only methods with draft probabilities get here; ngram starts without torch
+def _decode_hidden_states(info: ProposerInfo, update: specdec_pb2.SequenceUpdate,
+                          known_len: int) -> torch.Tensor | None:
+    """The update's target hidden-state rows, checked; None for methods that need none.
 
-    tensor = tensor.detach().contiguous().cpu()
-    message.data = tensor.view(-1).view(torch.uint8).numpy().tobytes()
-    message.dtype = str(tensor.dtype).removeprefix("torch.")
-    message.shape.extend(tensor.shape)
+    A drafter holding known_len tokens holds rows for all but the last of them, so the update
+    must bring rows for positions [max(known_len - 1, 0), context_len - 1).
+    """
+    if not info.hidden_state_layer_ids:
+        return None  # ngram: whatever the verifier sent is ignored
+    from specdec.tensors import decode_tensor
+
+    num_rows = max(update.context_len - 1, 0) - max(known_len - 1, 0)
+    width = info.hidden_state_width
+    if not update.HasField("hidden_states"):
+        if num_rows == 0:
+            import torch
+
+            return torch.empty(0, width)
+        raise InvalidRequestError(
+            f"seq {update.seq_id}: {HIDDEN_STATES_FIELD} missing; method {info.method!r} needs "
+            f"{num_rows} rows of layers {list(info.hidden_state_layer_ids)}", param=HIDDEN_STATES_FIELD)
+    try:
+        return decode_tensor(update.hidden_states, field=HIDDEN_STATES_FIELD,
+                             dtypes=_HIDDEN_STATE_DTYPES, shape=(num_rows, width or None))
+    except InvalidRequestError as exc:
+        raise InvalidRequestError(f"seq {update.seq_id}: {exc.message} (rows cover context positions "
+                                  f"[{max(known_len - 1, 0)}, {max(update.context_len - 1, 0)}))",
+                                  param=HIDDEN_STATES_FIELD) from None

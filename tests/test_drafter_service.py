@@ -164,10 +164,10 @@ async def test_duplicate_seq_id_aborts_with_invalid_argument(channel):
     assert "twice" in error.value.details()
 
 
-async def test_model_methods_are_not_implemented_yet():
+async def test_model_methods_refuse_a_missing_model():
     config = SpeculativeConfig.parse({"method": "eagle", "model": "some/eagle-head",
                                       "num_speculative_tokens": 2})
-    with pytest.raises(ConfigError, match="not implemented yet"):
+    with pytest.raises(ConfigError, match="'some/eagle-head' not found"):
         await start_drafter_server(config, "127.0.0.1", 0)
 
 
@@ -175,14 +175,15 @@ def test_cli_help_and_startup_error():
     result = subprocess.run([sys.executable, "-m", "drafter_svc", "--help"],
                             capture_output=True, text=True, timeout=60)
     assert result.returncode == 0
-    for flag in ("--speculative-config", "--host", "--port", "--log-level"):
+    for flag in ("--speculative-config", "--host", "--port", "--log-level", "--target-model",
+                 "--dtype", "--device", "--num-blocks", "--draft-sampling"):
         assert flag in result.stdout
     result = subprocess.run(
         [sys.executable, "-m", "drafter_svc", "--port", "0", "--speculative-config",
          '{"method": "draft_model", "model": "m", "num_speculative_tokens": 2}'],
         capture_output=True, text=True, timeout=60)
     assert result.returncode == 2
-    assert "not implemented yet" in result.stderr
+    assert "model 'm' not found" in result.stderr
 
 
 def test_cli_serves_and_stops_on_sigterm():

@@ -33,7 +33,8 @@ from dataclasses import dataclass
 import grpc
 import torch
 
-from specdec.errors import ConfigError, DrafterMismatchError
+from specdec.errors import ConfigError, DrafterMismatchError, InvalidRequestError
+from specdec.tensors import FLOAT_DTYPE_NAMES, decode_tensor
 from specdec.v1 import specdec_pb2, specdec_pb2_grpc
 
 logger = logging.getLogger(__name__)
@@ -42,7 +43,6 @@ _GET_INFO_TIMEOUT_S = 5.0
 # Steps sent but not yet answered before a replica counts as stuck and is reconnected.
 _MAX_UNANSWERED_STEPS = 32
 _WARNING_INTERVAL_S = 10.0
-_PROBS_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
 
 @dataclass(slots=True)
@@ -468,15 +468,12 @@ async def _drain(outbox: asyncio.Queue[specdec_pb2.ProposeRequest | None]):
 def _decode_probs(message: specdec_pb2.Tensor, num_tokens: int, vocab_size: int,
                   ) -> torch.Tensor | None:
     """[num_tokens, vocab] float32 probabilities, or None when the message is malformed."""
-    dtype = _PROBS_DTYPES.get(message.dtype)
-    shape = list(message.shape)
-    if dtype is None or len(shape) != 2 or shape[0] != num_tokens:
+    try:
+        probs = decode_tensor(message, field="draft_probs", dtypes=FLOAT_DTYPE_NAMES,
+                              shape=(num_tokens, vocab_size or None))
+    except InvalidRequestError:
         return None
-    if (vocab_size and shape[1] != vocab_size) or shape[1] == 0:
-        return None
-    if len(message.data) != shape[0] * shape[1] * dtype.itemsize:
-        return None
-    return torch.frombuffer(bytearray(message.data), dtype=dtype).view(shape).float()
+    return probs.float() if probs.shape[1] else None
 
 
 def _split_host_port(target: str) -> tuple[str, int]:

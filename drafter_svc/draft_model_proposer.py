@@ -1,0 +1,69 @@
+"""`draft_model`: a small causal LM of the Llama family drafts for the target.
+
+The draft model (HF directory or GGUF, through `resolve_model`) runs on its own paged KV
+cache (`DraftKVPool`). GetInfo reports the DRAFT model's vocabulary size and tokenizer
+fingerprint: the verifier refuses a drafter whose vocabulary differs from the target's,
+since draft token ids would mean other tokens there.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+
+import torch
+
+from drafter_svc.model_proposer import DraftKVPool, ModelProposer
+from drafter_svc.proposer import ModelOptions, ProposerInfo
+from specdec.attention import AttentionMetadata
+from specdec.config import SpeculativeConfig
+from specdec.device import resolve_device, resolve_dtype
+from specdec.errors import ConfigError
+from specdec.models import LlamaForCausalLM, load_model, load_tokenizer, resolve_model, tokenizer_fingerprint
+
+logger = logging.getLogger(__name__)
+
+
+class DraftModelProposer(ModelProposer):
+    """Per-stream state over a shared draft model; see model_proposer for the algorithm."""
+
+    uses_features = False
+    reuses_draft_kv = True
+
+    def __init__(self, model: LlamaForCausalLM, info: ProposerInfo, pool: DraftKVPool,
+                 device: torch.device, options: ModelOptions) -> None:
+        super().__init__(info, pool, device, feature_dtype=torch.float32,
+                         max_positions=model.max_positions, draft_sampling=options.draft_sampling,
+                         seed=options.seed)
+        self.model = model
+
+    def _forward(self, input_ids: torch.Tensor, positions: torch.Tensor, features: torch.Tensor | None,
+                 from_target: bool, attn_metadata: AttentionMetadata) -> torch.Tensor:
+        hidden = self.model(input_ids, positions, self._pool.kv_cache, attn_metadata)
+        assert isinstance(hidden, torch.Tensor)
+        return hidden
+
+    def _compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.model.compute_logits(hidden)
+
+
+def build_draft_model_method(config: SpeculativeConfig, options: ModelOptions
+                             ) -> Callable[[], DraftModelProposer]:
+    """Loads the draft model and allocates the KV pool once; returns the per-stream factory."""
+    if not config.model:
+        raise ConfigError("speculative config: method 'draft_model' needs 'model' (a draft model "
+                          "directory or GGUF file)", param="model")
+    device = resolve_device(options.device)
+    dtype = resolve_dtype(options.dtype, device)
+    model_dir = resolve_model(config.model)
+    model = load_model(model_dir, dtype, device, max_positions=options.max_model_len)
+    tokenizer = load_tokenizer(model_dir)
+    info = ProposerInfo(method="draft_model",
+                        max_num_speculative_tokens=config.num_speculative_tokens,
+                        vocab_size=model.config.vocab_size,
+                        tokenizer_fingerprint=tokenizer_fingerprint(tokenizer))
+    pool = DraftKVPool(model.config, options.num_blocks, options.block_size, dtype, device)
+    logger.info("draft_model %s: %d layers, vocab %d, k=%d, %s on %s", model_dir,
+                model.config.num_hidden_layers, model.config.vocab_size,
+                config.num_speculative_tokens, dtype, device)
+    return lambda: DraftModelProposer(model, info, pool, device, options)

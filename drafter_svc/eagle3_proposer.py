@@ -1,0 +1,79 @@
+"""`eagle3`: an EAGLE-3 head drafts from three of the target's intermediate hidden states.
+
+GetInfo asks for the target layer ids the head was trained on (the residual stream
+entering those layers; default 2, L // 2, L - 3) and reports the TARGET's vocabulary and
+tokenizer. Draft ids from a reduced draft vocabulary are mapped to target ids with d2t
+before they leave the drafter. Head semantics: specdec/models/eagle3.py.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+
+import torch
+
+from drafter_svc.eagle_proposer import load_target_for_head
+from drafter_svc.model_proposer import DraftKVPool, ModelProposer
+from drafter_svc.proposer import ModelOptions, ProposerInfo
+from specdec.attention import AttentionMetadata
+from specdec.config import SpeculativeConfig
+from specdec.device import resolve_device, resolve_dtype
+from specdec.errors import ConfigError
+from specdec.models import resolve_model
+from specdec.models.eagle3 import Eagle3Head, load_eagle3_head
+
+logger = logging.getLogger(__name__)
+
+
+class Eagle3Proposer(ModelProposer):
+    """Per-stream state over a shared EAGLE-3 head. Verified inputs carry fc(target features);
+    draft inputs the head's own pre-norm output, whose K/V are never reused."""
+
+    uses_features = True
+    reuses_draft_kv = False
+
+    def __init__(self, head: Eagle3Head, info: ProposerInfo, pool: DraftKVPool,
+                 device: torch.device, dtype: torch.dtype, options: ModelOptions) -> None:
+        super().__init__(info, pool, device, feature_dtype=dtype,
+                         max_positions=head.rotary_emb.max_positions,
+                         draft_sampling=options.draft_sampling, seed=options.seed)
+        self.head = head
+
+    def _forward(self, input_ids: torch.Tensor, positions: torch.Tensor, features: torch.Tensor | None,
+                 from_target: bool, attn_metadata: AttentionMetadata) -> torch.Tensor:
+        assert features is not None
+        hidden = self.head.combine_hidden_states(features) if from_target else features
+        return self.head(input_ids, positions, hidden, self._pool.kv_cache, attn_metadata)
+
+    def _compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.head.compute_logits(hidden)
+
+    def _to_target_ids(self, draft_ids: torch.Tensor) -> torch.Tensor:
+        return self.head.to_target_ids(draft_ids)
+
+    def _probs_to_target(self, probs: torch.Tensor) -> torch.Tensor:
+        if self.head.d2t is None:
+            return probs
+        target_probs = probs.new_zeros(probs.shape[0], self.info.vocab_size)
+        draft_ids = torch.arange(probs.shape[1], device=probs.device)
+        target_probs[:, self.head.to_target_ids(draft_ids)] = probs
+        return target_probs
+
+
+def build_eagle3_method(config: SpeculativeConfig, options: ModelOptions) -> Callable[[], Eagle3Proposer]:
+    """Loads the head (and the target's embedding) once; returns the per-stream factory."""
+    if not config.model:
+        raise ConfigError("speculative config: method 'eagle3' needs 'model' (an EAGLE-3 head "
+                          "directory)", param="model")
+    head_dir = resolve_model(config.model)  # a bad head path fails before the target loads
+    device = resolve_device(options.device)
+    dtype = resolve_dtype(options.dtype, device)
+    target, fingerprint, max_positions = load_target_for_head(options, dtype, device)
+    head, layer_ids = load_eagle3_head(head_dir, target, dtype, device, max_positions)
+    info = ProposerInfo(method="eagle3", max_num_speculative_tokens=config.num_speculative_tokens,
+                        hidden_state_layer_ids=layer_ids,
+                        vocab_size=target.config.vocab_size, tokenizer_fingerprint=fingerprint,
+                        hidden_state_width=len(layer_ids) * target.config.hidden_size)
+    pool = DraftKVPool(head.config, options.num_blocks, options.block_size, dtype, device)
+    return lambda: Eagle3Proposer(head, info, pool, device, dtype, options)
