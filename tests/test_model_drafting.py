@@ -1,0 +1,162 @@
+"""draft_model, eagle and eagle3 through the real services.
+
+Tiny random targets and drafts written to disk in the published layouts, loaded by the
+real loaders, served by a real drafter gRPC server to a real verifier engine. Greedy
+output with each method equals plain decoding's; a draft model identical to the target
+has every draft accepted, which only holds while the drafter's state stays in step with
+the verifier's through chunked prefill, batching and rollback.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from pathlib import Path
+
+import pytest
+
+from drafter_svc.proposer import ModelOptions
+from drafter_svc.server import start_drafter_server, stop_drafter_server
+from specdec.config import SpeculativeConfig
+from specdec.sampling_params import SamplingParams
+from tests.draft_checkpoints import make_draft_model, make_eagle3_head, make_eagle_head
+from tests.tiny_models import make_tiny_llama
+from verifier_svc.builder import VerifierConfig, build_engine
+from verifier_svc.engine import Engine
+
+K = 3
+NUM_LAYERS = 8  # eagle3's default layers (2, L/2, L-3) are then distinct: (2, 4, 5)
+PROMPTS = [
+    [5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17],
+    [30, 31, 32, 30, 31, 32, 33],
+    [50, 60, 70, 80, 90, 50, 60, 70, 80, 90, 50, 60, 70, 80, 90, 51, 52, 53],
+]
+MAX_TOKENS = 20
+
+
+@pytest.fixture(scope="module")
+def target(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return make_tiny_llama(tmp_path_factory.mktemp("target"), num_layers=NUM_LAYERS)
+
+
+def greedy() -> SamplingParams:
+    return SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
+
+
+async def generate(engine: Engine, prompt: list[int], params: SamplingParams) -> list[int]:
+    _, queue = engine.add_request("m", prompt, params)
+    tokens: list[int] = []
+    while True:
+        output = await queue.get()
+        assert not isinstance(output, Exception), output
+        tokens.extend(output.token_ids)
+        if output.finish_reason is not None:
+            return tokens
+
+
+async def serve_and_generate(target: Path, device: str, spec: dict | None,
+                             params: SamplingParams | None = None, expect_healthy: bool = True,
+                             **drafter_options: object) -> tuple[list[list[int]], Engine]:
+    """Runs PROMPTS concurrently through an engine (and a drafter for `spec`)."""
+    config = SpeculativeConfig.parse(spec) if spec else None
+    drafter = None
+    targets: tuple[str, ...] = ()
+    if config is not None:
+        options = ModelOptions(target_model=str(target), dtype="float32", device=device,
+                               num_blocks=256, block_size=4, **drafter_options)
+        drafter, port = await start_drafter_server(config, "127.0.0.1", 0, options=options)
+        targets = (f"127.0.0.1:{port}",)
+    engine, _ = build_engine(VerifierConfig(
+        model=str(target), device=device, dtype="float32", max_model_len=128, block_size=4,
+        num_gpu_blocks_override=256, max_num_batched_tokens=16, speculative_config=config,
+        drafter_targets=targets, draft_timeout_s=2.0))
+    await engine.start()
+    try:
+        if engine.drafter_pool is not None:
+            assert await engine.drafter_pool.wait_for_healthy(1, timeout_s=3.0) == expect_healthy
+        outputs = await asyncio.gather(*(generate(engine, p, params or greedy()) for p in PROMPTS))
+    finally:
+        await engine.stop()
+        if drafter is not None:
+            await stop_drafter_server(drafter)
+    return list(outputs), engine
+
+
+@pytest.fixture(scope="module")
+def plain(target: Path, device) -> list[list[int]]:
+    outputs, _ = asyncio.run(serve_and_generate(target, str(device), None))
+    return outputs
+
+
+def draft_spec(method: str, model: Path) -> dict:
+    return {"method": method, "model": str(model), "num_speculative_tokens": K}
+
+
+async def test_identical_draft_model_has_every_draft_accepted(target, device, plain) -> None:
+    outputs, engine = await serve_and_generate(target, str(device),
+                                               draft_spec("draft_model", target))
+    assert outputs == plain
+    assert engine.spec.num_draft_tokens > 0
+    assert engine.spec.num_accepted_tokens == engine.spec.num_draft_tokens
+
+
+async def test_wrong_draft_model_still_gives_the_target_output(target, device, plain,
+                                                               tmp_path) -> None:
+    wrong = make_draft_model(tmp_path / "wrong", num_layers=1, seed=7)
+    outputs, engine = await serve_and_generate(target, str(device), draft_spec("draft_model", wrong))
+    assert outputs == plain
+    assert engine.spec.num_draft_tokens > 0
+    assert engine.spec.num_accepted_tokens < engine.spec.num_draft_tokens
+
+
+async def test_mismatched_vocabulary_is_refused_and_serving_goes_on(
+        target, device, plain, tmp_path, caplog: pytest.LogCaptureFixture) -> None:
+    other = make_tiny_llama(tmp_path / "other-vocab", vocab_size=80)
+    caplog.set_level(logging.ERROR)
+    outputs, engine = await serve_and_generate(target, str(device), draft_spec("draft_model", other),
+                                               expect_healthy=False)
+    assert outputs == plain
+    assert engine.spec.num_drafts == 0
+    assert "vocab_size is 80" in caplog.text
+
+
+@pytest.mark.parametrize("fc_bias,with_embed,weights_format", [
+    (False, False, "bin"),
+    (True, False, "safetensors"),
+    (True, True, "bin"),
+])
+async def test_eagle_greedy_invariance(target, device, plain, tmp_path, fc_bias, with_embed,
+                                       weights_format) -> None:
+    head = tmp_path / "eagle"
+    make_eagle_head(head, target, fc_bias=fc_bias, with_embed=with_embed,
+                    weights_format=weights_format)
+    outputs, engine = await serve_and_generate(target, str(device), draft_spec("eagle", head))
+    assert outputs == plain
+    assert engine.spec.num_draft_tokens > 0
+
+
+@pytest.mark.parametrize("draft_vocab_size,layer_ids", [
+    (None, None),
+    (40, None),
+    (40, [1, 3, 6]),
+])
+async def test_eagle3_greedy_invariance(target, device, plain, tmp_path, draft_vocab_size,
+                                        layer_ids) -> None:
+    head = tmp_path / "eagle3"
+    make_eagle3_head(head, target, draft_vocab_size=draft_vocab_size, layer_ids=layer_ids)
+    outputs, engine = await serve_and_generate(target, str(device), draft_spec("eagle3", head))
+    assert outputs == plain
+    assert engine.spec.num_draft_tokens > 0
+    # EAGLE-3's layer ids name the residual stream entering a layer, as the verifier's do.
+    expected_layers = tuple(layer_ids) if layer_ids else (2, 4, 5)
+    assert engine.drafter_pool.hidden_state_layer_ids == expected_layers
+
+
+async def test_probabilistic_drafting_is_seeded_and_complete(target, device) -> None:
+    params = SamplingParams(temperature=0.9, seed=11, max_tokens=MAX_TOKENS, ignore_eos=True)
+    spec = draft_spec("draft_model", target)
+    first, engine = await serve_and_generate(target, str(device), spec, params, draft_sampling=True)
+    second, _ = await serve_and_generate(target, str(device), spec, params, draft_sampling=True)
+    assert all(len(tokens) == MAX_TOKENS for tokens in first)
+    assert first == second
+    assert 0 < engine.spec.num_accepted_tokens <= engine.spec.num_draft_tokens
