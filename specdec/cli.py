@@ -33,6 +33,9 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                              "and the KV cache")
     parser.add_argument("--num-gpu-blocks-override", type=int, default=None,
                         help="KV blocks to allocate, bypassing the memory budget")
+    parser.add_argument("--kv-cache-memory-bytes", type=int, default=None,
+                        help="KV cache size; default: from --gpu-memory-utilization (on cpu "
+                             "capped at VLLM_CPU_KVCACHE_SPACE GiB, default 4)")
     parser.add_argument("--block-size", type=int, default=16)
     parser.add_argument("--tensor-parallel-size", type=int, default=1)
     parser.add_argument("--draft-timeout-ms", type=float, default=50.0,

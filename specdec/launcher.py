@@ -63,6 +63,7 @@ def _child_commands(args: argparse.Namespace, model_path: str) -> list[tuple[str
                 "--draft-timeout-ms", str(args.draft_timeout_ms), *common]
     for flag, value in (("--max-model-len", args.max_model_len),
                         ("--num-gpu-blocks-override", args.num_gpu_blocks_override),
+                        ("--kv-cache-memory-bytes", args.kv_cache_memory_bytes),
                         ("--threads", args.threads),
                         ("--additional-config", args.additional_config)):
         if value is not None:

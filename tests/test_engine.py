@@ -10,6 +10,7 @@ import asyncio
 from pathlib import Path
 
 import pytest
+import torch
 
 from drafter_svc.server import start_drafter_server, stop_drafter_server
 from specdec.config import SpeculativeConfig
@@ -194,3 +195,28 @@ async def test_invalid_requests_are_refused(tiny_model: Path, device, prompt, pa
         assert info.value.param == param
         # The engine still serves.
         assert len(await generate(engine, PROMPTS[0], greedy(max_tokens=4))) == 4
+
+
+def test_kv_pool_is_sized_from_the_memory_budget(tiny_model: Path, device) -> None:
+    from specdec.errors import ConfigError
+    from specdec.kv_cache import KVCache
+    from specdec.models.loader import load_model_config
+
+    model_config = load_model_config(tiny_model)
+    per_block = KVCache.bytes_per_block(model_config, 4, torch.float32)
+    config = VerifierConfig(model=str(tiny_model), device=str(device), dtype="float32",
+                            max_model_len=64, max_num_seqs=64, block_size=4,
+                            kv_cache_memory_bytes=100 * per_block + per_block // 2)
+    engine, _ = build_engine(config)
+    assert engine.scheduler.block_manager.num_blocks == 100
+    assert engine.runner.kv_cache.num_blocks == 100
+    # Capped at what the limits can ever use: 2 sequences x 16 blocks.
+    engine, _ = build_engine(VerifierConfig(model=str(tiny_model), device=str(device),
+                                            dtype="float32", max_model_len=64, max_num_seqs=2,
+                                            block_size=4, kv_cache_memory_bytes=100 * per_block))
+    assert engine.scheduler.block_manager.num_blocks == 32
+    with pytest.raises(ConfigError) as info:
+        build_engine(VerifierConfig(model=str(tiny_model), device=str(device), dtype="float32",
+                                    max_model_len=64, block_size=4,
+                                    kv_cache_memory_bytes=10 * per_block))
+    assert info.value.param == "max_model_len"

@@ -41,6 +41,7 @@ def config_from_args(args: argparse.Namespace) -> VerifierConfig:
         max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
         block_size=args.block_size, gpu_memory_utilization=args.gpu_memory_utilization,
         num_gpu_blocks_override=args.num_gpu_blocks_override,
+        kv_cache_memory_bytes=args.kv_cache_memory_bytes,
         tensor_parallel_size=args.tensor_parallel_size,
         speculative_config=SpeculativeConfig.parse(args.speculative_config),
         drafter_targets=tuple(args.drafter), draft_timeout_s=args.draft_timeout_ms / 1000)

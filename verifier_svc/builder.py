@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -25,6 +26,9 @@ logger = logging.getLogger(__name__)
 
 # Fixed headroom for allocator fragmentation and framework buffers.
 _ACTIVATION_SLACK_BYTES = 256 << 20
+# On the CPU the KV cache shares RAM with everything else on the host, so, as vLLM's CPU
+# backend does (VLLM_CPU_KVCACHE_SPACE, GiB), it gets 4 GiB unless told otherwise.
+_CPU_KV_CACHE_DEFAULT_GIB = 4.0
 
 
 @dataclass(frozen=True)
@@ -38,6 +42,7 @@ class VerifierConfig:
     block_size: int = 16
     gpu_memory_utilization: float = 0.9
     num_gpu_blocks_override: int | None = None
+    kv_cache_memory_bytes: int | None = None
     tensor_parallel_size: int = 1
     speculative_config: SpeculativeConfig | None = None
     drafter_targets: tuple[str, ...] = ()
@@ -134,12 +139,17 @@ def _num_kv_blocks(config: VerifierConfig, model: torch.nn.Module, dtype: torch.
                         + _ACTIVATION_SLACK_BYTES)
     budget = (int(config.gpu_memory_utilization * device_memory_bytes(device))
               - weight_bytes - activation_bytes)
+    if config.kv_cache_memory_bytes is not None:
+        budget = config.kv_cache_memory_bytes
+    elif device.type == "cpu":
+        cpu_space_gib = float(os.environ.get("VLLM_CPU_KVCACHE_SPACE") or _CPU_KV_CACHE_DEFAULT_GIB)
+        budget = min(budget, int(cpu_space_gib * 2**30))
     usable = max(0, budget) // bytes_per_block
     blocks_per_seq = -(-max_model_len // config.block_size)
     most_ever_used = config.max_num_seqs * blocks_per_seq
     num_blocks = min(usable, most_ever_used)
-    logger.info("KV budget: %.2f GiB of %.2f GiB device memory after %.2f GiB weights and "
-                "%.2f GiB activations -> %d blocks (%d usable, %d the limits can use)",
+    logger.info("KV budget: %.2f GiB (device memory %.2f GiB, weights %.2f GiB, "
+                "activations %.2f GiB) -> %d blocks (%d fit, %d the limits can use)",
                 max(0, budget) / 2**30, device_memory_bytes(device) / 2**30, weight_bytes / 2**30,
                 activation_bytes / 2**30, num_blocks, usable, most_ever_used)
     return num_blocks
