@@ -5,55 +5,38 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
-import signal
-
-import grpc
-from grpc_health.v1 import health, health_pb2, health_pb2_grpc
-from grpc_reflection.v1alpha import reflection
 
 from drafter_svc.proposer import ModelOptions, proposer_factory
 from drafter_svc.servicer import DrafterServicer
 from specdec.config import SpeculativeConfig
 from specdec.errors import ConfigError
+from specdec.grpc_server import GrpcServer, run_until_signalled
 from specdec.v1 import specdec_pb2, specdec_pb2_grpc
 
 logger = logging.getLogger(__name__)
 
 DEFAULT_PORT = 50052
-MAX_MESSAGE_BYTES = 64 << 20
 DRAFTER_SERVICE_NAME = specdec_pb2.DESCRIPTOR.services_by_name["Drafter"].full_name
 
 
 async def start_drafter_server(config: SpeculativeConfig, host: str = "127.0.0.1",
                                port: int = DEFAULT_PORT, *,
-                               max_message_bytes: int = MAX_MESSAGE_BYTES,
                                options: ModelOptions | None = None,
-                               ) -> tuple[grpc.aio.Server, int]:
+                               ) -> tuple[GrpcServer, int]:
     """Builds the proposer, binds host:port (0 = any free port) and starts serving.
 
     Model methods load their weights here (`options`: target model, dtype, device, KV pool).
-    Returns the started server and the bound port. Health reports SERVING for the whole
-    server and for the Drafter service once started; `stop_drafter_server` flips it.
+    Returns the started server and the bound port; health reports SERVING once started.
     """
     make_proposer = proposer_factory(config, options)
     info = make_proposer().info
-    server = grpc.aio.server(options=[
-        ("grpc.max_send_message_length", max_message_bytes),
-        ("grpc.max_receive_message_length", max_message_bytes),
-    ])
-    specdec_pb2_grpc.add_DrafterServicer_to_server(DrafterServicer(make_proposer, info), server)
-    health_servicer = health.aio.HealthServicer()
-    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
-    reflection.enable_server_reflection(
-        (DRAFTER_SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), server)
-    address = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
-    bound_port = server.add_insecure_port(address)
-    if bound_port == 0:
-        raise ConfigError(f"drafter: cannot bind {address}", param="port")
-    await server.start()
-    for service in ("", DRAFTER_SERVICE_NAME):
-        await health_servicer.set(service, health_pb2.HealthCheckResponse.SERVING)
-    server.health_servicer = health_servicer  # type: ignore[attr-defined]
+    server = GrpcServer([DRAFTER_SERVICE_NAME])
+    specdec_pb2_grpc.add_DrafterServicer_to_server(DrafterServicer(make_proposer, info),
+                                                   server.server)
+    try:
+        bound_port = await server.start(host, port)
+    except OSError as exc:
+        raise ConfigError(f"drafter: {exc}", param="port") from None
     logger.info("drafter serving on %s:%d: method=%s num_speculative_tokens=%d%s", host,
                 bound_port, config.method, config.num_speculative_tokens,
                 f" prompt_lookup=[{config.prompt_lookup_min}, {config.prompt_lookup_max}]"
@@ -61,11 +44,8 @@ async def start_drafter_server(config: SpeculativeConfig, host: str = "127.0.0.1
     return server, bound_port
 
 
-async def stop_drafter_server(server: grpc.aio.Server, grace_s: float = 5.0) -> None:
+async def stop_drafter_server(server: GrpcServer, grace_s: float = 5.0) -> None:
     """Reports NOT_SERVING, then stops, letting open streams finish within grace_s."""
-    health_servicer = getattr(server, "health_servicer", None)
-    if health_servicer is not None:
-        await health_servicer.enter_graceful_shutdown()
     await server.stop(grace_s)
 
 
@@ -106,13 +86,7 @@ def build_arg_parser() -> argparse.ArgumentParser:
 
 async def serve(config: SpeculativeConfig, host: str, port: int, options: ModelOptions) -> None:
     server, _ = await start_drafter_server(config, host, port, options=options)
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for signum in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(signum, stop.set)
-    await stop.wait()
-    logger.info("drafter shutting down")
-    await stop_drafter_server(server)
+    await run_until_signalled(server)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -71,7 +71,7 @@ async def test_health_not_serving_on_shutdown():
     server, port = await start_drafter_server(CONFIG, "127.0.0.1", 0)
     async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as chan:
         stub = health_pb2_grpc.HealthStub(chan)
-        await server.health_servicer.enter_graceful_shutdown()
+        await server.set_serving(False)
         response = await stub.Check(health_pb2.HealthCheckRequest(service=""))
         assert response.status == health_pb2.HealthCheckResponse.NOT_SERVING
     await stop_drafter_server(server, grace_s=0)

@@ -30,19 +30,15 @@ import socket
 import time
 from dataclasses import dataclass
 
-import grpc
 import torch
 
 from specdec.errors import ConfigError, DrafterMismatchError, InvalidRequestError
-from specdec.tensors import FLOAT_DTYPE_NAMES, decode_tensor
-from specdec.v1 import specdec_pb2, specdec_pb2_grpc
+from specdec.tensors import FLOAT_DTYPE_NAMES, decode_tensor, encode_tensor
+from specdec.v1 import specdec_pb2
+from verifier_svc.drafter_replica import DrafterReplica
 
 logger = logging.getLogger(__name__)
 
-_GET_INFO_TIMEOUT_S = 5.0
-# Steps sent but not yet answered before a replica counts as stuck and is reconnected.
-_MAX_UNANSWERED_STEPS = 32
-_WARNING_INTERVAL_S = 10.0
 
 
 @dataclass(slots=True)
@@ -64,7 +60,7 @@ class Draft:
 
 @dataclass(slots=True)
 class _SeqState:
-    replica: _Replica
+    replica: DrafterReplica
     num_synced_tokens: int
     num_synced_hidden_rows: int = 0
 
@@ -93,7 +89,7 @@ class DrafterPool:
             ("grpc.keepalive_time_ms", 10_000),
             ("grpc.keepalive_timeout_ms", 5_000),
         ]
-        self._replicas: dict[str, _Replica] = {}
+        self._replicas: dict[str, DrafterReplica] = {}
         self._addresses_by_target: dict[tuple[str, int], set[str]] = {}
         self._seqs: dict[int, _SeqState] = {}
         # The target layers every replica needs (GetInfo), fixed by the first replica
@@ -141,11 +137,11 @@ class DrafterPool:
                        timeout_s: float) -> dict[int, Draft]:
         self._step_id += 1
         step_id = self._step_id
-        messages: dict[_Replica, specdec_pb2.ProposeRequest] = {}
+        messages: dict[DrafterReplica, specdec_pb2.ProposeRequest] = {}
         # Per replica: seq_id -> number of draft tokens asked for.
-        asked: dict[_Replica, dict[int, int]] = {}
+        asked: dict[DrafterReplica, dict[int, int]] = {}
 
-        def message_for(replica: _Replica) -> specdec_pb2.ProposeRequest:
+        def message_for(replica: DrafterReplica) -> specdec_pb2.ProposeRequest:
             message = messages.get(replica)
             if message is None:
                 message = messages[replica] = specdec_pb2.ProposeRequest(step_id=step_id)
@@ -195,7 +191,7 @@ class DrafterPool:
             if num_tokens > 0:
                 asked[replica][request.seq_id] = num_tokens
 
-        waiting: dict[asyncio.Future[specdec_pb2.ProposeResponse | None], _Replica] = {}
+        waiting: dict[asyncio.Future[specdec_pb2.ProposeResponse | None], DrafterReplica] = {}
         for replica, message in messages.items():
             future = replica.send(message, wants_response=bool(asked[replica]))
             if future is not None:
@@ -226,7 +222,7 @@ class DrafterPool:
         state = self._seqs[seq_id] = _SeqState(replica, 0)
         return state
 
-    def _collect(self, replica: _Replica, response: specdec_pb2.ProposeResponse,
+    def _collect(self, replica: DrafterReplica, response: specdec_pb2.ProposeResponse,
                  asked: dict[int, int], drafts: dict[int, Draft]) -> None:
         """Validates one in-time response; bad drafts are dropped with a (rate-limited) warning."""
         for sequence_draft in response.drafts:
@@ -254,7 +250,7 @@ class DrafterPool:
                     continue
             drafts[seq_id] = Draft(token_ids, probs)
 
-    def mark_needs_resync(self, replica: _Replica, seq_id: int) -> None:
+    def mark_needs_resync(self, replica: DrafterReplica, seq_id: int) -> None:
         state = self._seqs.get(seq_id)
         if state is not None and state.replica is replica:
             state.num_synced_tokens = 0
@@ -281,7 +277,7 @@ class DrafterPool:
                 f"{list(self.hidden_state_layer_ids)}")
         return None
 
-    def drop_replica_sequences(self, replica: _Replica) -> None:
+    def drop_replica_sequences(self, replica: DrafterReplica) -> None:
         """The replica lost its stream: its sequences get reassigned on their next step."""
         for seq_id in replica.seq_ids:
             state = self._seqs.get(seq_id)
@@ -315,154 +311,8 @@ class DrafterPool:
             await self._replicas.pop(address).close()
         for address in sorted(wanted - set(self._replicas)):
             logger.info("drafter pool: adding replica %s", address)
-            replica = self._replicas[address] = _Replica(self, address)
+            replica = self._replicas[address] = DrafterReplica(self, address)
             replica.start()
-
-
-class _Replica:
-    """One drafter address: a channel, one long-lived Propose stream, a health flag."""
-
-    def __init__(self, pool: DrafterPool, address: str) -> None:
-        self.pool = pool
-        self.address = address
-        self.healthy = False
-        self.max_num_speculative_tokens = 0
-        self.seq_ids: set[int] = set()
-        self._outbox: asyncio.Queue[specdec_pb2.ProposeRequest | None] = asyncio.Queue()
-        self._pending: dict[int, asyncio.Future[specdec_pb2.ProposeResponse | None]] = {}
-        self._num_unanswered = 0
-        self._call: grpc.aio.StreamStreamCall | None = None
-        self._task: asyncio.Task[None] | None = None
-        self._closing = False
-        self._last_warning_at = float("-inf")
-        self._num_suppressed_warnings = 0
-        self._last_refusal = ""
-
-    def start(self) -> None:
-        self._task = asyncio.create_task(self._run(), name=f"drafter-replica-{self.address}")
-
-    async def close(self) -> None:
-        self._closing = True
-        self._outbox.put_nowait(None)  # half-close the stream: the drafter drops our state
-        await asyncio.sleep(0)
-        if self._task is not None:
-            self._task.cancel()
-            await asyncio.gather(self._task, return_exceptions=True)
-
-    def send(self, message: specdec_pb2.ProposeRequest, wants_response: bool,
-             ) -> asyncio.Future[specdec_pb2.ProposeResponse | None] | None:
-        """Queues one step's message; returns the future of its response, if one is wanted."""
-        if not self.healthy:
-            return None
-        if self._num_unanswered >= _MAX_UNANSWERED_STEPS and self._call is not None:
-            logger.warning("drafter %s has not answered %d steps; reconnecting", self.address,
-                           self._num_unanswered)
-            self._call.cancel()
-            return None
-        self._num_unanswered += 1
-        self._outbox.put_nowait(message)
-        if not wants_response:
-            return None
-        future: asyncio.Future[specdec_pb2.ProposeResponse | None] = (
-            asyncio.get_running_loop().create_future())
-        self._pending[message.step_id] = future
-        return future
-
-    def forget(self, step_id: int) -> None:
-        future = self._pending.pop(step_id, None)
-        if future is not None and not future.done():
-            future.cancel()
-
-    def warn(self, text: str) -> None:
-        """Logs at most one warning per _WARNING_INTERVAL_S, counting the ones held back."""
-        now = time.monotonic()
-        if now - self._last_warning_at < _WARNING_INTERVAL_S:
-            self._num_suppressed_warnings += 1
-            return
-        suppressed = (f" (and {self._num_suppressed_warnings} similar since the last warning)"
-                      if self._num_suppressed_warnings else "")
-        self._last_warning_at, self._num_suppressed_warnings = now, 0
-        logger.warning("drafter %s: %s%s", self.address, text, suppressed)
-
-    async def _run(self) -> None:
-        backoff_s = self.pool.backoff_initial_s
-        was_up = True  # the first failure is logged at WARNING, repeats at DEBUG
-        while True:
-            channel = grpc.aio.insecure_channel(self.address, options=self.pool.channel_options)
-            try:
-                async for _ in self._serve(channel):
-                    backoff_s = self.pool.backoff_initial_s
-                    was_up = True
-                raise ConnectionError("the drafter ended the stream")
-            except DrafterMismatchError as exc:
-                # ERROR once per distinct reason; the periodic re-checks repeat it at DEBUG.
-                logger.log(logging.ERROR if exc.message != self._last_refusal else logging.DEBUG,
-                           "drafter %s refused: %s; serving without it", self.address,
-                           exc.message)
-                self._last_refusal = exc.message
-                backoff_s = self.pool.backoff_max_s
-            except asyncio.CancelledError:
-                current = asyncio.current_task()
-                if self._closing or (current is not None and current.cancelling()):
-                    raise
-                # Our own call.cancel() (a stuck replica): reconnect like any failure.
-                logger.warning("drafter %s: stream cancelled; reconnecting", self.address)
-            except Exception as exc:
-                logger.log(logging.WARNING if was_up else logging.DEBUG,
-                           "drafter %s unavailable (%s); retrying in %.2f s",
-                           self.address, _describe(exc), backoff_s)
-                was_up = False
-            finally:
-                self._mark_down()
-                await channel.close(grace=None)
-            await asyncio.sleep(backoff_s)
-            backoff_s = min(backoff_s * 2, self.pool.backoff_max_s)
-
-    async def _serve(self, channel: grpc.aio.Channel):
-        """Checks GetInfo, opens the Propose stream; yields once connected and after each response."""
-        stub = specdec_pb2_grpc.DrafterStub(channel)
-        info = await stub.GetInfo(specdec_pb2.GetDrafterInfoRequest(),
-                                  timeout=_GET_INFO_TIMEOUT_S)
-        refusal = self.pool.check_info(info)
-        if refusal is not None:
-            raise refusal
-        self.max_num_speculative_tokens = info.max_num_speculative_tokens
-        self._outbox = asyncio.Queue()
-        self._call = stub.Propose(_drain(self._outbox))
-        self.healthy = True
-        logger.info("drafter %s connected: method=%s max k=%d", self.address, info.method,
-                    info.max_num_speculative_tokens)
-        yield
-        async for response in self._call:
-            self._on_response(response)
-            yield
-
-    def _on_response(self, response: specdec_pb2.ProposeResponse) -> None:
-        self._num_unanswered = max(0, self._num_unanswered - 1)
-        future = self._pending.pop(response.step_id, None)
-        if future is not None and not future.done():
-            future.set_result(response)
-            return
-        for sequence_draft in response.drafts:  # late: only its resync requests still count
-            if sequence_draft.needs_resync:
-                self.pool.mark_needs_resync(self, sequence_draft.seq_id)
-
-    def _mark_down(self) -> None:
-        self.healthy = False
-        self._call = None
-        self._num_unanswered = 0
-        self._outbox.put_nowait(None)  # ends the request stream of a half-dead call
-        for future in self._pending.values():
-            if not future.done():
-                future.set_result(None)
-        self._pending.clear()
-        self.pool.drop_replica_sequences(self)
-
-
-async def _drain(outbox: asyncio.Queue[specdec_pb2.ProposeRequest | None]):
-    """The request side of a Propose stream: messages as propose() queues them."""
-    while (message := await outbox.get()) is not None:
-        yield message
 
 
 def _decode_probs(message: specdec_pb2.Tensor, num_tokens: int, vocab_size: int,
@@ -485,16 +335,3 @@ def _split_host_port(target: str) -> tuple[str, int]:
 
 def _format_address(ip: str, port: int) -> str:
     return f"[{ip}]:{port}" if ":" in ip else f"{ip}:{port}"
-
-
-def _describe(exc: Exception) -> str:
-    if isinstance(exc, grpc.aio.AioRpcError):
-        return f"{exc.code().name}: {exc.details()}"
-    return str(exc) or type(exc).__name__
-
-
-def encode_tensor(tensor: torch.Tensor, message: specdec_pb2.Tensor) -> None:
-    tensor = tensor.detach().contiguous().cpu()
-    message.data = tensor.view(-1).view(torch.uint8).numpy().tobytes()
-    message.dtype = str(tensor.dtype).removeprefix("torch.")
-    message.shape.extend(tensor.shape)
