@@ -88,7 +88,7 @@ async def _bench(args: argparse.Namespace) -> list[dict[str, object]]:
         max_num_batched_tokens=args.max_num_batched_tokens,
         num_gpu_blocks_override=args.num_gpu_blocks_override or 512,
         speculative_config=spec, drafter_targets=(f"127.0.0.1:{drafter_port}",),
-        draft_timeout_s=args.draft_timeout_ms / 1000)
+        draft_timeout_s=args.draft_timeout_ms / 1000 if args.draft_timeout_ms else None)
     engine, _ = build_engine(config)
     await engine.start()
     rows: list[dict[str, object]] = []

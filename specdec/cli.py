@@ -38,8 +38,9 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                              "capped at VLLM_CPU_KVCACHE_SPACE GiB, default 4)")
     parser.add_argument("--block-size", type=int, default=16)
     parser.add_argument("--tensor-parallel-size", type=int, default=1)
-    parser.add_argument("--draft-timeout-ms", type=float, default=50.0,
-                        help="per-step deadline for drafter proposals")
+    parser.add_argument("--draft-timeout-ms", type=float, default=None,
+                        help="per-step deadline for drafter proposals (default: 50 for ngram, "
+                             "2000 for the model methods)")
     parser.add_argument("--additional-config", default=None, help="JSON object")
     parser.add_argument("--threads", type=int, default=None, help="torch CPU threads")
 

@@ -189,6 +189,18 @@ def _infer_method(model: str | None) -> str:
     return "draft_model"
 
 
+# A model drafter runs k forwards per step, an ngram lookup takes microseconds: the
+# per-step deadline for proposals defaults to what the method needs.
+NGRAM_DRAFT_TIMEOUT_S = 0.05
+MODEL_DRAFT_TIMEOUT_S = 2.0
+
+
+def default_draft_timeout_s(spec: SpeculativeConfig | None) -> float:
+    if spec is not None and spec.method in MODEL_METHODS:
+        return MODEL_DRAFT_TIMEOUT_S
+    return NGRAM_DRAFT_TIMEOUT_S
+
+
 def parse_additional_config(text: str | None, used_keys: tuple[str, ...] = ()) -> dict[str, Any]:
     """Parses `--additional-config` JSON; keys specdec does not use are named in a warning."""
     if text is None or not text.strip():

@@ -60,10 +60,11 @@ def _child_commands(args: argparse.Namespace, model_path: str) -> list[tuple[str
                 "--gpu-memory-utilization", str(args.gpu_memory_utilization),
                 "--block-size", str(args.block_size),
                 "--tensor-parallel-size", str(args.tensor_parallel_size),
-                "--draft-timeout-ms", str(args.draft_timeout_ms), *common]
+                *common]
     for flag, value in (("--max-model-len", args.max_model_len),
                         ("--num-gpu-blocks-override", args.num_gpu_blocks_override),
                         ("--kv-cache-memory-bytes", args.kv_cache_memory_bytes),
+                        ("--draft-timeout-ms", args.draft_timeout_ms),
                         ("--threads", args.threads),
                         ("--additional-config", args.additional_config)):
         if value is not None:

@@ -44,7 +44,7 @@ def config_from_args(args: argparse.Namespace) -> VerifierConfig:
         kv_cache_memory_bytes=args.kv_cache_memory_bytes,
         tensor_parallel_size=args.tensor_parallel_size,
         speculative_config=SpeculativeConfig.parse(args.speculative_config),
-        drafter_targets=tuple(args.drafter), draft_timeout_s=args.draft_timeout_ms / 1000)
+        drafter_targets=tuple(args.drafter), draft_timeout_s=args.draft_timeout_ms / 1000 if args.draft_timeout_ms else None)
 
 
 async def serve(args: argparse.Namespace) -> None:

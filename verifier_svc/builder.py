@@ -11,7 +11,7 @@ from pathlib import Path
 import torch
 
 from specdec.block_manager import BlockManager
-from specdec.config import EngineConfig, SpeculativeConfig
+from specdec.config import EngineConfig, SpeculativeConfig, default_draft_timeout_s
 from specdec.device import device_memory_bytes, resolve_device, resolve_dtype
 from specdec.errors import ConfigError
 from specdec.kv_cache import KVCache
@@ -46,7 +46,8 @@ class VerifierConfig:
     tensor_parallel_size: int = 1
     speculative_config: SpeculativeConfig | None = None
     drafter_targets: tuple[str, ...] = ()
-    draft_timeout_s: float = 0.05
+    # None: the method's default (config.default_draft_timeout_s).
+    draft_timeout_s: float | None = None
 
     def __post_init__(self) -> None:
         if self.tensor_parallel_size != 1:
@@ -90,7 +91,8 @@ def build_engine(config: VerifierConfig) -> tuple[Engine, ServedModel]:
     engine_config = EngineConfig(max_model_len=max_model_len, max_num_seqs=config.max_num_seqs,
                                  max_num_batched_tokens=config.max_num_batched_tokens,
                                  block_size=config.block_size, num_kv_blocks=num_blocks,
-                                 draft_timeout_s=config.draft_timeout_s)
+                                 draft_timeout_s=config.draft_timeout_s
+                                 or default_draft_timeout_s(config.speculative_config))
     if num_blocks * config.block_size < max_model_len:
         raise ConfigError(f"the KV cache holds {num_blocks * config.block_size} tokens, less "
                           f"than one sequence of --max-model-len {max_model_len}; raise "
