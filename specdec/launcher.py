@@ -71,8 +71,12 @@ def _child_commands(args: argparse.Namespace, model_path: str) -> list[tuple[str
             verifier += [flag, str(value)]
     if spec is not None:
         drafter_port = args.drafter_port or _free_port()
+        # Model drafters run on the same device and dtype as the target; EAGLE heads also
+        # read the target's embedding, head and tokenizer.
         commands.append(("drafter", [python, "-m", "drafter_svc", "--port", str(drafter_port),
-                                     "--speculative-config", spec.to_json(), *common]))
+                                     "--speculative-config", spec.to_json(),
+                                     "--target-model", model_path, "--dtype", args.dtype,
+                                     "--device", args.device, *common]))
         verifier += ["--speculative-config", spec.to_json(),
                      "--drafter", f"127.0.0.1:{drafter_port}"]
     commands.append(("verifier", verifier))

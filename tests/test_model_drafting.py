@@ -160,3 +160,60 @@ async def test_probabilistic_drafting_is_seeded_and_complete(target, device) -> 
     assert all(len(tokens) == MAX_TOKENS for tokens in first)
     assert first == second
     assert 0 < engine.spec.num_accepted_tokens <= engine.spec.num_draft_tokens
+
+
+def test_launcher_passes_the_speculation_through_to_the_drafter(target, plain, tmp_path) -> None:
+    """`python -m specdec serve` with an EAGLE-3 head on a local model: the drafter gets the
+    config and the target, drafts arrive, and the answers are the target's."""
+    import json
+    import os
+    import signal
+    import socket
+    import subprocess
+    import sys
+    import time
+
+    import httpx
+
+    from tests.tiny_models import make_tokenizer
+
+    head = tmp_path / "eagle3"
+    make_eagle3_head(head, target, draft_vocab_size=40, layer_ids=None)
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    root = Path(__file__).resolve().parent.parent
+    spec = json.dumps(draft_spec("eagle3", head))
+    process = subprocess.Popen(
+        [sys.executable, "-m", "specdec", "serve", "--model", str(target), "--port", str(port),
+         "--speculative-config", spec, "--max-model-len", "128", "--block-size", "4",
+         "--num-gpu-blocks-override", "256", "--dtype", "float32", "--log-level", "warning"],
+        cwd=root, env=dict(os.environ, PYTHONPATH=str(root)))
+    base = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 120
+        while True:
+            assert process.poll() is None, "the launcher exited"
+            assert time.monotonic() < deadline, "not healthy in 120 s"
+            try:
+                if httpx.get(f"{base}/health", timeout=1).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.3)
+        tokenizer = make_tokenizer(96)
+        num_draft_tokens = 0
+        for attempt in range(2):  # the first may start before the drafter has connected
+            for prompt, expected in zip(PROMPTS, plain):
+                response = httpx.post(f"{base}/v1/completions", timeout=60, json={
+                    "model": str(target), "prompt": prompt, "max_tokens": MAX_TOKENS,
+                    "temperature": 0, "ignore_eos": True})
+                assert response.status_code == 200, response.text
+                body = response.json()
+                words = tokenizer.decode(expected, skip_special_tokens=True).split()
+                assert body["choices"][0]["text"].split() == words
+                num_draft_tokens += body["usage"].get("speculation", {}).get("num_draft_tokens", 0)
+        assert num_draft_tokens > 0
+    finally:
+        process.send_signal(signal.SIGTERM)
+        assert process.wait(timeout=30) == 0
