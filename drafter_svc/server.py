@@ -11,6 +11,7 @@ from drafter_svc.servicer import DrafterServicer
 from specdec.config import SpeculativeConfig
 from specdec.errors import ConfigError
 from specdec.grpc_server import GrpcServer, run_until_signalled
+from specdec.tls import GrpcTlsConfig, add_grpc_tls_args, grpc_tls_from_args
 from specdec.v1 import specdec_pb2, specdec_pb2_grpc
 
 logger = logging.getLogger(__name__)
@@ -22,10 +23,12 @@ DRAFTER_SERVICE_NAME = specdec_pb2.DESCRIPTOR.services_by_name["Drafter"].full_n
 async def start_drafter_server(config: SpeculativeConfig, host: str = "127.0.0.1",
                                port: int = DEFAULT_PORT, *,
                                options: ModelOptions | None = None,
+                               tls: GrpcTlsConfig | None = None,
                                ) -> tuple[GrpcServer, int]:
     """Builds the proposer, binds host:port (0 = any free port) and starts serving.
 
     Model methods load their weights here (`options`: target model, dtype, device, KV pool).
+    With `tls` carrying a server certificate the port accepts TLS only.
     Returns the started server and the bound port; health reports SERVING once started.
     """
     make_proposer = proposer_factory(config, options)
@@ -34,7 +37,8 @@ async def start_drafter_server(config: SpeculativeConfig, host: str = "127.0.0.1
     specdec_pb2_grpc.add_DrafterServicer_to_server(DrafterServicer(make_proposer, info),
                                                    server.server)
     try:
-        bound_port = await server.start(host, port)
+        bound_port = await server.start(host, port,
+                                        tls.server_credentials() if tls is not None else None)
     except OSError as exc:
         raise ConfigError(f"drafter: {exc}", param="port") from None
     logger.info("drafter serving on %s:%d: method=%s num_speculative_tokens=%d%s", host,
@@ -81,11 +85,13 @@ def build_arg_parser() -> argparse.ArgumentParser:
     parser.add_argument("--log-level", default="info", type=str.lower,
                         choices=("debug", "info", "warning", "error"),
                         help="logging level (default %(default)s)")
+    add_grpc_tls_args(parser, client=False)
     return parser
 
 
-async def serve(config: SpeculativeConfig, host: str, port: int, options: ModelOptions) -> None:
-    server, _ = await start_drafter_server(config, host, port, options=options)
+async def serve(config: SpeculativeConfig, host: str, port: int, options: ModelOptions,
+                tls: GrpcTlsConfig | None = None) -> None:
+    server, _ = await start_drafter_server(config, host, port, options=options, tls=tls)
     await run_until_signalled(server)
 
 
@@ -105,7 +111,7 @@ def main(argv: list[str] | None = None) -> int:
                                num_blocks=args.num_blocks, block_size=args.block_size,
                                max_model_len=args.max_model_len,
                                draft_sampling=args.draft_sampling, seed=args.seed)
-        asyncio.run(serve(config, args.host, args.port, options))
+        asyncio.run(serve(config, args.host, args.port, options, grpc_tls_from_args(args)))
     except ConfigError as exc:
         logger.error("%s", exc.message)
         return 2

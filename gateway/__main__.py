@@ -10,7 +10,9 @@ import sys
 import uvicorn
 
 from gateway.app import GatewayConfig, create_app
+from gateway.verifier_client import VerifierClient
 from specdec.errors import SpecdecError
+from specdec.tls import add_grpc_tls_args, grpc_tls_from_args
 
 logger = logging.getLogger("gateway")
 
@@ -38,6 +40,7 @@ def build_parser() -> argparse.ArgumentParser:
                         help="accepted for vLLM compatibility")
     parser.add_argument("--log-level", default="info", type=str.lower,
                         choices=["critical", "error", "warning", "info", "debug"])
+    add_grpc_tls_args(parser, server=False)
     return parser
 
 
@@ -53,11 +56,13 @@ def main(argv: list[str] | None = None) -> int:
                                verifier_addresses=tuple(args.verifier),
                                max_model_len=args.max_model_len, api_key=args.api_key,
                                host=args.host, port=args.port)
+        verifier_client = VerifierClient(config.verifier_addresses,
+                                         tls=grpc_tls_from_args(args))
         tokenizer = load_tokenizer(resolve_model(args.model))
     except (SpecdecError, OSError) as exc:
         print(f"error: {getattr(exc, 'message', exc)}", file=sys.stderr)
         return 2
-    app = create_app(config, tokenizer)
+    app = create_app(config, tokenizer, verifier_client)
     uvicorn.Server(uvicorn.Config(app, host=config.host, port=config.port,
                                   log_level=args.log_level, timeout_graceful_shutdown=5)).run()
     return 0

@@ -19,6 +19,7 @@ import grpc
 
 from gateway.errors import error_from_grpc
 from specdec.errors import UnavailableError
+from specdec.tls import GrpcTlsConfig, open_channel
 from specdec.v1 import specdec_pb2, specdec_pb2_grpc
 
 logger = logging.getLogger(__name__)
@@ -76,12 +77,13 @@ class VerifierClient:
     """Clients of the verifiers at `addresses` ("host:port"). Start in the serving loop."""
 
     def __init__(self, addresses: Sequence[str], *, probe_timeout_s: float = 2.0,
-                 reprobe_interval_s: float = 2.0) -> None:
+                 reprobe_interval_s: float = 2.0, tls: GrpcTlsConfig | None = None) -> None:
         if not addresses:
             raise ValueError("at least one verifier address is needed")
         self.addresses = tuple(addresses)
         self._probe_timeout_s = probe_timeout_s
         self._reprobe_interval_s = reprobe_interval_s
+        self._tls = tls  # None or no --grpc-tls-ca: plain channels
         self._endpoints: list[_Endpoint] = []
         self._next_index = 0
         self._background: set[asyncio.Task] = set()
@@ -89,7 +91,7 @@ class VerifierClient:
     async def start(self) -> None:
         self._endpoints = []
         for address in self.addresses:
-            channel = grpc.aio.insecure_channel(address, options=_CHANNEL_OPTIONS)
+            channel = open_channel(self._tls, address, _CHANNEL_OPTIONS)
             self._endpoints.append(_Endpoint(address, channel,
                                              specdec_pb2_grpc.VerifierStub(channel)))
         await self.probe_all()

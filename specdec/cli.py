@@ -41,6 +41,13 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--draft-timeout-ms", type=float, default=None,
                         help="per-step deadline for drafter proposals (default: 50 for ngram, "
                              "2000 for the model methods)")
+    parser.add_argument("--max-waiting-requests", type=int, default=None,
+                        help="requests that may wait beyond --max-num-seqs; one more is "
+                             "refused with RESOURCE_EXHAUSTED (HTTP 429) (default: 4 x "
+                             "--max-num-seqs; 0: no queue)")
+    parser.add_argument("--request-timeout-s", type=float, default=None,
+                        help="end a request that runs longer with DEADLINE_EXCEEDED (default: "
+                             "no limit; a client's gRPC deadline applies either way)")
     parser.add_argument("--additional-config", default=None, help="JSON object")
     parser.add_argument("--threads", type=int, default=None, help="torch CPU threads")
 
@@ -49,6 +56,16 @@ def add_speculative_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--speculative-config", default=None,
                         help='JSON, e.g. \'{"method": "ngram", "num_speculative_tokens": 3, '
                              '"prompt_lookup_min": 2, "prompt_lookup_max": 5}\'')
+
+
+DEFAULT_SHUTDOWN_GRACE_S = 10.0
+
+
+def add_shutdown_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--shutdown-grace-s", type=float, default=DEFAULT_SHUTDOWN_GRACE_S,
+                        help="on SIGTERM: report NOT_SERVING, refuse new requests, give "
+                             "in-flight ones this long to finish, then abort them "
+                             f"(default: {DEFAULT_SHUTDOWN_GRACE_S:g})")
 
 
 def add_logging_args(parser: argparse.ArgumentParser) -> None:

@@ -218,6 +218,11 @@ def parse_additional_config(text: str | None, used_keys: tuple[str, ...] = ()) -
     return raw
 
 
+# The default bound on waiting requests, per running slot: a full queue drains in about
+# four times one request's latency, after which a client is better off told 429 at once.
+DEFAULT_WAITING_PER_SEQ = 4
+
+
 @dataclass(frozen=True)
 class EngineConfig:
     """The verifier engine's limits (vLLM's flag names)."""
@@ -230,14 +235,35 @@ class EngineConfig:
     # Per-step deadline for drafter proposals; a late proposal means that sequence
     # decodes one token this step.
     draft_timeout_s: float = 0.05
+    # Requests that may wait beyond the max_num_seqs running ones; one more is refused
+    # (RESOURCE_EXHAUSTED, HTTP 429). Always bounded: None means the default,
+    # DEFAULT_WAITING_PER_SEQ x max_num_seqs; 0 means no queue at all.
+    max_waiting_requests: int | None = None
+    # A request running longer than this ends with DEADLINE_EXCEEDED (None: no limit;
+    # a client's gRPC deadline applies either way).
+    request_timeout_s: float | None = None
 
     def __post_init__(self) -> None:
         for name in ("max_model_len", "max_num_seqs", "max_num_batched_tokens", "block_size"):
             value = getattr(self, name)
             if value < 1:
                 raise ConfigError(f"{name} must be >= 1, got {value}", param=name)
+        if self.max_waiting_requests is not None and self.max_waiting_requests < 0:
+            raise ConfigError("max_waiting_requests must be >= 0 (0: no queue beyond "
+                              f"max_num_seqs), got {self.max_waiting_requests}",
+                              param="max_waiting_requests")
+        if self.request_timeout_s is not None and self.request_timeout_s <= 0:
+            raise ConfigError(f"request_timeout_s must be > 0, got {self.request_timeout_s}",
+                              param="request_timeout_s")
         if self.num_kv_blocks < 1:
             raise ConfigError(f"num_kv_blocks must be >= 1, got {self.num_kv_blocks} (the "
                               "memory budget holds no KV block)", param="gpu_memory_utilization")
         if self.draft_timeout_s <= 0:
             raise ConfigError("draft timeout must be > 0", param="draft_timeout_ms")
+
+    @property
+    def waiting_limit(self) -> int:
+        """Requests that may wait beyond the running ones, the default filled in."""
+        if self.max_waiting_requests is None:
+            return DEFAULT_WAITING_PER_SEQ * self.max_num_seqs
+        return self.max_waiting_requests

@@ -35,8 +35,12 @@ class GrpcServer:
              reflection.SERVICE_NAME], self.server)
         self.port = 0
 
-    async def start(self, host: str, port: int) -> int:
-        self.port = self.server.add_insecure_port(f"{host}:{port}")
+    async def start(self, host: str, port: int,
+                    credentials: grpc.ServerCredentials | None = None) -> int:
+        """Binds host:port (TLS only when credentials are given) and reports SERVING."""
+        address = f"{host}:{port}"
+        self.port = (self.server.add_secure_port(address, credentials) if credentials is not None
+                     else self.server.add_insecure_port(address))
         if self.port == 0:
             raise OSError(f"cannot bind {host}:{port}")
         await self.server.start()
@@ -54,14 +58,23 @@ class GrpcServer:
         await self.server.stop(grace_s)
 
 
-async def run_until_signalled(server: GrpcServer, on_stop: Callable[[], Awaitable[None]] | None = None,
-                              ) -> None:
-    """Serves until SIGTERM or SIGINT, then reports NOT_SERVING and stops gracefully."""
+async def wait_for_signal() -> None:
+    """Returns at the first SIGTERM or SIGINT.
+
+    The handlers stay installed, so a repeated signal cannot kill a process that is
+    still draining its requests.
+    """
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
     await stop.wait()
+
+
+async def run_until_signalled(server: GrpcServer, on_stop: Callable[[], Awaitable[None]] | None = None,
+                              ) -> None:
+    """Serves until SIGTERM or SIGINT, then reports NOT_SERVING and stops gracefully."""
+    await wait_for_signal()
     logger.info("signal received: stopping (grace %.0f s)", SHUTDOWN_GRACE_S)
     await server.stop()
     if on_stop is not None:

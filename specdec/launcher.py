@@ -3,7 +3,9 @@
 The launcher resolves the model once (downloading and converting the default model on
 first use), then starts each service with the flags that concern it. The served name
 defaults to `--model` as given, so a client can send back exactly what the operator typed.
-Ctrl-C or SIGTERM stops all three; if one dies, the others are stopped too.
+Ctrl-C or SIGTERM stops all three. A drafter that dies is restarted with backoff: it
+costs speed only (the verifier decodes without drafts and reconnects); if the verifier
+or the gateway dies, the others are stopped too.
 """
 
 from __future__ import annotations
@@ -18,14 +20,19 @@ import time
 import urllib.request
 
 from specdec.cli import (ADDITIONAL_CONFIG_KEYS, add_engine_args, add_logging_args,
-                         add_model_args, add_speculative_args)
+                         add_model_args, add_shutdown_args, add_speculative_args)
 from specdec.config import SpeculativeConfig, parse_additional_config
 from specdec.models.model_files import resolve_model
+from specdec.tls import add_grpc_tls_args, grpc_tls_flags, grpc_tls_from_args
 
 logger = logging.getLogger(__name__)
 
-STOP_TIMEOUT_S = 15.0
+# How long a child may take to stop beyond the verifier's --shutdown-grace-s.
+STOP_MARGIN_S = 5.0
 READY_TIMEOUT_S = 600.0
+# A dead drafter's restart delay (first, most) and the run time that resets it.
+RESTART_BACKOFF_S = (0.5, 30.0)
+RESTART_RESET_S = 60.0
 
 
 def add_serve_args(parser: argparse.ArgumentParser) -> None:
@@ -37,7 +44,9 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--api-key", default=None, help="required Bearer key for /v1 routes")
     parser.add_argument("--verifier-port", type=int, default=0, help="0: a free port")
     parser.add_argument("--drafter-port", type=int, default=0, help="0: a free port")
+    add_shutdown_args(parser)
     add_logging_args(parser)
+    add_grpc_tls_args(parser)
 
 
 def _free_port() -> int:
@@ -65,6 +74,9 @@ def _child_commands(args: argparse.Namespace, model_path: str) -> list[tuple[str
                         ("--num-gpu-blocks-override", args.num_gpu_blocks_override),
                         ("--kv-cache-memory-bytes", args.kv_cache_memory_bytes),
                         ("--draft-timeout-ms", args.draft_timeout_ms),
+                        ("--max-waiting-requests", args.max_waiting_requests),
+                        ("--request-timeout-s", args.request_timeout_s),
+                        ("--shutdown-grace-s", args.shutdown_grace_s),
                         ("--threads", args.threads),
                         ("--additional-config", args.additional_config)):
         if value is not None:
@@ -86,19 +98,25 @@ def _child_commands(args: argparse.Namespace, model_path: str) -> list[tuple[str
     if args.api_key:
         gateway += ["--api-key", args.api_key]
     commands.append(("gateway", gateway))
+    # gRPC TLS: each child gets the flags of its sides (drafter: server; gateway: client).
+    tls = grpc_tls_from_args(args)
+    sides = {"drafter": (True, False), "verifier": (True, True), "gateway": (False, True)}
+    for name, command in commands:
+        server, client = sides[name]
+        command += grpc_tls_flags(tls, server=server, client=client)
     return commands
 
 
-def _stop_all(children: list[tuple[str, subprocess.Popen[bytes]]]) -> None:
+def _stop_all(children: list[tuple[str, subprocess.Popen[bytes]]], timeout_s: float) -> None:
     for _, proc in reversed(children):
         if proc.poll() is None:
             proc.send_signal(signal.SIGTERM)
-    deadline = time.monotonic() + STOP_TIMEOUT_S
+    deadline = time.monotonic() + timeout_s
     for name, proc in children:
         try:
             proc.wait(timeout=max(0.1, deadline - time.monotonic()))
         except subprocess.TimeoutExpired:
-            logger.warning("%s did not stop in %.0f s; killing it", name, STOP_TIMEOUT_S)
+            logger.warning("%s did not stop in %.0f s; killing it", name, timeout_s)
             proc.kill()
             proc.wait()
 
@@ -107,6 +125,7 @@ def serve(args: argparse.Namespace) -> int:
     # Validate everything before starting anything.
     SpeculativeConfig.parse(args.speculative_config)
     parse_additional_config(args.additional_config, ADDITIONAL_CONFIG_KEYS)
+    grpc_tls_from_args(args)
     if args.tensor_parallel_size != 1:
         logger.error("--tensor-parallel-size %d is not supported yet; only 1 is",
                      args.tensor_parallel_size)
@@ -130,8 +149,13 @@ def serve(args: argparse.Namespace) -> int:
         ready = False
         started = time.monotonic()
         health_url = f"http://{args.host}:{args.port}/health"
+        drafter_restarts = _RestartWithBackoff("drafter")
         while not stop_requested:
-            dead = [(name, proc.returncode) for name, proc in children if proc.poll() is not None]
+            # A dead drafter is restarted, never a reason to stop the stack.
+            children[:] = [(name, drafter_restarts.check(proc) if name == "drafter" else proc)
+                           for name, proc in children]
+            dead = [(name, proc.returncode) for name, proc in children
+                    if name != "drafter" and proc.poll() is not None]
             if dead:
                 logger.error("%s exited with code %s; stopping the others", *dead[0])
                 return 1
@@ -148,7 +172,7 @@ def serve(args: argparse.Namespace) -> int:
         logger.info("stopping")
         return 0
     finally:
-        _stop_all(children)
+        _stop_all(children, args.shutdown_grace_s + STOP_MARGIN_S)
 
 
 def _healthy(url: str) -> bool:
@@ -157,3 +181,40 @@ def _healthy(url: str) -> bool:
             return response.status == 200
     except OSError:
         return False
+
+
+class _RestartWithBackoff:
+    """Restarts a child that exited, with the same command, after a doubling delay.
+
+    The delay starts at RESTART_BACKOFF_S[0] and doubles up to RESTART_BACKOFF_S[1]; a
+    child that ran for RESTART_RESET_S before dying starts the count afresh.
+    """
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+        self.num_restarts = 0
+        self._backoff_s = RESTART_BACKOFF_S[0]
+        self._started_at = time.monotonic()
+        self._restart_at: float | None = None
+
+    def check(self, proc: subprocess.Popen[bytes]) -> subprocess.Popen[bytes]:
+        """`proc` while it runs or waits for its restart; the new process once restarted."""
+        if proc.poll() is None:
+            return proc
+        now = time.monotonic()
+        if self._restart_at is None:
+            if now - self._started_at >= RESTART_RESET_S:
+                self._backoff_s = RESTART_BACKOFF_S[0]
+            self._restart_at = now + self._backoff_s
+            logger.warning("%s exited with code %s; restarting it in %.1f s (speculation is "
+                           "off until it is back)", self.name, proc.returncode, self._backoff_s)
+            return proc
+        if now < self._restart_at:
+            return proc
+        self._restart_at = None
+        self._started_at = now
+        self._backoff_s = min(2 * self._backoff_s, RESTART_BACKOFF_S[1])
+        self.num_restarts += 1
+        logger.info("restarting %s (restart %d): %s", self.name, self.num_restarts,
+                    " ".join(proc.args))
+        return subprocess.Popen(proc.args, start_new_session=True)

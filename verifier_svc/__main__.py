@@ -10,10 +10,12 @@ import sys
 import torch
 
 from specdec.cli import (ADDITIONAL_CONFIG_KEYS, add_engine_args, add_logging_args,
-                         add_model_args, add_speculative_args, setup_logging)
+                         add_model_args, add_shutdown_args, add_speculative_args,
+                         setup_logging)
 from specdec.config import SpeculativeConfig, parse_additional_config
 from specdec.errors import ConfigError
-from specdec.grpc_server import run_until_signalled
+from specdec.grpc_server import wait_for_signal
+from specdec.tls import add_grpc_tls_args, grpc_tls_from_args
 from verifier_svc.builder import VerifierConfig
 from verifier_svc.server import start_verifier
 
@@ -30,7 +32,9 @@ def build_parser() -> argparse.ArgumentParser:
                              "several replicas)")
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=50051)
+    add_shutdown_args(parser)
     add_logging_args(parser)
+    add_grpc_tls_args(parser)
     return parser
 
 
@@ -44,13 +48,17 @@ def config_from_args(args: argparse.Namespace) -> VerifierConfig:
         kv_cache_memory_bytes=args.kv_cache_memory_bytes,
         tensor_parallel_size=args.tensor_parallel_size,
         speculative_config=SpeculativeConfig.parse(args.speculative_config),
+        grpc_tls=grpc_tls_from_args(args),
+        max_waiting_requests=args.max_waiting_requests, request_timeout_s=args.request_timeout_s,
         drafter_targets=tuple(args.drafter), draft_timeout_s=args.draft_timeout_ms / 1000 if args.draft_timeout_ms else None)
 
 
 async def serve(args: argparse.Namespace) -> None:
     verifier = await start_verifier(config_from_args(args), args.host, args.port)
     logger.info("verifier serving on %s:%d", args.host, verifier.port)
-    await run_until_signalled(verifier.server, verifier.engine.stop)
+    await wait_for_signal()
+    await verifier.shutdown(args.shutdown_grace_s)
+    logger.info("verifier stopped")
 
 
 def main(argv: list[str] | None = None) -> int:

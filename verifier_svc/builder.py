@@ -18,6 +18,7 @@ from specdec.kv_cache import KVCache
 from specdec.models.loader import load_model
 from specdec.models.model_files import load_tokenizer, resolve_model, tokenizer_fingerprint
 from specdec.scheduler import Scheduler
+from specdec.tls import GrpcTlsConfig
 from verifier_svc.drafter_pool import DrafterPool
 from verifier_svc.engine import Engine
 from verifier_svc.model_runner import ModelRunner
@@ -48,6 +49,12 @@ class VerifierConfig:
     drafter_targets: tuple[str, ...] = ()
     # None: the method's default (config.default_draft_timeout_s).
     draft_timeout_s: float | None = None
+    # None: DEFAULT_WAITING_PER_SEQ x max_num_seqs (see EngineConfig); always bounded.
+    max_waiting_requests: int | None = None
+    # None: no server-wide limit; a client's gRPC deadline applies either way.
+    request_timeout_s: float | None = None
+    # None: plain gRPC (loopback); see specdec.tls.
+    grpc_tls: GrpcTlsConfig | None = None
 
     def __post_init__(self) -> None:
         if self.tensor_parallel_size != 1:
@@ -92,7 +99,9 @@ def build_engine(config: VerifierConfig) -> tuple[Engine, ServedModel]:
                                  max_num_batched_tokens=config.max_num_batched_tokens,
                                  block_size=config.block_size, num_kv_blocks=num_blocks,
                                  draft_timeout_s=config.draft_timeout_s
-                                 or default_draft_timeout_s(config.speculative_config))
+                                 or default_draft_timeout_s(config.speculative_config),
+                                 max_waiting_requests=config.max_waiting_requests,
+                                 request_timeout_s=config.request_timeout_s)
     if num_blocks * config.block_size < max_model_len:
         raise ConfigError(f"the KV cache holds {num_blocks * config.block_size} tokens, less "
                           f"than one sequence of --max-model-len {max_model_len}; raise "
@@ -107,7 +116,7 @@ def build_engine(config: VerifierConfig) -> tuple[Engine, ServedModel]:
     pool = None
     if spec is not None:
         pool = DrafterPool(list(config.drafter_targets), vocab_size=model_config.vocab_size,
-                           tokenizer_fingerprint=fingerprint)
+                           tokenizer_fingerprint=fingerprint, tls=config.grpc_tls)
     eos_token_ids = _eos_token_ids(model_dir, model_config.eos_token_ids, tokenizer)
     engine = Engine(engine_config, runner, scheduler, vocab_size=model_config.vocab_size,
                     eos_token_ids=eos_token_ids,
@@ -118,6 +127,10 @@ def build_engine(config: VerifierConfig) -> tuple[Engine, ServedModel]:
                 num_blocks, config.block_size, num_blocks * config.block_size,
                 f"{spec.method} k={spec.num_speculative_tokens} via {', '.join(config.drafter_targets)}"
                 if spec else "off")
+    logger.info("admission: %d running + %d waiting requests, then RESOURCE_EXHAUSTED; "
+                "request timeout %s", engine_config.max_num_seqs, engine_config.waiting_limit,
+                f"{engine_config.request_timeout_s} s" if engine_config.request_timeout_s
+                else "none (client deadlines apply)")
     served = ServedModel(model_path=str(model_dir), max_model_len=max_model_len,
                          vocab_size=model_config.vocab_size, eos_token_ids=eos_token_ids,
                          speculative_method=spec.method if spec else "",

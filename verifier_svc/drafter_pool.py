@@ -34,6 +34,7 @@ import torch
 
 from specdec.errors import ConfigError, DrafterMismatchError, InvalidRequestError
 from specdec.tensors import FLOAT_DTYPE_NAMES, decode_tensor, encode_tensor
+from specdec.tls import GrpcTlsConfig
 from specdec.v1 import specdec_pb2
 from verifier_svc.drafter_replica import DrafterReplica
 
@@ -69,13 +70,14 @@ class DrafterPool:
     def __init__(self, targets: list[str], *, resolve_interval_s: float = 10.0,
                  backoff_initial_s: float = 0.5, backoff_max_s: float = 10.0,
                  vocab_size: int, tokenizer_fingerprint: str,
-                 max_message_bytes: int = 64 << 20) -> None:
+                 max_message_bytes: int = 64 << 20, tls: GrpcTlsConfig | None = None) -> None:
         self._targets = [_split_host_port(target) for target in targets]
         self._resolve_interval_s = resolve_interval_s
         self.backoff_initial_s = backoff_initial_s
         self.backoff_max_s = backoff_max_s
         self.vocab_size = vocab_size
         self.tokenizer_fingerprint = tokenizer_fingerprint
+        self.tls = tls  # client side (CA, client certificate) of the drafter channels
         self.channel_options = [
             ("grpc.max_send_message_length", max_message_bytes),
             ("grpc.max_receive_message_length", max_message_bytes),

@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING
 import grpc
 
 from specdec.errors import DrafterMismatchError
+from specdec.tls import open_channel
 from specdec.v1 import specdec_pb2, specdec_pb2_grpc
 
 if TYPE_CHECKING:
@@ -98,7 +99,7 @@ class DrafterReplica:
         backoff_s = self.pool.backoff_initial_s
         was_up = True  # the first failure is logged at WARNING, repeats at DEBUG
         while True:
-            channel = grpc.aio.insecure_channel(self.address, options=self.pool.channel_options)
+            channel = open_channel(self.pool.tls, self.address, self.pool.channel_options)
             try:
                 async for _ in self._serve(channel):
                     backoff_s = self.pool.backoff_initial_s

@@ -10,7 +10,14 @@ A step is three phases:
 
 All engine state is touched only on the event loop's thread; the forward runs in a
 single worker thread and reads nothing but the prepared tensors, so an abort arriving
-mid-forward frees blocks that no one reuses before the forward ends.
+mid-forward frees blocks that no one reuses before the forward ends. A sequence aborted
+while the drafters answer is dropped from the step before its inputs are built.
+
+Request lifecycle: at most `max_num_seqs + max_waiting_requests` requests are in flight;
+one more is refused with `OverloadedError`. A request ends by finishing, by `abort` (its
+client went away or timed out) or by failing: a step that raises fails only the sequences
+it ran, with a short `EngineError`. On shutdown `stop_accepting`, `drain`, then
+`abort_all` for whatever outlived the grace period.
 """
 
 from __future__ import annotations
@@ -20,38 +27,27 @@ import itertools
 import logging
 import time
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
 
 import torch
 
 from specdec.config import EngineConfig
-from specdec.errors import InvalidRequestError
+from specdec.errors import SpecdecError, UnavailableError
 from specdec.rejection_sampler import verify
 from specdec.sampling_params import SamplingParams
 from specdec.scheduler import ScheduledSequence, Scheduler
 from specdec.sequence import FinishReason, Sequence, SpeculationCounters
 from verifier_svc.drafter_pool import Draft, DraftRequest, DrafterPool
 from verifier_svc.model_runner import ModelRunner, PreparedBatch, StepInput
+from verifier_svc.requests import EngineError, RequestOutput, check_admission, check_request
+
+__all__ = ["Engine", "EngineError", "RequestOutput"]
 
 logger = logging.getLogger(__name__)
 
 STATS_LOG_INTERVAL_S = 10.0
 
 
-@dataclass(slots=True)
-class RequestOutput:
-    """What one step produced for one request."""
-
-    token_ids: list[int]
-    finish_reason: FinishReason | None
-    num_prompt_tokens: int
-    num_output_tokens: int
-    # The request's counters so far: a client that stops early (stop strings) still has them.
-    spec: SpeculationCounters
-
-
-class EngineError(Exception):
-    """The step that served this request failed; the request cannot go on."""
+DRAIN_POLL_S = 0.02
 
 
 class Engine:
@@ -69,9 +65,11 @@ class Engine:
         self.num_steps = 0
         self._seq_ids = itertools.count()
         self._sequences: dict[int, Sequence] = {}
-        self._queues: dict[int, asyncio.Queue[RequestOutput | EngineError]] = {}
+        self._queues: dict[int, asyncio.Queue[RequestOutput | SpecdecError]] = {}
         self._finished_for_drafter: list[int] = []
         self._wakeup = asyncio.Event()
+        self._accepting = True
+        self._num_aborted = 0
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="forward")
         self._loop_task: asyncio.Task[None] | None = None
         self._last_stats_log = time.monotonic()
@@ -100,26 +98,16 @@ class Engine:
 
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                     num_speculative_tokens: int | None = None,
-                    ) -> tuple[int, asyncio.Queue[RequestOutput | EngineError]]:
-        """Queues a request; returns its sequence id and the queue its outputs arrive on."""
-        max_model_len = self.config.max_model_len
-        if not prompt_token_ids:
-            raise InvalidRequestError("the prompt is empty", param="prompt")
-        bad = next((t for t in prompt_token_ids if t >= self.vocab_size), None)
-        if bad is not None:
-            raise InvalidRequestError(f"prompt token id {bad} is outside the vocabulary "
-                                      f"(size {self.vocab_size})", param="prompt")
-        if len(prompt_token_ids) >= max_model_len:
-            raise InvalidRequestError(
-                f"This model's maximum context length is {max_model_len} tokens; the prompt "
-                f"has {len(prompt_token_ids)} tokens and leaves no room for output",
-                param="prompt")
-        if len(prompt_token_ids) + params.max_tokens > max_model_len:
-            raise InvalidRequestError(
-                f"This model's maximum context length is {max_model_len} tokens. However, you "
-                f"requested {len(prompt_token_ids) + params.max_tokens} tokens "
-                f"({len(prompt_token_ids)} in the prompt, {params.max_tokens} in the completion)",
-                param="max_tokens")
+                    ) -> tuple[int, asyncio.Queue[RequestOutput | SpecdecError]]:
+        """Queues a request; returns its sequence id and the queue its outputs arrive on.
+
+        The queue carries `RequestOutput`s, the last with a finish reason, or one
+        `SpecdecError` that ends the request (the step failed, the server shut down).
+        """
+        if not self._accepting:
+            raise UnavailableError("the verifier is shutting down; retry on another replica")
+        check_request(prompt_token_ids, params, self.vocab_size, self.config.max_model_len)
+        check_admission(self.config, len(self._sequences))
         if num_speculative_tokens is None:
             num_speculative_tokens = self.num_speculative_tokens
         num_speculative_tokens = max(0, min(num_speculative_tokens, self.num_speculative_tokens))
@@ -130,7 +118,7 @@ class Engine:
                        token_ids=list(prompt_token_ids), prompt_len=len(prompt_token_ids),
                        params=params, max_speculative_tokens=num_speculative_tokens,
                        generator=generator)
-        queue: asyncio.Queue[RequestOutput | EngineError] = asyncio.Queue()
+        queue: asyncio.Queue[RequestOutput | SpecdecError] = asyncio.Queue()
         self._sequences[seq.seq_id] = seq
         self._queues[seq.seq_id] = queue
         self.scheduler.add(seq)
@@ -143,9 +131,28 @@ class Engine:
         self._queues.pop(seq_id, None)
         if seq is None:
             return
+        self._num_aborted += 1
         if not seq.is_finished:
             self.scheduler.finish(seq, FinishReason.ABORT)
         self._forget_in_drafter(seq_id)
+
+    def stop_accepting(self) -> None:
+        """From now on `add_request` raises `UnavailableError`; in-flight requests go on."""
+        self._accepting = False
+
+    async def drain(self, timeout_s: float) -> bool:
+        """Waits up to `timeout_s` for every request to end; True when none is left."""
+        deadline = time.monotonic() + timeout_s
+        while self._sequences and time.monotonic() < deadline:
+            await asyncio.sleep(DRAIN_POLL_S)
+        return not self._sequences
+
+    def abort_all(self, error: SpecdecError) -> int:
+        """Ends every request with `error` and frees its blocks; returns how many."""
+        sequences = list(self._sequences.values())
+        for seq in sequences:
+            self._fail(seq, error)
+        return len(sequences)
 
     def _forget_in_drafter(self, seq_id: int) -> None:
         if self.drafter_pool is not None:
@@ -158,6 +165,11 @@ class Engine:
     @property
     def num_waiting(self) -> int:
         return len(self.scheduler.waiting)
+
+    @property
+    def num_requests(self) -> int:
+        """Requests in flight: running, waiting or preempted."""
+        return len(self._sequences)
 
     # ------------------------------------------------------------ the loop
 
@@ -198,24 +210,36 @@ class Engine:
         plan = self.scheduler.schedule(self._speculative_tokens_for)
         if not plan.scheduled:
             return
+        try:
+            await self._run_step(plan.scheduled)
+        except Exception as exc:
+            # Only the sequences of this step fail; the next step serves the others. The
+            # client gets a short message, the log the traceback.
+            logger.exception("engine step failed; failing its %d sequences", len(plan.scheduled))
+            error = EngineError(f"the engine step serving this request failed "
+                                f"({type(exc).__name__}); the request was aborted")
+            for item in plan.scheduled:
+                if not item.seq.is_finished:
+                    self._fail(item.seq, error)
+
+    async def _run_step(self, scheduled: list[ScheduledSequence]) -> None:
         hidden_layer_ids = self.hidden_layer_ids
         if hidden_layer_ids:
-            self._start_capture(plan.scheduled)
-        drafts = await self._propose(plan.scheduled)
-        inputs, step_drafts = self._build_inputs(plan.scheduled, drafts)
+            self._start_capture(scheduled)
+        num_aborted = self._num_aborted
+        drafts = await self._propose(scheduled)
+        if self._num_aborted != num_aborted:
+            # Sequences aborted while the drafters answered hold no blocks any more.
+            scheduled = [item for item in scheduled if not item.seq.is_finished]
+            if not scheduled:
+                return
+        inputs, step_drafts = self._build_inputs(scheduled, drafts)
         batch = self.runner.prepare(inputs)
         loop = asyncio.get_running_loop()
-        try:
-            logits, hidden = await loop.run_in_executor(
-                self._executor, self.runner.execute, batch, hidden_layer_ids)
-        except Exception as exc:
-            logger.exception("forward failed; failing the %d sequences of this step",
-                             len(plan.scheduled))
-            for item in plan.scheduled:
-                self._fail(item.seq, EngineError(f"forward failed: {exc}"))
-            return
+        logits, hidden = await loop.run_in_executor(
+            self._executor, self.runner.execute, batch, hidden_layer_ids)
         self.num_steps += 1
-        for index, item in enumerate(plan.scheduled):
+        for index, item in enumerate(scheduled):
             seq = item.seq
             if seq.is_finished:  # aborted while the forward ran
                 continue
@@ -322,7 +346,7 @@ class Engine:
         if queue is not None:
             queue.put_nowait(output)
 
-    def _fail(self, seq: Sequence, error: EngineError) -> None:
+    def _fail(self, seq: Sequence, error: SpecdecError) -> None:
         queue = self._queues.get(seq.seq_id)
         self.abort(seq.seq_id)
         if queue is not None:

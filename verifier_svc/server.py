@@ -2,15 +2,22 @@
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 
+from specdec.errors import UnavailableError
 from specdec.grpc_server import GrpcServer
 from specdec.v1 import specdec_pb2, specdec_pb2_grpc
 from verifier_svc.builder import ServedModel, VerifierConfig, build_engine
 from verifier_svc.engine import Engine
 from verifier_svc.servicer import VerifierServicer
 
+logger = logging.getLogger(__name__)
+
 SERVICE_NAME = specdec_pb2.DESCRIPTOR.services_by_name["Verifier"].full_name
+# After the engine is idle, the time the last responses and error statuses get to reach
+# their clients before the gRPC server closes.
+RPC_FLUSH_S = 1.0
 
 
 @dataclass
@@ -24,6 +31,22 @@ class RunningVerifier:
         await self.server.stop()
         await self.engine.stop()
 
+    async def shutdown(self, grace_s: float) -> None:
+        """Graceful stop (SIGTERM): NOT_SERVING and no new Generate calls at once (they
+        get UNAVAILABLE); in-flight requests get `grace_s` seconds to finish; the rest then
+        end with UNAVAILABLE, so a client retries elsewhere instead of hanging."""
+        await self.server.set_serving(False)
+        self.engine.stop_accepting()
+        logger.info("shutting down: NOT_SERVING; %d requests in flight get %.1f s to finish",
+                    self.engine.num_requests, grace_s)
+        if not await self.engine.drain(grace_s):
+            num_aborted = self.engine.abort_all(UnavailableError(
+                "the verifier shut down before the request finished; retry it"))
+            logger.warning("shutdown grace of %.1f s over: aborted %d requests", grace_s,
+                           num_aborted)
+        await self.server.stop(RPC_FLUSH_S)
+        await self.engine.stop()
+
 
 async def start_verifier(config: VerifierConfig, host: str = "127.0.0.1", port: int = 0,
                          ) -> RunningVerifier:
@@ -32,5 +55,6 @@ async def start_verifier(config: VerifierConfig, host: str = "127.0.0.1", port: 
     await engine.start()
     server = GrpcServer([SERVICE_NAME])
     specdec_pb2_grpc.add_VerifierServicer_to_server(VerifierServicer(engine, served), server.server)
-    bound = await server.start(host, port)
+    tls = config.grpc_tls
+    bound = await server.start(host, port, tls.server_credentials() if tls is not None else None)
     return RunningVerifier(server, engine, served, bound)

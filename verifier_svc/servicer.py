@@ -1,7 +1,13 @@
-"""Thin gRPC servicer: converts between proto messages and the engine's objects."""
+"""Thin gRPC servicer: converts between proto messages and the engine's objects.
+
+A Generate call ends its sequence (and frees its KV blocks) however it ends: finished,
+cancelled by the client, the client gone, its deadline passed or the engine failing it.
+The deadline is the earlier of the client's gRPC deadline and `--request-timeout-s`.
+"""
 
 from __future__ import annotations
 
+import asyncio
 import itertools
 import logging
 from collections.abc import AsyncIterator
@@ -14,7 +20,7 @@ from specdec.sampling_params import SamplingParams
 from specdec.sequence import FinishReason, SpeculationCounters
 from specdec.v1 import specdec_pb2, specdec_pb2_grpc
 from verifier_svc.builder import ServedModel
-from verifier_svc.engine import Engine, EngineError
+from verifier_svc.engine import Engine
 
 logger = logging.getLogger(__name__)
 
@@ -79,11 +85,20 @@ class VerifierServicer(specdec_pb2_grpc.VerifierServicer):
         except SpecdecError as exc:
             await context.abort(status_for(exc), error_details(exc))
             return
+        deadline, deadline_message = self._deadline(context)
         try:
             while True:
-                output = await queue.get()
-                if isinstance(output, EngineError):
-                    await context.abort(grpc.StatusCode.INTERNAL, str(output))
+                if deadline is None:
+                    output = await queue.get()
+                else:
+                    try:
+                        async with asyncio.timeout_at(deadline):
+                            output = await queue.get()
+                    except TimeoutError:
+                        await context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, deadline_message)
+                        return
+                if isinstance(output, SpecdecError):
+                    await context.abort(status_for(output), error_details(output))
                     return
                 response = specdec_pb2.GenerateResponse(
                     token_ids=output.token_ids,
@@ -97,8 +112,21 @@ class VerifierServicer(specdec_pb2_grpc.VerifierServicer):
                 if output.finish_reason is not None:
                     return
         finally:
-            # Cancelled or failed mid-stream: free the sequence's blocks now.
+            # Cancelled, timed out or failed mid-stream: free the sequence's blocks now.
             self.engine.abort(seq_id)
+
+    def _deadline(self, context: grpc.aio.ServicerContext) -> tuple[float | None, str]:
+        """The loop time at which this call is ended, and what its client is told then."""
+        server_timeout = self.engine.config.request_timeout_s
+        client_timeout = context.time_remaining()
+        now = asyncio.get_running_loop().time()
+        if client_timeout is not None and (server_timeout is None
+                                           or client_timeout < server_timeout):
+            return now + client_timeout, "the client's deadline passed"
+        if server_timeout is not None:
+            return now + server_timeout, (f"the request ran longer than the server's "
+                                          f"--request-timeout-s ({server_timeout:g} s)")
+        return None, ""
 
 
 def _speculation_override(message: specdec_pb2.SpeculationOverride) -> int | None:
