@@ -11,13 +11,19 @@ from specdec.errors import ConfigError
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:2] == ["bench", "serve"]:  # the serving benchmark has flags of its own
+        from specdec import bench_serve
+        return bench_serve.main(argv[2:])
     parser = argparse.ArgumentParser(prog="python -m specdec")
     commands = parser.add_subparsers(dest="command", required=True)
     from specdec import bench, launcher
 
     serve_parser = commands.add_parser("serve", help="start drafter, verifier and gateway")
     launcher.add_serve_args(serve_parser)
-    bench_parser = commands.add_parser("bench", help="tokens/s with and without speculation")
+    bench_parser = commands.add_parser(
+        "bench", help="tokens/s with and without speculation; `bench serve --help`: load a "
+                      "running server")
     bench.add_bench_args(bench_parser)
     args = parser.parse_args(argv)
     setup_logging(args.log_level, "specdec")
