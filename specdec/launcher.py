@@ -43,6 +43,9 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--port", type=int, default=8000, help="gateway (HTTP) port")
     parser.add_argument("--api-key", default=None, help="required Bearer key for /v1 routes")
     parser.add_argument("--verifier-port", type=int, default=0, help="0: a free port")
+    parser.add_argument("--verifier-metrics-port", type=int, default=None,
+                        help="serve the verifier's Prometheus metrics (KV blocks, speculation, "
+                             "latency) over HTTP on this port")
     parser.add_argument("--drafter-port", type=int, default=0, help="0: a free port")
     add_shutdown_args(parser)
     add_logging_args(parser)
@@ -73,6 +76,7 @@ def _child_commands(args: argparse.Namespace, model_path: str) -> list[tuple[str
     for flag, value in (("--max-model-len", args.max_model_len),
                         ("--num-gpu-blocks-override", args.num_gpu_blocks_override),
                         ("--kv-cache-memory-bytes", args.kv_cache_memory_bytes),
+                        ("--metrics-port", args.verifier_metrics_port),
                         ("--draft-timeout-ms", args.draft_timeout_ms),
                         ("--max-waiting-requests", args.max_waiting_requests),
                         ("--request-timeout-s", args.request_timeout_s),

@@ -76,6 +76,7 @@ class Sequence:
     # captured (no drafter needs them, or the sequence began before one said so).
     hidden_states: torch.Tensor | None = None
     arrival_time: float = field(default_factory=time.monotonic)
+    first_token_time: float | None = None
 
     @property
     def num_tokens(self) -> int:

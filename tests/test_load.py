@@ -25,10 +25,11 @@ import time
 from pathlib import Path
 from typing import Any
 
+import httpx
 import pytest
 
 from specdec.bench_serve import BenchConfig, BenchRequest, RequestResult, run_benchmark, summarise
-from tests.served_stack import Stack, served_stack
+from tests.served_stack import Stack, free_port, served_stack
 from tests.tiny_models import make_tiny_llama
 
 NUM_REQUESTS = 200
@@ -138,10 +139,18 @@ async def full_pool_request(stack: Stack) -> RequestResult:
     return result
 
 
+def verifier_gauges(metrics_port: int) -> dict[str, float]:
+    text = httpx.get(f"http://127.0.0.1:{metrics_port}/metrics", timeout=5).text
+    return {line.split("{")[0]: float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+            if line and not line.startswith("#")}
+
+
 def test_load_with_a_drafter_restart(tiny_model: Path) -> None:
+    metrics_port = free_port()
     with served_stack(tiny_model, "--max-model-len", str(MAX_MODEL_LEN),
                       "--block-size", str(BLOCK_SIZE),
-                      "--num-gpu-blocks-override", str(NUM_BLOCKS)) as stack:
+                      "--num-gpu-blocks-override", str(NUM_BLOCKS),
+                      "--verifier-metrics-port", str(metrics_port)) as stack:
         [first_drafter] = stack.child_pids("drafter_svc")
         summary, results, requests, killed = asyncio.run(load_with_drafter_kill(stack))
         assert killed == first_drafter
@@ -170,6 +179,9 @@ def test_load_with_a_drafter_restart(tiny_model: Path) -> None:
         probe = asyncio.run(full_pool_request(stack))
         assert probe.success, f"KV blocks leaked: a full-pool request did not run ({probe.error})"
         assert probe.num_output_tokens == 6
+        gauges = verifier_gauges(metrics_port)
+        assert gauges["specdec:kv_cache_free_blocks"] == gauges["specdec:kv_cache_blocks"] == NUM_BLOCKS
+        assert gauges["vllm:num_requests_running"] == gauges["vllm:num_requests_waiting"] == 0
 
     spec = summary["speculation"]
     print(f"\nload test: {summary['completed']} requests ok, {summary['failed']} failed, "

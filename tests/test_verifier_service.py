@@ -106,3 +106,29 @@ async def test_concurrent_streams(verifier: RunningVerifier) -> None:
         together = await asyncio.gather(*(run([5 + i, 6, 7]) for i in range(6)))
         alone = [await run([5 + i, 6, 7]) for i in range(6)]
     assert list(together) == alone
+
+
+async def test_metrics_endpoint(tiny_model: Path, device) -> None:
+    import httpx
+
+    config = VerifierConfig(model=str(tiny_model), device=str(device), dtype="float32",
+                            max_model_len=128, block_size=4, num_gpu_blocks_override=NUM_BLOCKS)
+    running = await start_verifier(config, "127.0.0.1", 0, metrics_port=0)
+    try:
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{running.port}") as channel:
+            stub = specdec_pb2_grpc.VerifierStub(channel)
+            [r async for r in stub.Generate(request([5, 6, 7, 8], 6))]
+        async with httpx.AsyncClient() as client:
+            text = (await client.get(f"http://127.0.0.1:{running.engine.metrics.port}/metrics")).text
+    finally:
+        await running.stop()
+    values = {line.split("{")[0]: float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+              if line and not line.startswith("#")}
+    assert values["specdec:kv_cache_free_blocks"] == values["specdec:kv_cache_blocks"] == NUM_BLOCKS
+    assert values["vllm:kv_cache_usage_perc"] == 0.0
+    assert values["vllm:num_requests_running"] == 0.0
+    assert values["vllm:e2e_request_latency_seconds_count"] == 1.0
+    assert values["vllm:time_to_first_token_seconds_count"] == 1.0
+    for name in ("vllm:spec_decode_num_drafts_total", "vllm:spec_decode_num_draft_tokens_total",
+                 "vllm:spec_decode_num_accepted_tokens_total", "vllm:num_preemptions_total"):
+        assert name in values

@@ -32,6 +32,8 @@ def build_parser() -> argparse.ArgumentParser:
                              "several replicas)")
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=50051)
+    parser.add_argument("--metrics-port", type=int, default=None,
+                        help="serve Prometheus metrics over HTTP at /metrics on this port")
     add_shutdown_args(parser)
     add_logging_args(parser)
     add_grpc_tls_args(parser)
@@ -54,7 +56,8 @@ def config_from_args(args: argparse.Namespace) -> VerifierConfig:
 
 
 async def serve(args: argparse.Namespace) -> None:
-    verifier = await start_verifier(config_from_args(args), args.host, args.port)
+    verifier = await start_verifier(config_from_args(args), args.host, args.port,
+                                    args.metrics_port)
     logger.info("verifier serving on %s:%d", args.host, verifier.port)
     await wait_for_signal()
     await verifier.shutdown(args.shutdown_grace_s)

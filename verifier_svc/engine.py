@@ -27,6 +27,7 @@ import itertools
 import logging
 import time
 from concurrent.futures import ThreadPoolExecutor
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -39,6 +40,9 @@ from specdec.sequence import FinishReason, Sequence, SpeculationCounters
 from verifier_svc.drafter_pool import Draft, DraftRequest, DrafterPool
 from verifier_svc.model_runner import ModelRunner, PreparedBatch, StepInput
 from verifier_svc.requests import EngineError, RequestOutput, check_admission, check_request
+
+if TYPE_CHECKING:
+    from verifier_svc.metrics import VerifierMetrics
 
 __all__ = ["Engine", "EngineError", "RequestOutput"]
 
@@ -73,6 +77,8 @@ class Engine:
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="forward")
         self._loop_task: asyncio.Task[None] | None = None
         self._last_stats_log = time.monotonic()
+        # Set by the server when metrics are exported; observed as requests finish.
+        self.metrics: VerifierMetrics | None = None
 
     # ------------------------------------------------------------ lifecycle
 
@@ -295,7 +301,11 @@ class Engine:
         if not requests:
             return {}
         finished, self._finished_for_drafter = self._finished_for_drafter, []
-        return await self.drafter_pool.propose(requests, finished, self.config.draft_timeout_s)
+        started = time.perf_counter()
+        drafts = await self.drafter_pool.propose(requests, finished, self.config.draft_timeout_s)
+        if self.metrics is not None:
+            self.metrics.observe_round_trip(time.perf_counter() - started)
+        return drafts
 
     def _build_inputs(self, scheduled: list[ScheduledSequence], drafts: dict[int, Draft],
                       ) -> tuple[list[StepInput], list[Draft]]:
@@ -335,7 +345,11 @@ class Engine:
                 break
         queue = self._queues.get(seq.seq_id)
         output = RequestOutput(visible, finish, seq.prompt_len, seq.num_output_tokens, seq.spec)
+        if seq.first_token_time is None:
+            seq.first_token_time = time.monotonic()
         if finish is not None:
+            if self.metrics is not None:
+                self.metrics.observe_finished(seq, time.monotonic())
             self.scheduler.finish(seq, finish)
             self._sequences.pop(seq.seq_id, None)
             self._queues.pop(seq.seq_id, None)

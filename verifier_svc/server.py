@@ -10,6 +10,7 @@ from specdec.grpc_server import GrpcServer
 from specdec.v1 import specdec_pb2, specdec_pb2_grpc
 from verifier_svc.builder import ServedModel, VerifierConfig, build_engine
 from verifier_svc.engine import Engine
+from verifier_svc.metrics import VerifierMetrics
 from verifier_svc.servicer import VerifierServicer
 
 logger = logging.getLogger(__name__)
@@ -49,9 +50,15 @@ class RunningVerifier:
 
 
 async def start_verifier(config: VerifierConfig, host: str = "127.0.0.1", port: int = 0,
-                         ) -> RunningVerifier:
-    """Builds the engine and serves it; port 0 picks a free port (tests)."""
+                         metrics_port: int | None = None) -> RunningVerifier:
+    """Builds the engine and serves it; port 0 picks a free port (tests).
+
+    With `metrics_port`, Prometheus metrics are served over HTTP at /metrics there.
+    """
     engine, served = build_engine(config)
+    if metrics_port is not None:
+        engine.metrics = VerifierMetrics(engine, config.model)
+        engine.metrics.serve(host, metrics_port)
     await engine.start()
     server = GrpcServer([SERVICE_NAME])
     specdec_pb2_grpc.add_VerifierServicer_to_server(VerifierServicer(engine, served), server.server)

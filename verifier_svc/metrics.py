@@ -1,0 +1,114 @@
+"""Prometheus metrics of the verifier, with vLLM's names where they exist.
+
+Counters and gauges are read from the engine when Prometheus scrapes (a custom
+collector), so the engine's hot path pays nothing for them; only the latency
+histograms are observed as requests finish and drafts return.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterator
+from typing import TYPE_CHECKING
+
+from prometheus_client import CollectorRegistry, Histogram, start_http_server
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.registry import Collector
+
+if TYPE_CHECKING:
+    from specdec.sequence import Sequence
+    from verifier_svc.engine import Engine
+
+logger = logging.getLogger(__name__)
+
+_LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+_TOKEN_LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 1.0)
+_RPC_BUCKETS = (0.0002, 0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.25, 0.5, 1.0, 2.0)
+
+
+class _EngineCollector(Collector):
+    def __init__(self, engine: Engine, model_name: str) -> None:
+        self.engine = engine
+        self.model_name = model_name
+
+    def collect(self) -> Iterator[CounterMetricFamily | GaugeMetricFamily]:
+        engine, labels = self.engine, [self.model_name]
+        spec = engine.spec
+        for name, documentation, value in (
+                ("vllm:spec_decode_num_drafts", "Verify steps that checked draft tokens.",
+                 spec.num_drafts),
+                ("vllm:spec_decode_num_draft_tokens", "Draft tokens verified.",
+                 spec.num_draft_tokens),
+                ("vllm:spec_decode_num_accepted_tokens", "Draft tokens accepted.",
+                 spec.num_accepted_tokens),
+                ("vllm:num_preemptions", "Sequences preempted for lack of KV blocks.",
+                 engine.scheduler.num_preemptions)):
+            family = CounterMetricFamily(name, documentation, labels=["model_name"])
+            family.add_metric(labels, value)
+            yield family
+        per_position = CounterMetricFamily(
+            "vllm:spec_decode_num_accepted_tokens_per_pos",
+            "Drafts whose token at this position was accepted.",
+            labels=["model_name", "position"])
+        for position, value in enumerate(spec.accepted_per_position):
+            per_position.add_metric([self.model_name, str(position)], value)
+        yield per_position
+        block_manager = engine.scheduler.block_manager
+        pool = engine.drafter_pool
+        for name, documentation, value in (
+                ("vllm:num_requests_running", "Sequences in the running batch.", engine.num_running),
+                ("vllm:num_requests_waiting", "Sequences waiting to run.", engine.num_waiting),
+                ("vllm:kv_cache_usage_perc", "Fraction of KV blocks in use (0 to 1).",
+                 block_manager.usage),
+                ("specdec:kv_cache_free_blocks", "KV blocks free in the pool.",
+                 block_manager.num_free_blocks),
+                ("specdec:kv_cache_blocks", "KV blocks in the pool.", block_manager.num_blocks),
+                ("specdec:drafter_healthy_replicas", "Drafter replicas connected and healthy.",
+                 pool.num_healthy() if pool is not None else 0)):
+            family = GaugeMetricFamily(name, documentation, labels=["model_name"])
+            family.add_metric(labels, value)
+            yield family
+
+
+class VerifierMetrics:
+    """The verifier's registry; `serve(port)` exposes it over HTTP at /metrics."""
+
+    def __init__(self, engine: Engine, model_name: str) -> None:
+        self.registry = CollectorRegistry(auto_describe=True)
+        self.model_name = model_name
+        self.port: int | None = None
+        self.registry.register(_EngineCollector(engine, model_name))
+        labels = ["model_name"]
+        self.time_to_first_token = Histogram(
+            "vllm:time_to_first_token_seconds", "Time to first token in seconds.", labels,
+            buckets=_LATENCY_BUCKETS, registry=self.registry)
+        self.e2e_latency = Histogram(
+            "vllm:e2e_request_latency_seconds", "End-to-end request latency in seconds.",
+            labels, buckets=_LATENCY_BUCKETS, registry=self.registry)
+        self.time_per_output_token = Histogram(
+            "vllm:time_per_output_token_seconds",
+            "Mean time per output token after the first, per request, in seconds.", labels,
+            buckets=_TOKEN_LATENCY_BUCKETS, registry=self.registry)
+        self.drafter_round_trip = Histogram(
+            "specdec:drafter_round_trip_seconds",
+            "Time from sending a step's proposals request to having its drafts (or the "
+            "deadline).", labels, buckets=_RPC_BUCKETS, registry=self.registry)
+
+    def observe_finished(self, seq: Sequence, now: float) -> None:
+        model = self.model_name
+        self.e2e_latency.labels(model).observe(now - seq.arrival_time)
+        if seq.first_token_time is not None:
+            self.time_to_first_token.labels(model).observe(seq.first_token_time - seq.arrival_time)
+            if seq.num_output_tokens > 1:
+                self.time_per_output_token.labels(model).observe(
+                    (now - seq.first_token_time) / (seq.num_output_tokens - 1))
+
+    def observe_round_trip(self, seconds: float) -> None:
+        self.drafter_round_trip.labels(self.model_name).observe(seconds)
+
+    def serve(self, host: str, port: int) -> int:
+        """Serves /metrics from a daemon thread; returns the bound port (port 0: a free one)."""
+        http_server, _ = start_http_server(port, addr=host, registry=self.registry)
+        bound = self.port = http_server.server_address[1]
+        logger.info("verifier metrics on http://%s:%d/metrics", host, bound)
+        return bound
