@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import time
 from collections.abc import Iterator
 
 import httpx
@@ -20,7 +19,6 @@ from fake_verifier import (
     gateway_config,
 )
 
-from specdec.v1 import specdec_pb2
 
 MESSAGES = [{"role": "user", "content": "What is the answer?"}]
 
