@@ -278,9 +278,11 @@ async def list_models(request: Request) -> Response:
 
 
 async def health(request: Request) -> Response:
-    if await request.app.state.verifier.probe_all():
-        return JSONResponse({"status": "ok"})
-    return JSONResponse({"status": "unavailable"}, status_code=503)
+    verifier = request.app.state.verifier
+    serving = await verifier.probe_all()
+    # Which verifier is down, starting (unreachable) or draining (not_serving).
+    body = {"status": "ok" if serving else "unavailable", "verifiers": verifier.statuses()}
+    return JSONResponse(body, status_code=200 if serving else 503)
 
 
 async def metrics(request: Request) -> Response:

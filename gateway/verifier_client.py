@@ -16,6 +16,7 @@ from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
 
 import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from gateway.errors import error_from_grpc
 from specdec.errors import UnavailableError
@@ -23,6 +24,8 @@ from specdec.tls import GrpcTlsConfig, open_channel
 from specdec.v1 import specdec_pb2, specdec_pb2_grpc
 
 logger = logging.getLogger(__name__)
+
+_VERIFIER_SERVICE = specdec_pb2.DESCRIPTOR.services_by_name["Verifier"].full_name
 
 MAX_MESSAGE_BYTES = 64 * 1024 * 1024
 _CHANNEL_OPTIONS = [
@@ -43,6 +46,9 @@ class _Endpoint:
     info: specdec_pb2.VerifierInfo | None = None
     healthy: bool = False
     last_probe_at: float = 0.0
+    # What /health reports: serving | not_serving (draining, shutting down) |
+    # unreachable (down, or still loading its model).
+    status: str = "unreachable"
 
 
 class GenerationStream:
@@ -108,31 +114,66 @@ class VerifierClient:
     async def _probe(self, endpoint: _Endpoint) -> bool:
         endpoint.last_probe_at = time.monotonic()
         try:
+            health = await health_pb2_grpc.HealthStub(endpoint.channel).Check(
+                health_pb2.HealthCheckRequest(service=_VERIFIER_SERVICE),
+                timeout=self._probe_timeout_s)
+            serving = health.status == health_pb2.HealthCheckResponse.SERVING
+            info = await endpoint.stub.GetInfo(specdec_pb2.GetVerifierInfoRequest(),
+                                               timeout=self._probe_timeout_s)
+        except grpc.aio.AioRpcError as err:
+            if err.code() != grpc.StatusCode.UNIMPLEMENTED:
+                if endpoint.healthy:
+                    logger.warning("verifier %s is down: %s", endpoint.address, err.code().name)
+                endpoint.healthy = False
+                endpoint.status = "unreachable"
+                return False
+            # A verifier without the health service: GetInfo alone decides.
+            return await self._probe_info_only(endpoint)
+        if not serving:
+            if endpoint.healthy:
+                logger.warning("verifier %s is not serving (shutting down)", endpoint.address)
+            endpoint.healthy = False
+            endpoint.status = "not_serving"
+            return False
+        return self._mark_up(endpoint, info)
+
+    async def _probe_info_only(self, endpoint: _Endpoint) -> bool:
+        try:
             info = await endpoint.stub.GetInfo(specdec_pb2.GetVerifierInfoRequest(),
                                                timeout=self._probe_timeout_s)
         except grpc.aio.AioRpcError as err:
             if endpoint.healthy:
                 logger.warning("verifier %s is down: %s", endpoint.address, err.code().name)
             endpoint.healthy = False
+            endpoint.status = "unreachable"
             return False
+        return self._mark_up(endpoint, info)
+
+    def _mark_up(self, endpoint: _Endpoint, info: specdec_pb2.VerifierInfo) -> bool:
         if not endpoint.healthy:
             logger.info("verifier %s is up: model %s, max_model_len %d, speculation %s k=%d",
                         endpoint.address, info.model_path, info.max_model_len,
                         info.speculative_method or "off", info.num_speculative_tokens)
         endpoint.info = info
         endpoint.healthy = True
+        endpoint.status = "serving"
         return True
 
     def _mark_down(self, endpoint: _Endpoint, err: grpc.aio.AioRpcError) -> None:
         if endpoint.healthy:
             logger.warning("verifier %s is down: %s", endpoint.address, err.code().name)
         endpoint.healthy = False
+        endpoint.status = "unreachable"
         endpoint.last_probe_at = time.monotonic()
 
     async def probe_all(self) -> bool:
         """Probes every verifier now; True when at least one answered."""
         results = await asyncio.gather(*(self._probe(e) for e in self._endpoints))
         return any(results)
+
+    def statuses(self) -> dict[str, str]:
+        """Each verifier's address and its last known status."""
+        return {endpoint.address: endpoint.status for endpoint in self._endpoints}
 
     def _reprobe_in_background(self) -> None:
         now = time.monotonic()

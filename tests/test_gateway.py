@@ -234,7 +234,9 @@ def test_non_streaming_disconnect_cancels_the_call(base_url, fake):
 
 
 def test_health_and_metrics(client, base_url, fake):
-    assert httpx.get(f"{base_url}/health").json() == {"status": "ok"}
+    health = httpx.get(f"{base_url}/health").json()
+    assert health["status"] == "ok"
+    assert list(health["verifiers"].values()) == ["serving"]
     client.chat.completions.create(model=SERVED_MODEL, messages=MESSAGES)
     text = httpx.get(f"{base_url}/metrics").text
     samples = {}
