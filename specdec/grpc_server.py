@@ -11,6 +11,8 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
+from specdec.grpc_malformed import MalformedRequestInterceptor
+
 logger = logging.getLogger(__name__)
 
 # Explicit on both ends: hidden states for a long prompt can be tens of MB.
@@ -26,7 +28,8 @@ class GrpcServer:
     """A grpc.aio server with the standard health service and reflection."""
 
     def __init__(self, service_names: list[str]) -> None:
-        self.server = grpc.aio.server(options=CHANNEL_OPTIONS)
+        self.server = grpc.aio.server(options=CHANNEL_OPTIONS,
+                                      interceptors=[MalformedRequestInterceptor()])
         self.health = health.aio.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
         self.service_names = service_names

@@ -1,0 +1,87 @@
+"""Malformed request bytes get INVALID_ARGUMENT with a message, not UNKNOWN.
+
+gRPC Python turns a request that fails to parse into UNKNOWN with the parser's
+exception text. This interceptor makes the request deserializer return a marker
+instead of raising, and the wrapped handler answers INVALID_ARGUMENT naming the method;
+a bidi stream is ended at its first malformed message. Nothing else is touched, so one
+bad client never costs another request.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any
+
+import grpc
+from google.protobuf.message import DecodeError
+
+
+class _Malformed:
+    __slots__ = ("error",)
+
+    def __init__(self, error: Exception) -> None:
+        self.error = error
+
+
+def _tolerant(deserializer: Callable[[bytes], Any]) -> Callable[[bytes], Any]:
+    def deserialize(data: bytes) -> Any:
+        try:
+            return deserializer(data)
+        except DecodeError as error:
+            return _Malformed(error)
+    return deserialize
+
+
+async def _refuse(context: grpc.aio.ServicerContext, method: str, request: _Malformed) -> None:
+    await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                        f"malformed request to {method}: {request.error}")
+
+
+class MalformedRequestInterceptor(grpc.aio.ServerInterceptor):
+    async def intercept_service(
+            self, continuation: Callable[[grpc.HandlerCallDetails],
+                                         Awaitable[grpc.RpcMethodHandler]],
+            details: grpc.HandlerCallDetails) -> grpc.RpcMethodHandler:
+        handler = await continuation(details)
+        if handler is None or handler.request_deserializer is None:
+            return handler
+        method = details.method
+        deserialize = _tolerant(handler.request_deserializer)
+        serialize = handler.response_serializer
+        if handler.unary_unary is not None:
+            unary = handler.unary_unary
+
+            async def unary_unary(request: Any, context: grpc.aio.ServicerContext) -> Any:
+                if isinstance(request, _Malformed):
+                    await _refuse(context, method, request)
+                return await unary(request, context)
+
+            return grpc.unary_unary_rpc_method_handler(unary_unary, deserialize, serialize)
+        if handler.unary_stream is not None:
+            streaming = handler.unary_stream
+
+            async def unary_stream(request: Any, context: grpc.aio.ServicerContext,
+                                   ) -> AsyncIterator[Any]:
+                if isinstance(request, _Malformed):
+                    await _refuse(context, method, request)
+                async for response in streaming(request, context):
+                    yield response
+
+            return grpc.unary_stream_rpc_method_handler(unary_stream, deserialize, serialize)
+        if handler.stream_stream is not None:
+            bidi = handler.stream_stream
+
+            async def checked(requests: AsyncIterator[Any], context: grpc.aio.ServicerContext,
+                              ) -> AsyncIterator[Any]:
+                async for request in requests:
+                    if isinstance(request, _Malformed):
+                        await _refuse(context, method, request)
+                    yield request
+
+            async def stream_stream(requests: AsyncIterator[Any],
+                                    context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
+                async for response in bidi(checked(requests, context), context):
+                    yield response
+
+            return grpc.stream_stream_rpc_method_handler(stream_stream, deserialize, serialize)
+        return handler
