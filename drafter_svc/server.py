@@ -6,6 +6,7 @@ import argparse
 import asyncio
 import logging
 
+from drafter_svc.metrics import DrafterMetrics
 from drafter_svc.proposer import ModelOptions, proposer_factory
 from drafter_svc.servicer import DrafterServicer
 from specdec.config import SpeculativeConfig
@@ -24,17 +25,23 @@ async def start_drafter_server(config: SpeculativeConfig, host: str = "127.0.0.1
                                port: int = DEFAULT_PORT, *,
                                options: ModelOptions | None = None,
                                tls: GrpcTlsConfig | None = None,
+                               metrics_port: int | None = None,
                                ) -> tuple[GrpcServer, int]:
     """Builds the proposer, binds host:port (0 = any free port) and starts serving.
 
     Model methods load their weights here (`options`: target model, dtype, device, KV pool).
-    With `tls` carrying a server certificate the port accepts TLS only.
+    With `tls` carrying a server certificate the port accepts TLS only. With
+    `metrics_port`, Prometheus metrics are served over HTTP at /metrics there.
     Returns the started server and the bound port; health reports SERVING once started.
     """
     make_proposer = proposer_factory(config, options)
     info = make_proposer().info
     server = GrpcServer([DRAFTER_SERVICE_NAME])
-    specdec_pb2_grpc.add_DrafterServicer_to_server(DrafterServicer(make_proposer, info),
+    metrics = None
+    if metrics_port is not None:
+        metrics = DrafterMetrics(config.method)
+        metrics.serve(host, metrics_port)
+    specdec_pb2_grpc.add_DrafterServicer_to_server(DrafterServicer(make_proposer, info, metrics),
                                                    server.server)
     try:
         bound_port = await server.start(host, port,
@@ -61,6 +68,8 @@ def build_arg_parser() -> argparse.ArgumentParser:
                         help='vLLM-style JSON, e.g. \'{"method": "ngram", '
                              '"num_speculative_tokens": 3, "prompt_lookup_max": 4}\'')
     parser.add_argument("--host", default="127.0.0.1", help="address to bind (default %(default)s)")
+    parser.add_argument("--metrics-port", type=int, default=None,
+                        help="serve Prometheus metrics over HTTP at /metrics on this port")
     parser.add_argument("--port", type=int, default=DEFAULT_PORT,
                         help="port to bind; 0 picks a free one and logs it (default %(default)s)")
     defaults = ModelOptions()
@@ -90,8 +99,9 @@ def build_arg_parser() -> argparse.ArgumentParser:
 
 
 async def serve(config: SpeculativeConfig, host: str, port: int, options: ModelOptions,
-                tls: GrpcTlsConfig | None = None) -> None:
-    server, _ = await start_drafter_server(config, host, port, options=options, tls=tls)
+                tls: GrpcTlsConfig | None = None, metrics_port: int | None = None) -> None:
+    server, _ = await start_drafter_server(config, host, port, options=options, tls=tls,
+                                           metrics_port=metrics_port)
     await run_until_signalled(server)
 
 
@@ -111,7 +121,8 @@ def main(argv: list[str] | None = None) -> int:
                                num_blocks=args.num_blocks, block_size=args.block_size,
                                max_model_len=args.max_model_len,
                                draft_sampling=args.draft_sampling, seed=args.seed)
-        asyncio.run(serve(config, args.host, args.port, options, grpc_tls_from_args(args)))
+        asyncio.run(serve(config, args.host, args.port, options, grpc_tls_from_args(args),
+                          args.metrics_port))
     except ConfigError as exc:
         logger.error("%s", exc.message)
         return 2

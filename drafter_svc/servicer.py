@@ -17,6 +17,7 @@ missing or malformed tensor is INVALID_ARGUMENT for the stream, like any malform
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import AsyncIterator, Callable
 
 from typing import TYPE_CHECKING
@@ -31,6 +32,8 @@ from specdec.v1 import specdec_pb2, specdec_pb2_grpc
 if TYPE_CHECKING:
     import torch
 
+    from drafter_svc.metrics import DrafterMetrics
+
 HIDDEN_STATES_FIELD = "sequences.hidden_states"
 _HIDDEN_STATE_DTYPES = ("float32", "bfloat16", "float16")
 
@@ -38,9 +41,11 @@ logger = logging.getLogger(__name__)
 
 
 class DrafterServicer(specdec_pb2_grpc.DrafterServicer):
-    def __init__(self, proposer_factory: Callable[[], Proposer], info: ProposerInfo) -> None:
+    def __init__(self, proposer_factory: Callable[[], Proposer], info: ProposerInfo,
+                 metrics: DrafterMetrics | None = None) -> None:
         self._proposer_factory = proposer_factory
         self._info = info
+        self._metrics = metrics
 
     async def GetInfo(self, request: specdec_pb2.GetDrafterInfoRequest,
                       context: grpc.aio.ServicerContext) -> specdec_pb2.DrafterInfo:
@@ -59,8 +64,12 @@ class DrafterServicer(specdec_pb2_grpc.DrafterServicer):
         proposer = self._proposer_factory()
         peer = context.peer()
         logger.info("Propose stream opened by %s", peer)
+        metrics = self._metrics
+        if metrics is not None:
+            metrics.open_streams.inc()
         try:
             async for request in request_iterator:
+                started = time.perf_counter()
                 try:
                     response = handle_propose_request(proposer, request)
                 except SpecdecError as exc:
@@ -73,8 +82,12 @@ class DrafterServicer(specdec_pb2_grpc.DrafterServicer):
                                      request.step_id)
                     await context.abort(grpc.StatusCode.INTERNAL, "drafter failed on this step")
                     return
+                if metrics is not None:
+                    metrics.observe_step(request, response, time.perf_counter() - started)
                 yield response
         finally:
+            if metrics is not None:
+                metrics.open_streams.dec()
             proposer.close()  # returns shared draft KV blocks
             logger.info("Propose stream from %s closed", peer)
 

@@ -43,6 +43,8 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--port", type=int, default=8000, help="gateway (HTTP) port")
     parser.add_argument("--api-key", default=None, help="required Bearer key for /v1 routes")
     parser.add_argument("--verifier-port", type=int, default=0, help="0: a free port")
+    parser.add_argument("--drafter-metrics-port", type=int, default=None,
+                        help="serve the drafter's Prometheus metrics over HTTP on this port")
     parser.add_argument("--verifier-metrics-port", type=int, default=None,
                         help="serve the verifier's Prometheus metrics (KV blocks, speculation, "
                              "latency) over HTTP on this port")
@@ -93,6 +95,8 @@ def _child_commands(args: argparse.Namespace, model_path: str) -> list[tuple[str
                                      "--speculative-config", spec.to_json(),
                                      "--target-model", model_path, "--dtype", args.dtype,
                                      "--device", args.device, *common]))
+        if args.drafter_metrics_port is not None:
+            commands[-1][1].extend(["--metrics-port", str(args.drafter_metrics_port)])
         verifier += ["--speculative-config", spec.to_json(),
                      "--drafter", f"127.0.0.1:{drafter_port}"]
     commands.append(("verifier", verifier))

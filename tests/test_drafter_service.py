@@ -211,3 +211,37 @@ def test_cli_serves_and_stops_on_sigterm():
             process.kill()
             process.wait()
         process.stderr.close()
+
+
+async def test_metrics_count_steps_drafts_and_resyncs():
+    import httpx
+
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        metrics_port = sock.getsockname()[1]
+    server, port = await start_drafter_server(CONFIG, "127.0.0.1", 0, metrics_port=metrics_port)
+    try:
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as chan:
+            call = specdec_pb2_grpc.DrafterStub(chan).Propose()
+            await call.write(specdec_pb2.ProposeRequest(step_id=1, sequences=[
+                specdec_pb2.SequenceUpdate(seq_id=1, new_token_ids=[1, 2, 3, 1, 2], context_len=5,
+                                           num_speculative_tokens=2),
+                specdec_pb2.SequenceUpdate(seq_id=2, new_token_ids=[4], context_len=9,
+                                           num_speculative_tokens=2)]))
+            response = await call.read()
+            await call.done_writing()
+        async with httpx.AsyncClient() as client:
+            text = (await client.get(f"http://127.0.0.1:{metrics_port}/metrics")).text
+    finally:
+        await stop_drafter_server(server, grace_s=0)
+    values = {line.split("{")[0]: float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+              if line and not line.startswith("#")}
+    drafted = sum(len(d.draft_token_ids) for d in response.drafts)
+    assert drafted > 0
+    assert values["specdec:drafter_steps_total"] == 1
+    assert values["specdec:drafter_sequence_updates_total"] == 2
+    assert values["specdec:drafter_draft_tokens_total"] == drafted
+    assert values["specdec:drafter_resyncs_total"] == 1
+    assert values["specdec:drafter_step_seconds_count"] == 1
