@@ -81,6 +81,9 @@ class EngineHarness:
         values.update(self.overrides)
         self.engine, _ = build_engine(VerifierConfig(**values))  # type: ignore[arg-type]
         await self.engine.start()
+        if self.drafter is not None:
+            # Drafts from the first step on: a seeded sample depends on which drafts came.
+            assert await self.engine.drafter_pool.wait_for_healthy(1, timeout_s=5)
         return self.engine
 
     async def __aexit__(self, *exc: object) -> None:
