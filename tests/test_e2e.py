@@ -27,6 +27,7 @@ from drafter_svc.server import start_drafter_server, stop_drafter_server
 from specdec.config import SpeculativeConfig
 from specdec.models.model_files import DEFAULT_MODEL, load_tokenizer, resolve_model
 from specdec.sampling_params import SamplingParams
+from tests.engine_driver import generate
 from verifier_svc.builder import VerifierConfig, build_engine
 from verifier_svc.engine import Engine
 
@@ -44,18 +45,6 @@ GUIDE_SPEC = '{"num_speculative_tokens":1,"method":"ngram","prompt_lookup_min":1
 @pytest.fixture(scope="module")
 def model_dir() -> Path:
     return resolve_model(DEFAULT_MODEL)
-
-
-async def generate(engine: Engine, prompt_ids: list[int], k: int) -> list[int]:
-    _, queue = engine.add_request("e2e", prompt_ids, SamplingParams(temperature=0.0,
-                                                                     max_tokens=MAX_TOKENS), k)
-    tokens: list[int] = []
-    while True:
-        output = await queue.get()
-        assert not isinstance(output, Exception), output
-        tokens.extend(output.token_ids)
-        if output.finish_reason is not None:
-            return tokens
 
 
 async def run_invariance(model_dir: Path, device: str) -> tuple[dict[int, list[list[int]]], Engine]:
@@ -76,7 +65,8 @@ async def run_invariance(model_dir: Path, device: str) -> tuple[dict[int, list[l
                                                     add_generation_prompt=True, tokenize=True,
                                                     return_dict=False) for p in PROMPTS]
         for k in (0, 1, 3, 5):
-            outputs[k] = [await generate(engine, ids, k) for ids in prompt_ids]
+            greedy = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS)
+            outputs[k] = [await generate(engine, ids, greedy, k) for ids in prompt_ids]
     finally:
         await engine.stop()
         await stop_drafter_server(drafter)

@@ -16,6 +16,7 @@ from drafter_svc.server import start_drafter_server, stop_drafter_server
 from specdec.config import SpeculativeConfig
 from specdec.errors import InvalidRequestError
 from specdec.sampling_params import SamplingParams
+from tests.engine_driver import generate
 from tests.tiny_models import EOS_TOKEN_ID, make_tiny_llama
 from verifier_svc.builder import VerifierConfig, build_engine
 from verifier_svc.engine import Engine
@@ -40,18 +41,6 @@ def spec_config(k: int) -> SpeculativeConfig:
                                       "prompt_lookup_min": 1, "prompt_lookup_max": 3})
     assert config is not None
     return config
-
-
-async def generate(engine: Engine, prompt: list[int], params: SamplingParams,
-                   num_speculative_tokens: int | None = None) -> list[int]:
-    seq_id, queue = engine.add_request("t", prompt, params, num_speculative_tokens)
-    tokens: list[int] = []
-    while True:
-        output = await queue.get()
-        assert not isinstance(output, Exception), output
-        tokens.extend(output.token_ids)
-        if output.finish_reason is not None:
-            return tokens
 
 
 def greedy(max_tokens: int = MAX_TOKENS) -> SamplingParams:

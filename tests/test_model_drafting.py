@@ -20,6 +20,7 @@ from drafter_svc.server import start_drafter_server, stop_drafter_server
 from specdec.config import SpeculativeConfig
 from specdec.sampling_params import SamplingParams
 from tests.draft_checkpoints import make_draft_model, make_eagle3_head, make_eagle_head
+from tests.engine_driver import generate
 from tests.tiny_models import make_tiny_llama
 from verifier_svc.builder import VerifierConfig, build_engine
 from verifier_svc.engine import Engine
@@ -41,17 +42,6 @@ def target(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 def greedy() -> SamplingParams:
     return SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
-
-
-async def generate(engine: Engine, prompt: list[int], params: SamplingParams) -> list[int]:
-    _, queue = engine.add_request("m", prompt, params)
-    tokens: list[int] = []
-    while True:
-        output = await queue.get()
-        assert not isinstance(output, Exception), output
-        tokens.extend(output.token_ids)
-        if output.finish_reason is not None:
-            return tokens
 
 
 async def serve_and_generate(target: Path, device: str, spec: dict | None,
