@@ -2,16 +2,15 @@
 
 from __future__ import annotations
 
-from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client import CollectorRegistry, Counter, generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 from starlette.requests import Request
 from starlette.responses import Response
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from gateway.generation import GenerationResult
+from specdec.latency_metrics import RequestLatency
 
-_LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
-_TOKEN_LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 1.0)
 _ENDPOINTS = ("/v1/chat/completions", "/v1/completions", "/v1/models")
 
 
@@ -23,16 +22,7 @@ class GatewayMetrics:
         self.http_requests = Counter(
             "specdec:gateway_http_requests", "HTTP requests to the /v1 API by status code.",
             ["endpoint", "status"], registry=self.registry)
-        self.time_to_first_token = Histogram(
-            "vllm:time_to_first_token_seconds", "Time to first token in seconds.", labels,
-            buckets=_LATENCY_BUCKETS, registry=self.registry)
-        self.e2e_latency = Histogram(
-            "vllm:e2e_request_latency_seconds", "End-to-end request latency in seconds.",
-            labels, buckets=_LATENCY_BUCKETS, registry=self.registry)
-        self.time_per_output_token = Histogram(
-            "vllm:time_per_output_token_seconds",
-            "Mean time per output token after the first, per request, in seconds.", labels,
-            buckets=_TOKEN_LATENCY_BUCKETS, registry=self.registry)
+        self.latency = RequestLatency(self.registry, model_name)
         self.num_drafts = Counter(
             "vllm:spec_decode_num_drafts", "Verify steps that checked draft tokens.", labels,
             registry=self.registry)
@@ -45,14 +35,9 @@ class GatewayMetrics:
 
     def observe_generation(self, result: GenerationResult) -> None:
         model = self._model_name
-        finished_at = result.finished_at or result.started_at
-        self.e2e_latency.labels(model).observe(finished_at - result.started_at)
-        if result.first_token_at is not None:
-            self.time_to_first_token.labels(model).observe(
-                result.first_token_at - result.started_at)
-            if result.num_completion_tokens > 1:
-                self.time_per_output_token.labels(model).observe(
-                    (finished_at - result.first_token_at) / (result.num_completion_tokens - 1))
+        self.latency.observe(result.started_at, result.first_token_at,
+                             result.finished_at or result.started_at,
+                             result.num_completion_tokens)
         stats = result.speculation
         if stats is not None:
             self.num_drafts.labels(model).inc(stats.num_drafts)

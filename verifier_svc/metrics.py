@@ -15,14 +15,14 @@ from prometheus_client import CollectorRegistry, Histogram, start_http_server
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
+from specdec.latency_metrics import RequestLatency
+
 if TYPE_CHECKING:
     from specdec.sequence import Sequence
     from verifier_svc.engine import Engine
 
 logger = logging.getLogger(__name__)
 
-_LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
-_TOKEN_LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 1.0)
 _RPC_BUCKETS = (0.0002, 0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.25, 0.5, 1.0, 2.0)
 
 
@@ -79,29 +79,14 @@ class VerifierMetrics:
         self.port: int | None = None
         self.registry.register(_EngineCollector(engine, model_name))
         labels = ["model_name"]
-        self.time_to_first_token = Histogram(
-            "vllm:time_to_first_token_seconds", "Time to first token in seconds.", labels,
-            buckets=_LATENCY_BUCKETS, registry=self.registry)
-        self.e2e_latency = Histogram(
-            "vllm:e2e_request_latency_seconds", "End-to-end request latency in seconds.",
-            labels, buckets=_LATENCY_BUCKETS, registry=self.registry)
-        self.time_per_output_token = Histogram(
-            "vllm:time_per_output_token_seconds",
-            "Mean time per output token after the first, per request, in seconds.", labels,
-            buckets=_TOKEN_LATENCY_BUCKETS, registry=self.registry)
+        self.latency = RequestLatency(self.registry, model_name)
         self.drafter_round_trip = Histogram(
             "specdec:drafter_round_trip_seconds",
             "Time from sending a step's proposals request to having its drafts (or the "
             "deadline).", labels, buckets=_RPC_BUCKETS, registry=self.registry)
 
     def observe_finished(self, seq: Sequence, now: float) -> None:
-        model = self.model_name
-        self.e2e_latency.labels(model).observe(now - seq.arrival_time)
-        if seq.first_token_time is not None:
-            self.time_to_first_token.labels(model).observe(seq.first_token_time - seq.arrival_time)
-            if seq.num_output_tokens > 1:
-                self.time_per_output_token.labels(model).observe(
-                    (now - seq.first_token_time) / (seq.num_output_tokens - 1))
+        self.latency.observe(seq.arrival_time, seq.first_token_time, now, seq.num_output_tokens)
 
     def observe_round_trip(self, seconds: float) -> None:
         self.drafter_round_trip.labels(self.model_name).observe(seconds)
