@@ -47,18 +47,21 @@ def verify(
     Rules:
     - greedy request: accept x_i iff x_i == argmax target_probs_i; recovered/bonus = argmax.
       draft_probs play no part.
-    - sampled request: accept x_i with probability min(1, target_probs_i(x_i) /
-      draft_probs_i(x_i)) (with one-hot drafts: target_probs_i(x_i)); at the first rejection
-      sample the recovered token from normalise(max(target_probs_i - draft_probs_i, 0)) (with
-      one-hot drafts: target_probs_i with x_i removed, renormalised; target_probs_i if the
-      residual is all zero); the bonus token is sampled from target_probs_k.
+    - sampled request with probabilistic drafts: accept x_i with probability
+      min(1, target_probs_i(x_i) / draft_probs_i(x_i)); at the first rejection sample the
+      recovered token from normalise(max(target_probs_i - draft_probs_i, 0)) (target_probs_i
+      if that is all zero); the bonus token is sampled from target_probs_k.
+    - sampled request with one-hot drafts: the same rule reduces to "accept x_i with
+      probability target_probs_i(x_i), else sample from target_probs_i without x_i". It is
+      computed in the coupled form: draw t_i from target_probs_i and accept x_i iff
+      t_i == x_i, else emit t_i. Same distribution, and one uniform per emitted token, so a
+      seeded request emits the same tokens whatever drafts arrived (or none).
 
     Worked example (sampled, one-hot draft, vocab {a, b, c}, k = 1, draft x_0 = b):
-        target_probs_0 = (0.6, 0.3, 0.1). Draw u = 0.5: accept b iff u < 0.3, so b is
-        rejected and the recovered token is drawn from (0.6, 0, 0.1) / 0.7, say a: the step
-        returns [a]. Had u been 0.2, b would be accepted and a bonus token drawn from
-        target_probs_1: the step returns [b, bonus]. Overall P(b first) = 0.3 and
-        P(a first) = 0.7 * 0.6 / 0.7 = 0.6: exactly target_probs_0.
+        target_probs_0 = (0.6, 0.3, 0.1). Draw t_0 from it, say a: b is rejected and a is
+        the recovered token: the step returns [a]. Had t_0 been b, b would be accepted and a
+        bonus token drawn from target_probs_1: [b, bonus]. P(b first) = 0.3, and given a
+        rejection t_0 is distributed as (0.6, 0, 0.1) / 0.7, the rule's residual.
     Greedy example: argmax rows (5, 7, 2) with drafts [5, 9] returns [5, 7] (5 accepted, 9
         rejected, 7 recovered); drafts [5, 7] return [5, 7, 2] (2 is the bonus token).
     """
@@ -94,20 +97,25 @@ def _verify_sampled(
     draft_probs: Tensor | None,
 ) -> list[int]:
     num_drafts = len(draft_token_ids)
+    if draft_probs is None:
+        # Coupled form (see verify): one draw per position, kept while it equals the draft.
+        output_ids: list[int] = []
+        for position in range(num_drafts + 1):
+            token_id = _sample(target_probs[position], generator)
+            output_ids.append(token_id)
+            if position == num_drafts or token_id != draft_token_ids[position]:
+                return output_ids
     device = target_probs.device
     num_accepted = 0
     if num_drafts:
         draft_ids = torch.tensor(draft_token_ids, dtype=torch.long, device=device)  # [k]
         rows = torch.arange(num_drafts, device=device)
         target_draft_probs = target_probs[rows, draft_ids]  # [k]
-        if draft_probs is None:
-            draft_draft_probs = torch.ones_like(target_draft_probs)  # one-hot drafts
-        else:
-            assert draft_probs.shape == (num_drafts, target_probs.shape[-1]), (
-                f"draft_probs {tuple(draft_probs.shape)} for target_probs {tuple(target_probs.shape)}"
-            )
-            draft_probs = draft_probs.to(device=device, dtype=target_probs.dtype)
-            draft_draft_probs = draft_probs[rows, draft_ids]  # [k]
+        assert draft_probs.shape == (num_drafts, target_probs.shape[-1]), (
+            f"draft_probs {tuple(draft_probs.shape)} for target_probs {tuple(target_probs.shape)}"
+        )
+        draft_probs = draft_probs.to(device=device, dtype=target_probs.dtype)
+        draft_draft_probs = draft_probs[rows, draft_ids]  # [k]
         uniforms = _uniforms(num_drafts, generator, device)  # [k]
         # u < min(1, target/draft), written without dividing by a draft probability of 0.
         accepted = uniforms * draft_draft_probs.double() < target_draft_probs.double()  # [k]
@@ -116,11 +124,7 @@ def _verify_sampled(
         bonus_id = _sample(target_probs[num_drafts], generator)
         return list(draft_token_ids) + [bonus_id]
     target_row = target_probs[num_accepted]  # [vocab]
-    if draft_probs is None:
-        residual = target_row.clone()
-        residual[draft_token_ids[num_accepted]] = 0.0
-    else:
-        residual = (target_row - draft_probs[num_accepted]).clamp_(min=0.0)
+    residual = (target_row - draft_probs[num_accepted]).clamp_(min=0.0)
     # All zero only when target_row <= the draft row everywhere, i.e. the two are equal and
     # every draft is accepted; rounding could still land here, so fall back to target_row.
     residual = torch.where(residual.sum() > 0, residual, target_row)

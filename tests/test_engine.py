@@ -212,3 +212,17 @@ def test_kv_pool_is_sized_from_the_memory_budget(tiny_model: Path, device) -> No
                                     max_model_len=64, block_size=4,
                                     kv_cache_memory_bytes=10 * per_block))
     assert info.value.param == "max_model_len"
+
+
+async def test_seeded_sample_does_not_depend_on_speculation(tiny_model: Path, device) -> None:
+    """One draw per emitted token: the drafts (or their absence) never change a seeded
+    request's tokens."""
+    async with EngineHarness(tiny_model, str(device), k=3) as engine:
+        for seed in (1, 2, 3):
+            params = SamplingParams(temperature=0.7, top_p=0.95, seed=seed, max_tokens=24,
+                                    ignore_eos=True)
+            plain = [await generate(engine, prompt, params, num_speculative_tokens=0)
+                     for prompt in PROMPTS]
+            speculative = [await generate(engine, prompt, params) for prompt in PROMPTS]
+            assert speculative == plain
+        assert engine.spec.num_accepted_tokens > 0
