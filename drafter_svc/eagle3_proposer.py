@@ -13,41 +13,28 @@ from collections.abc import Callable
 
 import torch
 
-from drafter_svc.eagle_proposer import load_target_for_head
-from drafter_svc.model_proposer import DraftKVPool, ModelProposer
+from drafter_svc.eagle_proposer import HeadProposer, load_target_for_head
+from drafter_svc.model_proposer import DraftKVPool
 from drafter_svc.proposer import ModelOptions, ProposerInfo
 from specdec.attention import AttentionMetadata
 from specdec.config import SpeculativeConfig
 from specdec.device import resolve_device, resolve_dtype
 from specdec.errors import ConfigError
 from specdec.models import resolve_model
-from specdec.models.eagle3 import Eagle3Head, load_eagle3_head
+from specdec.models.eagle3 import load_eagle3_head
 
 logger = logging.getLogger(__name__)
 
 
-class Eagle3Proposer(ModelProposer):
-    """Per-stream state over a shared EAGLE-3 head. Verified inputs carry fc(target features);
-    draft inputs the head's own pre-norm output, whose K/V are never reused."""
-
-    uses_features = True
-    reuses_draft_kv = False
-
-    def __init__(self, head: Eagle3Head, info: ProposerInfo, pool: DraftKVPool,
-                 device: torch.device, dtype: torch.dtype, options: ModelOptions) -> None:
-        super().__init__(info, pool, device, feature_dtype=dtype,
-                         max_positions=head.rotary_emb.max_positions,
-                         draft_sampling=options.draft_sampling, seed=options.seed)
-        self.head = head
+class Eagle3Proposer(HeadProposer):
+    """EAGLE-3: verified inputs carry fc(target features); draft inputs the head's own
+    pre-norm output."""
 
     def _forward(self, input_ids: torch.Tensor, positions: torch.Tensor, features: torch.Tensor | None,
                  from_target: bool, attn_metadata: AttentionMetadata) -> torch.Tensor:
         assert features is not None
         hidden = self.head.combine_hidden_states(features) if from_target else features
         return self.head(input_ids, positions, hidden, self._pool.kv_cache, attn_metadata)
-
-    def _compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.head.compute_logits(hidden)
 
     def _to_target_ids(self, draft_ids: torch.Tensor) -> torch.Tensor:
         return self.head.to_target_ids(draft_ids)

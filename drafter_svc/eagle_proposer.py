@@ -20,33 +20,39 @@ from specdec.device import resolve_device, resolve_dtype
 from specdec.errors import ConfigError
 from specdec.models import load_tokenizer, resolve_model, tokenizer_fingerprint
 from specdec.models.eagle import EagleHead, TargetParts, load_eagle_head, load_target_parts
+from specdec.models.eagle3 import Eagle3Head
 
 logger = logging.getLogger(__name__)
 
 FINAL_HIDDEN_STATE = -1
 
 
-class EagleProposer(ModelProposer):
-    """Per-stream state over a shared EAGLE head. Draft inputs feed the head's own output
-    back as the next feature, so their K/V are never reused (see model_proposer)."""
+class HeadProposer(ModelProposer):
+    """Per-stream state over a shared EAGLE-style head (eagle, eagle3). Inputs pair tokens
+    with features; draft inputs feed the head's own output back as the next feature, so
+    their K/V are never reused (see model_proposer)."""
 
     uses_features = True
     reuses_draft_kv = False
 
-    def __init__(self, head: EagleHead, info: ProposerInfo, pool: DraftKVPool,
+    def __init__(self, head: EagleHead | Eagle3Head, info: ProposerInfo, pool: DraftKVPool,
                  device: torch.device, dtype: torch.dtype, options: ModelOptions) -> None:
         super().__init__(info, pool, device, feature_dtype=dtype,
                          max_positions=head.rotary_emb.max_positions,
                          draft_sampling=options.draft_sampling, seed=options.seed)
         self.head = head
 
+    def _compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.head.compute_logits(hidden)
+
+
+class EagleProposer(HeadProposer):
+    """EAGLE-1/2: the target's final feature (or the head's own output) goes straight in."""
+
     def _forward(self, input_ids: torch.Tensor, positions: torch.Tensor, features: torch.Tensor | None,
                  from_target: bool, attn_metadata: AttentionMetadata) -> torch.Tensor:
         assert features is not None
         return self.head(input_ids, positions, features, self._pool.kv_cache, attn_metadata)
-
-    def _compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.head.compute_logits(hidden)
 
 
 def load_target_for_head(options: ModelOptions, dtype: torch.dtype, device: torch.device
