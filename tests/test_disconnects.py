@@ -15,7 +15,7 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator
 from pathlib import Path
 
 import grpc
@@ -23,10 +23,10 @@ import pytest
 
 from drafter_svc.server import start_drafter_server, stop_drafter_server
 from specdec.config import SpeculativeConfig
-from specdec.v1 import specdec_pb2, specdec_pb2_grpc
+from specdec.v1 import specdec_pb2_grpc
 from tests.tiny_models import make_tiny_llama
-from verifier_svc.builder import VerifierConfig
-from verifier_svc.server import RunningVerifier, start_verifier
+from tests.verifier_harness import StartVerifier, request, slow_down, verifier_starter
+from verifier_svc.server import RunningVerifier
 
 ROOT = Path(__file__).resolve().parent.parent
 NUM_BLOCKS = 128
@@ -49,8 +49,6 @@ async def main():
 asyncio.run(main())
 """
 
-StartVerifier = Callable[..., Awaitable[RunningVerifier]]
-
 
 @pytest.fixture(scope="module")
 def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
@@ -59,37 +57,8 @@ def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture
 async def start(tiny_model: Path, device) -> AsyncIterator[StartVerifier]:
-    running: list[RunningVerifier] = []
-
-    async def start_one(**overrides: object) -> RunningVerifier:
-        values: dict[str, object] = dict(
-            model=str(tiny_model), device=str(device), dtype="float32", max_model_len=128,
-            block_size=4, num_gpu_blocks_override=NUM_BLOCKS)
-        values.update(overrides)
-        verifier = await start_verifier(VerifierConfig(**values), "127.0.0.1", 0)  # type: ignore[arg-type]
-        running.append(verifier)
-        return verifier
-
-    yield start_one
-    for verifier in running:
-        await verifier.stop()
-
-
-def slow_down(verifier: RunningVerifier) -> None:
-    """Each forward takes at least STEP_S, so steps can be counted against wall time."""
-    execute = verifier.engine.runner.execute
-
-    def slow_execute(*args: object) -> object:
-        time.sleep(STEP_S)
-        return execute(*args)
-
-    verifier.engine.runner.execute = slow_execute  # type: ignore[method-assign]
-
-
-def request(prompt: list[int], max_tokens: int) -> specdec_pb2.GenerateRequest:
-    return specdec_pb2.GenerateRequest(
-        request_id="r", prompt_token_ids=prompt,
-        sampling=specdec_pb2.SamplingParams(max_tokens=max_tokens, ignore_eos=True))
+    async with verifier_starter(tiny_model, device, NUM_BLOCKS) as start_one:
+        yield start_one
 
 
 async def collect(call: grpc.aio.UnaryStreamCall) -> list[int]:
@@ -114,7 +83,7 @@ async def wait_until_nothing_left(verifier: RunningVerifier, timeout_s: float = 
 async def test_a_vanished_client_frees_every_block_within_one_step(start: StartVerifier,
                                                                    how: str) -> None:
     verifier = await start()
-    slow_down(verifier)
+    slow_down(verifier, STEP_S)
     engine = verifier.engine
     address = f"127.0.0.1:{verifier.port}"
     channel = grpc.aio.insecure_channel(address)

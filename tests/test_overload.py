@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 
 import grpc
@@ -20,13 +20,11 @@ from specdec.errors import ConfigError, OverloadedError
 from specdec.sampling_params import SamplingParams
 from specdec.v1 import specdec_pb2, specdec_pb2_grpc
 from tests.tiny_models import make_tiny_llama
-from verifier_svc.builder import VerifierConfig
-from verifier_svc.server import RunningVerifier, start_verifier
+from tests.verifier_harness import StartVerifier, request, verifier_starter
+from verifier_svc.server import RunningVerifier
 
 NUM_BLOCKS = 128
 STEP_S = 0.01
-
-StartVerifier = Callable[..., Awaitable[RunningVerifier]]
 
 
 @pytest.fixture(scope="module")
@@ -37,33 +35,8 @@ def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.fixture
 async def start(tiny_model: Path, device) -> AsyncIterator[StartVerifier]:
     """Starts verifiers with config overrides, each forward slowed by STEP_S."""
-    running: list[RunningVerifier] = []
-
-    async def start_one(**overrides: object) -> RunningVerifier:
-        values: dict[str, object] = dict(
-            model=str(tiny_model), device=str(device), dtype="float32", max_model_len=128,
-            block_size=4, num_gpu_blocks_override=NUM_BLOCKS)
-        values.update(overrides)
-        verifier = await start_verifier(VerifierConfig(**values), "127.0.0.1", 0)  # type: ignore[arg-type]
-        running.append(verifier)
-        execute = verifier.engine.runner.execute
-
-        def slow_execute(*args: object) -> object:
-            time.sleep(STEP_S)
-            return execute(*args)
-
-        verifier.engine.runner.execute = slow_execute  # type: ignore[method-assign]
-        return verifier
-
-    yield start_one
-    for verifier in running:
-        await verifier.stop()
-
-
-def request(prompt: list[int], max_tokens: int) -> specdec_pb2.GenerateRequest:
-    return specdec_pb2.GenerateRequest(
-        request_id="r", prompt_token_ids=prompt,
-        sampling=specdec_pb2.SamplingParams(max_tokens=max_tokens, ignore_eos=True))
+    async with verifier_starter(tiny_model, device, NUM_BLOCKS, STEP_S) as start_one:
+        yield start_one
 
 
 async def collect(call: grpc.aio.UnaryStreamCall) -> tuple[list[int], int]:
