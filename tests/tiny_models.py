@@ -32,13 +32,15 @@ def make_tokenizer(vocab_size: int) -> PreTrainedTokenizerFast:
 
 
 def make_tiny_llama(path: Path, *, vocab_size: int = 96, hidden_size: int = 32,
-                    num_layers: int = 2, seed: int = 0, max_positions: int = 512) -> Path:
+                    num_layers: int = 2, seed: int = 0, max_positions: int = 512,
+                    tie_word_embeddings: bool = False) -> Path:
     """A random Llama (GQA) with its tokenizer, saved to `path`."""
     torch.manual_seed(seed)
     config = LlamaConfig(vocab_size=vocab_size, hidden_size=hidden_size, intermediate_size=64,
                          num_hidden_layers=num_layers, num_attention_heads=4,
                          num_key_value_heads=2, max_position_embeddings=max_positions,
-                         bos_token_id=1, eos_token_id=EOS_TOKEN_ID, tie_word_embeddings=False)
+                         bos_token_id=1, eos_token_id=EOS_TOKEN_ID,
+                         tie_word_embeddings=tie_word_embeddings)
     model = LlamaForCausalLM(config)
     # Larger weights than the default init make the random model's greedy text varied
     # instead of one repeated token.

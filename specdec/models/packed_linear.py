@@ -1,0 +1,134 @@
+"""Inference-only linear layers whose weights are repacked once for a faster CPU kernel.
+
+A decode or verify forward on a CPU is bound by how fast the matmuls read the weights, and
+that depends on the kernel more than on the dtype (measured on the default model's shapes,
+2 cores: torch's stock bf16 `F.linear` streams the LM head at ~7 GB/s, the same weight
+in oneDNN's blocked layout reads several times faster for 1..8 rows). So after loading,
+`pack_linears` swaps every `nn.Linear` of a model for a `PackedLinear` running one of:
+
+- `mkldnn`: the weight reordered once into oneDNN's layout
+  (`torch.ops.mkldnn._reorder_linear_weight`), multiplied by `_linear_pointwise`: what
+  inductor's `freezing` emits for a compiled CPU model, without compiling. Exact in the
+  sense that it computes the same products as `F.linear` (up to summation order).
+- `int8`: weight-only int8 (per output channel, symmetric, scale = max|w| / 127),
+  multiplied by `torch.ops.aten._weight_int8pack_mm`, which dequantises on the fly: half
+  the bytes of bf16 to read. Lossy with respect to the checkpoint (the model changes a
+  little); speculation stays lossless with respect to the quantised model.
+
+A weight shared with another parameter (a tied LM head and embedding) stays referenced
+by the module; any other original weight is dropped after packing, so packing costs no
+memory beyond the repacked copy.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+from torch import nn
+
+from specdec.errors import ConfigError
+
+logger = logging.getLogger(__name__)
+
+KERNELS = ("mkldnn", "int8")
+# Row count oneDNN is told to expect when it picks the packed layout: decode and verify
+# steps are a handful of rows.
+PACK_BATCH_HINT = 4
+
+
+def mkldnn_supported(dtype: torch.dtype) -> bool:
+    """Whether this CPU and torch build run oneDNN linears in `dtype`."""
+    if not torch.backends.mkldnn.is_available():
+        return False
+    if dtype == torch.bfloat16:
+        return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+    if dtype == torch.float16:
+        return bool(torch.ops.mkldnn._is_mkldnn_fp16_supported())
+    return dtype == torch.float32
+
+
+class PackedLinear(nn.Module):
+    """`y = x @ W.T + b` on a weight packed for `kernel` (see the module docstring)."""
+
+    def __init__(self, linear: nn.Linear, kernel: str, keep_weight: bool) -> None:
+        super().__init__()
+        if kernel not in KERNELS:
+            raise ValueError(f"unknown kernel {kernel!r}; allowed: {', '.join(KERNELS)}")
+        weight = linear.weight.detach()  # [out_features, in_features]
+        self.in_features, self.out_features = weight.shape[1], weight.shape[0]
+        self.kernel = kernel
+        self.bias = linear.bias
+        # Kept only when something else (a tied embedding) owns the same storage.
+        self.weight = linear.weight if keep_weight else None
+        if kernel == "mkldnn":
+            self.packed = torch.ops.mkldnn._reorder_linear_weight(weight, PACK_BATCH_HINT)
+        else:
+            weight32 = weight.float()
+            # Rounded to the model dtype first, so the int8 values are steps of the very
+            # scale the kernel multiplies by.
+            self.scales = (weight32.abs().amax(dim=1).clamp(min=1e-12) / 127.0).to(weight.dtype)
+            steps = weight32 / self.scales.float()[:, None]  # [out_features, in_features]
+            self.packed = torch.round(steps).clamp(-127, 127).to(torch.int8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [..., in] -> [..., out]
+        rows = x.reshape(-1, self.in_features)
+        if self.kernel == "mkldnn":
+            num_rows = rows.shape[0]
+            if num_rows == 1:
+                # oneDNN's one-row kernel sums in another order than its multi-row one: a
+                # zero row makes a decode row bit-identical to the same row in a verify window.
+                rows = torch.cat((rows, rows.new_zeros(1, self.in_features)))
+            out = torch.ops.mkldnn._linear_pointwise(rows, self.packed, self.bias, "none", [], "")
+            out = out[:num_rows]
+        else:
+            out = torch.ops.aten._weight_int8pack_mm(rows, self.packed, self.scales.to(rows.dtype))
+            if self.bias is not None:
+                out = out + self.bias
+        return out.reshape(*x.shape[:-1], self.out_features)
+
+    def extra_repr(self) -> str:
+        return (f"in_features={self.in_features}, out_features={self.out_features}, "
+                f"bias={self.bias is not None}, kernel={self.kernel}")
+
+
+def pack_linears(model: nn.Module, kernel: str) -> int:
+    """Replaces every `nn.Linear` in `model` by a `PackedLinear`; returns how many.
+
+    For inference only: call after the weights are loaded (and sharded), on a CPU model.
+    """
+    linears = [(parent, name, child) for parent in model.modules()
+               for name, child in parent.named_children() if isinstance(child, nn.Linear)]
+    linear_weights = {id(child.weight) for _, _, child in linears}
+    shared = {id(param) for name, param in model.named_parameters(remove_duplicate=False)
+              if id(param) in linear_weights and not _is_linear_weight(model, name)}
+    with torch.inference_mode(False), torch.no_grad():
+        for parent, name, child in linears:
+            setattr(parent, name, PackedLinear(child, kernel, keep_weight=id(child.weight) in shared))
+    logger.info("packed %d linear layers for the %s kernel", len(linears), kernel)
+    return len(linears)
+
+
+def _is_linear_weight(model: nn.Module, param_name: str) -> bool:
+    module_name, _, leaf = param_name.rpartition(".")
+    return leaf == "weight" and isinstance(model.get_submodule(module_name), nn.Linear)
+
+
+
+def choose_kernel(device: torch.device, dtype: torch.dtype, quantization: str | None) -> str | None:
+    """The packed kernel for a model on `device` in `dtype`; None keeps `nn.Linear` as is.
+
+    Measured on this project's CPU machine (see the README's performance section): bf16 via
+    oneDNN beats stock bf16 `F.linear`; fp32 keeps `specdec.models.linear`'s few-row path.
+    """
+    if quantization is not None:
+        if quantization != "int8":
+            raise ConfigError(f"--quantization {quantization!r} is not supported; allowed: int8",
+                              param="quantization")
+        if device.type != "cpu":
+            raise ConfigError("--quantization int8 runs on the cpu only (torch's int8 weight-only "
+                              f"kernel); got --device {device.type}", param="quantization")
+        return "int8"
+    if device.type == "cpu" and dtype in (torch.bfloat16, torch.float16) and mkldnn_supported(dtype):
+        return "mkldnn"
+    return None
