@@ -1,0 +1,139 @@
+"""verifier_svc.speculation_policy: draft lengths from measured acceptance and step cost."""
+
+from __future__ import annotations
+
+import pytest
+
+from verifier_svc.speculation_policy import (PROBE_INTERVAL, AcceptanceStats, Candidate,
+                                             LinearCostModel, SpeculationPolicy)
+
+MS = 1e-3
+
+
+def policy_with_cost(base_s: float, per_token_s: float, k: int = 4,
+                     draft_s: float = 0.0) -> SpeculationPolicy:
+    """A policy that has measured T(N) = base + per_token * N over N = 1..16."""
+    policy = SpeculationPolicy(k)
+    for num_tokens in range(1, 17):
+        policy.observe_forward(num_tokens, base_s + per_token_s * num_tokens)
+        policy.observe_drafting(1 + num_tokens % k, draft_s)
+    return policy
+
+
+# Drafts of 4 accepting 0, 1, 2, 3, 4 tokens in turn: conditional acceptance 0.8, 0.75,
+# 0.67, 0.5 at positions 1..4.
+MIXED = (0, 1, 2, 3, 4)
+
+
+def teach(policy: SpeculationPolicy, seq_id: int, num_drafts: int, k: int,
+          num_accepted: int | tuple[int, ...]) -> None:
+    pattern = num_accepted if isinstance(num_accepted, tuple) else (num_accepted,)
+    for index in range(num_drafts):
+        policy.record_draft(seq_id, k, pattern[index % len(pattern)])
+
+
+def test_acceptance_is_conditional_per_position() -> None:
+    stats = AcceptanceStats(decay=1.0)
+    stats.record(3, 1)  # position 0 accepted, position 1 rejected, position 2 never reached
+    stats.record(3, 3)
+    assert stats.reached == [2.0, 2.0, 1.0]
+    assert stats.accepted == [2.0, 1.0, 1.0]
+    assert stats.rate(1, prior=0.0, prior_weight=0.0) == 0.5
+    assert stats.rate(5, prior=0.3, prior_weight=2.0) == 0.3  # never drafted: the prior
+
+
+def test_cost_model_fits_base_and_slope() -> None:
+    model = LinearCostModel()
+    for num_tokens in (1, 2, 3, 5, 8, 13):
+        model.observe(num_tokens, 0.010 + 0.002 * num_tokens)
+    base, slope = model.fit(prior_slope_fraction=0.5)
+    assert base == pytest.approx(0.010) and slope == pytest.approx(0.002)
+
+
+def test_cost_model_uses_the_prior_slope_until_sizes_vary() -> None:
+    model = LinearCostModel()
+    for _ in range(5):
+        model.observe(1, 0.030)
+    base, slope = model.fit(prior_slope_fraction=1 / 32)
+    assert base + slope == pytest.approx(0.030) and slope == pytest.approx(base / 32)
+
+
+def test_nothing_measured_means_every_sequence_drafts_its_cap() -> None:
+    policy = SpeculationPolicy(4)
+    assert policy.plan([Candidate(1, 4), Candidate(2, 2), Candidate(3, 0)]) == {1: 4, 2: 2, 3: 0}
+
+
+@pytest.mark.parametrize(("base_ms", "per_token_ms", "num_accepted", "expected_k"), [
+    # A flat-cost verify (CPU weight-bound, one request): drafts pay when accepted.
+    (30.0, 0.1, 4, 4),
+    (30.0, 0.1, MIXED, 4),
+    # The third draft token is always rejected: verifying it is a waste.
+    (30.0, 0.1, 2, 2),
+    # Compute-bound verify, every token as costly as the base step (T(1) = 2 ms): a draft
+    # token pays while its chance of being reached and accepted beats tokens per ms so
+    # far; with MIXED that is about 0.8 and 0.65 for the first two, not 0.45 for the third.
+    (1.0, 1.0, 4, 4),
+    (1.0, 1.0, MIXED, 2),
+    (1.0, 1.0, 0, 0),
+])
+def test_one_sequence(base_ms: float, per_token_ms: float, num_accepted: int | tuple[int, ...],
+                      expected_k: int) -> None:
+    policy = policy_with_cost(base_ms * MS, per_token_ms * MS)
+    teach(policy, 7, num_drafts=30, k=4, num_accepted=num_accepted)
+    assert policy.plan([Candidate(7, 4)]) == {7: expected_k}
+
+
+def test_a_busy_batch_drafts_only_where_drafts_are_accepted() -> None:
+    # 16 sequences, T(N) = 5 ms + 1 ms * N: a draft must add > ~0.75 expected tokens.
+    policy = policy_with_cost(5 * MS, 1 * MS)
+    for seq_id in range(16):
+        teach(policy, seq_id, num_drafts=30, k=4, num_accepted=4 if seq_id < 4 else 0)
+    plan = policy.plan([Candidate(seq_id, 4) for seq_id in range(16)])
+    assert all(plan[seq_id] >= 3 for seq_id in range(4))
+    assert all(plan[seq_id] == 0 for seq_id in range(4, 16))
+
+
+def test_cheaper_verification_drafts_more() -> None:
+    light = policy_with_cost(20 * MS, 0.2 * MS)
+    heavy = policy_with_cost(2 * MS, 2 * MS)
+    for policy in (light, heavy):
+        for seq_id in range(8):
+            teach(policy, seq_id, num_drafts=30, k=4, num_accepted=MIXED)
+    candidates = [Candidate(seq_id, 4) for seq_id in range(8)]
+    assert sum(light.plan(candidates).values()) > sum(heavy.plan(candidates).values())
+
+
+def test_slow_drafting_shortens_drafts() -> None:
+    fast = policy_with_cost(10 * MS, 0.1 * MS, draft_s=0.0)
+    slow = SpeculationPolicy(4)
+    for num_tokens in range(1, 17):
+        slow.observe_forward(num_tokens, 10 * MS + 0.1 * MS * num_tokens)
+    for max_k in (1, 2, 3, 4) * 4:
+        slow.observe_drafting(max_k, 6 * MS * max_k)  # each draft token: a 6 ms drafter step
+    for policy in (fast, slow):
+        teach(policy, 1, num_drafts=30, k=4, num_accepted=MIXED)
+    assert fast.plan([Candidate(1, 4)])[1] == 4
+    assert slow.plan([Candidate(1, 4)])[1] < 4
+
+
+def test_a_new_sequence_starts_from_the_engine_wide_rates() -> None:
+    policy = policy_with_cost(1 * MS, 1 * MS)
+    teach(policy, 1, num_drafts=60, k=4, num_accepted=0)
+    assert policy.plan([Candidate(2, 4)]) == {2: 0}  # drafts have not been accepted anywhere
+
+
+def test_a_sequence_that_stopped_drafting_is_probed() -> None:
+    policy = policy_with_cost(1 * MS, 1 * MS)
+    teach(policy, 1, num_drafts=30, k=4, num_accepted=0)
+    plans = [policy.plan([Candidate(1, 4)])[1] for _ in range(2 * PROBE_INTERVAL)]
+    assert plans.count(1) == 2 and set(plans) == {0, 1}
+    # A probe that is accepted again brings drafting back.
+    teach(policy, 1, num_drafts=20, k=1, num_accepted=1)
+    assert policy.plan([Candidate(1, 4)])[1] > 0
+
+
+def test_forget_drops_a_sequence() -> None:
+    policy = policy_with_cost(1 * MS, 1 * MS)
+    teach(policy, 1, num_drafts=30, k=4, num_accepted=4)
+    policy.forget(1)
+    assert 1 not in policy._stats

@@ -1,0 +1,220 @@
+"""Adaptive speculation: how many draft tokens each sequence verifies this step (0 included).
+
+A step verifying N tokens in all yields, per sequence, 1 token plus its accepted drafts,
+and costs T(N) seconds of forward plus the drafting time. With per-position
+*conditional* acceptance a_1, a_2, ... (a_i: the chance draft i is accepted given that
+drafts 1..i-1 were), draft j of a sequence adds an expected p_j = a_1 * ... * a_j tokens
+and costs one more verified token, dT/dN seconds (plus one more drafter step when j
+exceeds every other sequence's draft length). The step's throughput G / T (expected
+tokens over predicted seconds) grows with that draft iff p_j * T > cost * G. So the
+plan starts every sequence at k = 0 and greedily adds the draft with the largest p_j
+while that holds.
+
+Worked example: one request, T(N) = 30 ms + 0.2 ms * N, a flat-cost CPU verify. With
+a = 0.8 everywhere, draft 1 adds 0.8 tokens for 0.2 ms (G = 1, T = 30.2 ms: 0.8 * 30.2
+> 0.2 * 1), and so on up to the cap. At 16 requests on a compute-bound device with
+T(N) = 5 ms + 1 ms * N, G = 16 and T = 21 ms: a draft pays only if p_j > 16 / 21 = 0.76,
+so only the sequences whose drafts keep being accepted speculate.
+
+What is measured, not assumed:
+- acceptance per sequence and position, with the engine-wide rates as a prior (a new
+  request starts from what drafts achieved so far), exponentially forgetting old drafts
+  so a request that leaves a repetitive passage stops drafting;
+- T(N), fit by exponentially weighted least squares to decode steps' forward times;
+- drafting time against the longest draft asked, fit the same way.
+A sequence planned at k = 0 for `PROBE_INTERVAL` steps verifies one draft token, so its
+acceptance keeps being measured (a passage can become predictable again).
+"""
+
+from __future__ import annotations
+
+import heapq
+from dataclasses import dataclass, field
+
+# Weight of the engine-wide rate in a sequence's estimate, in drafts.
+PRIOR_WEIGHT = 2.0
+# Per-draft forgetting of a sequence's counts, and of the engine-wide counts.
+SEQUENCE_DECAY = 0.9
+ENGINE_DECAY = 0.995
+# The engine-wide rate before any draft was verified: optimistic, so drafting starts.
+INITIAL_RATE = 0.6
+# Steps a sequence may go undrafted before one draft token is verified to re-measure.
+PROBE_INTERVAL = 16
+# Before the step times span enough token counts to fit a slope, a forward over
+# PRIOR_FLAT_TOKENS tokens is assumed to cost twice a one-token forward.
+PRIOR_FLAT_TOKENS = 32
+COST_DECAY = 0.98
+
+
+@dataclass(slots=True)
+class AcceptanceStats:
+    """Per-position conditional acceptance counts (decayed).
+
+    `reached[i]`: drafts that had a token at position i with every earlier token accepted;
+    `accepted[i]`: how many of those accepted it.
+    """
+
+    decay: float
+    reached: list[float] = field(default_factory=list)
+    accepted: list[float] = field(default_factory=list)
+
+    def record(self, num_draft_tokens: int, num_accepted: int) -> None:
+        if num_draft_tokens == 0:
+            return
+        self.reached = [count * self.decay for count in self.reached]
+        self.accepted = [count * self.decay for count in self.accepted]
+        if len(self.reached) < num_draft_tokens:
+            grow = num_draft_tokens - len(self.reached)
+            self.reached.extend([0.0] * grow)
+            self.accepted.extend([0.0] * grow)
+        for position in range(min(num_accepted + 1, num_draft_tokens)):
+            self.reached[position] += 1.0
+        for position in range(num_accepted):
+            self.accepted[position] += 1.0
+
+    def rate(self, position: int, prior: float, prior_weight: float) -> float:
+        """Estimated chance that the draft at `position` is accepted given the earlier ones were."""
+        reached = self.reached[position] if position < len(self.reached) else 0.0
+        accepted = self.accepted[position] if position < len(self.accepted) else 0.0
+        return (accepted + prior_weight * prior) / (reached + prior_weight)
+
+
+class LinearCostModel:
+    """seconds = base + slope * x, fit by exponentially weighted least squares.
+
+    While the observed x are too alike to give a slope, `prior_slope(base)` stands in.
+    """
+
+    def __init__(self, decay: float = COST_DECAY) -> None:
+        self.decay = decay
+        self._sums = [0.0] * 5  # weight, x, y, x*x, x*y
+
+    def observe(self, x: float, seconds: float) -> None:
+        decayed = [value * self.decay for value in self._sums]
+        self._sums = [decayed[0] + 1.0, decayed[1] + x, decayed[2] + seconds,
+                      decayed[3] + x * x, decayed[4] + x * seconds]
+
+    @property
+    def has_data(self) -> bool:
+        return self._sums[0] > 0.0
+
+    def fit(self, prior_slope_fraction: float) -> tuple[float, float]:
+        """(base, slope); with no data (0, 0)."""
+        weight, sum_x, sum_y, sum_xx, sum_xy = self._sums
+        if weight == 0.0:
+            return 0.0, 0.0
+        mean_x, mean_y = sum_x / weight, sum_y / weight
+        variance_x = sum_xx / weight - mean_x * mean_x
+        if variance_x > 0.25:  # x varied by more than about one token
+            slope = max(0.0, (sum_xy / weight - mean_x * mean_y) / variance_x)
+            base = max(0.0, mean_y - slope * mean_x)
+            return base, slope
+        base = mean_y / (1.0 + prior_slope_fraction * mean_x)
+        return base, base * prior_slope_fraction
+
+
+@dataclass(slots=True)
+class Candidate:
+    """A sequence the plan may draft for."""
+
+    seq_id: int
+    max_tokens: int  # the cap: request override, room left, server k
+
+
+class SpeculationPolicy:
+    """Plans per-sequence draft lengths from measured acceptance and step cost."""
+
+    def __init__(self, max_speculative_tokens: int) -> None:
+        self.max_speculative_tokens = max_speculative_tokens
+        self.engine_stats = AcceptanceStats(ENGINE_DECAY)
+        self._stats: dict[int, AcceptanceStats] = {}
+        self._idle_steps: dict[int, int] = {}
+        self.verify_cost = LinearCostModel()  # x: tokens in the forward
+        self.draft_cost = LinearCostModel()   # x: longest draft asked
+
+    # ------------------------------------------------------------ measurements
+
+    def record_draft(self, seq_id: int, num_draft_tokens: int, num_accepted: int) -> None:
+        self.engine_stats.record(num_draft_tokens, num_accepted)
+        stats = self._stats.get(seq_id)
+        if stats is None:
+            stats = self._stats[seq_id] = AcceptanceStats(SEQUENCE_DECAY)
+        stats.record(num_draft_tokens, num_accepted)
+
+    def observe_forward(self, num_tokens: int, seconds: float) -> None:
+        """A decode-only step's forward time (prefill chunks would skew the fit)."""
+        self.verify_cost.observe(num_tokens, seconds)
+
+    def observe_drafting(self, max_draft_tokens: int, seconds: float) -> None:
+        self.draft_cost.observe(max_draft_tokens, seconds)
+
+    def forget(self, seq_id: int) -> None:
+        self._stats.pop(seq_id, None)
+        self._idle_steps.pop(seq_id, None)
+
+    # ------------------------------------------------------------ planning
+
+    def rates(self, seq_id: int, num_positions: int) -> list[float]:
+        """Conditional acceptance estimates for positions 0..num_positions-1."""
+        stats = self._stats.get(seq_id)
+        rates = []
+        for position in range(num_positions):
+            prior = self.engine_stats.rate(position, INITIAL_RATE, 1.0)
+            rates.append(prior if stats is None else stats.rate(position, prior, PRIOR_WEIGHT))
+        return rates
+
+    def plan(self, candidates: list[Candidate], num_other_tokens: int = 0) -> dict[int, int]:
+        """Draft length per sequence id for one step.
+
+        `num_other_tokens`: tokens the forward runs besides these sequences' one token each
+        (prefill chunks), which make the step slower and drafts relatively cheaper.
+        """
+        plan = {candidate.seq_id: 0 for candidate in candidates}
+        if not candidates:
+            return plan
+        verify_base, verify_slope = self.verify_cost.fit(1.0 / PRIOR_FLAT_TOKENS)
+        draft_base, draft_per_token = self.draft_cost.fit(0.0)
+        num_tokens = len(candidates) + num_other_tokens
+        expected_tokens = float(len(candidates))
+        seconds = verify_base + verify_slope * num_tokens
+        if not self.verify_cost.has_data:
+            return {c.seq_id: c.max_tokens for c in candidates}  # nothing measured yet
+
+        # Max-heap of (expected gain of the next draft, seq index, position, chain prob).
+        heap: list[tuple[float, int, int]] = []
+        rates: list[list[float]] = []
+        for index, candidate in enumerate(candidates):
+            seq_rates = self.rates(candidate.seq_id, candidate.max_tokens)
+            rates.append(seq_rates)
+            if candidate.max_tokens > 0:
+                heapq.heappush(heap, (-seq_rates[0], index, 0))
+        longest = 0
+        while heap:
+            negative_gain, index, position = heapq.heappop(heap)
+            gain = -negative_gain
+            cost = verify_slope
+            if position + 1 > longest:
+                cost += draft_per_token + (draft_base if longest == 0 else 0.0)
+            if gain * seconds <= cost * expected_tokens:
+                continue
+            candidate = candidates[index]
+            plan[candidate.seq_id] = position + 1
+            expected_tokens += gain
+            seconds += cost
+            longest = max(longest, position + 1)
+            if position + 1 < candidate.max_tokens:
+                heapq.heappush(heap, (-gain * rates[index][position + 1], index, position + 1))
+        for candidate in candidates:
+            self._probe_if_idle(candidate, plan)
+        return plan
+
+    def _probe_if_idle(self, candidate: Candidate, plan: dict[int, int]) -> None:
+        seq_id = candidate.seq_id
+        if plan[seq_id] > 0 or candidate.max_tokens == 0:
+            self._idle_steps[seq_id] = 0
+            return
+        idle = self._idle_steps.get(seq_id, 0) + 1
+        if idle >= PROBE_INTERVAL:
+            plan[seq_id] = 1
+            idle = 0
+        self._idle_steps[seq_id] = idle
