@@ -17,11 +17,14 @@ cpu, cuda and npu.
 from __future__ import annotations
 
 import logging
+import os
 from dataclasses import dataclass
 from typing import Protocol
 
 import torch
 import torch.nn.functional as F
+
+from specdec.errors import ConfigError
 
 logger = logging.getLogger(__name__)
 
@@ -154,3 +157,24 @@ class TorchPagedAttention:
             output[start:end] = seq_out
         assert output is not None, "metadata describes no query tokens"
         return output
+
+
+# Which backend `make_attention_backend` builds: auto (the fused NPU backend on npu, the
+# reference elsewhere), torch (the reference everywhere) or npu_fused (the NPU backend on any
+# device; it falls back to the reference where its op is missing or refuses a shape).
+ATTENTION_BACKEND_ENV = "SPECDEC_ATTENTION_BACKEND"
+ATTENTION_BACKENDS = ("auto", "torch", "npu_fused")
+
+
+def make_attention_backend(device: torch.device, num_heads: int, num_kv_heads: int, head_dim: int,
+                           ) -> AttentionBackend:
+    """The one place a model's attention backend is chosen (see ATTENTION_BACKEND_ENV)."""
+    choice = os.environ.get(ATTENTION_BACKEND_ENV, "auto").strip().lower() or "auto"
+    if choice not in ATTENTION_BACKENDS:
+        raise ConfigError(f"{ATTENTION_BACKEND_ENV}={choice!r} is not supported; allowed values: "
+                          f"{', '.join(ATTENTION_BACKENDS)}", param=ATTENTION_BACKEND_ENV)
+    if choice == "npu_fused" or (choice == "auto" and device.type == "npu"):
+        from specdec.attention_npu import NpuFusedPagedAttention
+
+        return NpuFusedPagedAttention(num_heads, num_kv_heads, head_dim)
+    return TorchPagedAttention(num_heads, num_kv_heads, head_dim)

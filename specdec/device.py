@@ -20,9 +20,32 @@ DTYPES = {
 }
 
 
+# The NPU caching allocator's settings; read once, when torch_npu initialises the device.
+NPU_ALLOC_CONF_ENV = "PYTORCH_NPU_ALLOC_CONF"
+# As vllm-ascend does: expandable segments cut the fragmentation a KV pool plus changing
+# activation sizes cause. Applied only when the variable is unset.
+DEFAULT_NPU_ALLOC_CONF = "expandable_segments:True"
+
+
+def configure_npu_allocator() -> str:
+    """Sets PYTORCH_NPU_ALLOC_CONF to the default unless the user set it; returns its value.
+
+    Must run before torch_npu is imported (the allocator reads it then).
+    """
+    value = os.environ.get(NPU_ALLOC_CONF_ENV)
+    if value is None:
+        os.environ[NPU_ALLOC_CONF_ENV] = value = DEFAULT_NPU_ALLOC_CONF
+        logger.info("%s=%s (specdec's default; set the variable to override)",
+                    NPU_ALLOC_CONF_ENV, value)
+    else:
+        logger.info("%s=%s (from the environment)", NPU_ALLOC_CONF_ENV, value)
+    return value
+
+
 def npu_available() -> bool:
     if importlib.util.find_spec("torch_npu") is None:
         return False
+    configure_npu_allocator()
     import torch_npu  # noqa: F401  (registers torch.npu)
     return bool(torch.npu.is_available())  # type: ignore[attr-defined]
 
