@@ -21,7 +21,8 @@ def add_model_args(parser: argparse.ArgumentParser) -> None:
 
 def add_engine_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--dtype", default="auto",
-                        help="auto | float32 | bfloat16 | float16 (auto: float32 on cpu)")
+                        help="auto | float32 | bfloat16 | float16 (auto: bfloat16; float32 on a cpu "
+                             "without bf16 kernels; float32 makes greedy speculation bit-exact)")
     parser.add_argument("--device", default="auto", help="auto | cpu | cuda | npu")
     parser.add_argument("--max-model-len", type=int, default=None,
                         help="context length (default: the model's)")
@@ -48,6 +49,14 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--request-timeout-s", type=float, default=None,
                         help="end a request that runs longer with DEADLINE_EXCEEDED (default: "
                              "no limit; a client's gRPC deadline applies either way)")
+    parser.add_argument("--quantization", choices=["int8"], default=None,
+                        help="int8: weight-only int8 linears, quantised at load per output "
+                             "channel (CPU; lossy against the checkpoint, speculation stays "
+                             "lossless against the quantised model)")
+    parser.add_argument("--speculation-policy", choices=["adaptive", "fixed"], default="adaptive",
+                        help="adaptive: each step drafts per sequence only as many tokens as "
+                             "measured acceptance and step cost make worthwhile (0 included); "
+                             "fixed: always num_speculative_tokens")
     parser.add_argument("--additional-config", default=None, help="JSON object")
     parser.add_argument("--threads", type=int, default=None, help="torch CPU threads")
 

@@ -242,6 +242,9 @@ class EngineConfig:
     # A request running longer than this ends with DEADLINE_EXCEEDED (None: no limit;
     # a client's gRPC deadline applies either way).
     request_timeout_s: float | None = None
+    # Draft lengths chosen per step from measured acceptance and step cost
+    # (verifier_svc.speculation_policy); False: always the request's k.
+    adaptive_speculation: bool = True
 
     def __post_init__(self) -> None:
         for name in ("max_model_len", "max_num_seqs", "max_num_batched_tokens", "block_size"):

@@ -22,7 +22,9 @@ import urllib.request
 from specdec.cli import (ADDITIONAL_CONFIG_KEYS, add_engine_args, add_logging_args,
                          add_model_args, add_shutdown_args, add_speculative_args)
 from specdec.config import SpeculativeConfig, parse_additional_config
+from specdec.models.loader import load_model_config
 from specdec.models.model_files import resolve_model
+from specdec.models.parallel import check_tensor_parallel
 from specdec.tls import add_grpc_tls_args, grpc_tls_flags, grpc_tls_from_args
 
 logger = logging.getLogger(__name__)
@@ -74,6 +76,7 @@ def _child_commands(args: argparse.Namespace, model_path: str) -> list[tuple[str
                 "--gpu-memory-utilization", str(args.gpu_memory_utilization),
                 "--block-size", str(args.block_size),
                 "--tensor-parallel-size", str(args.tensor_parallel_size),
+                "--speculation-policy", args.speculation_policy,
                 *common]
     for flag, value in (("--max-model-len", args.max_model_len),
                         ("--num-gpu-blocks-override", args.num_gpu_blocks_override),
@@ -84,6 +87,7 @@ def _child_commands(args: argparse.Namespace, model_path: str) -> list[tuple[str
                         ("--request-timeout-s", args.request_timeout_s),
                         ("--shutdown-grace-s", args.shutdown_grace_s),
                         ("--threads", args.threads),
+                        ("--quantization", args.quantization),
                         ("--additional-config", args.additional_config)):
         if value is not None:
             verifier += [flag, str(value)]
@@ -134,11 +138,11 @@ def serve(args: argparse.Namespace) -> int:
     SpeculativeConfig.parse(args.speculative_config)
     parse_additional_config(args.additional_config, ADDITIONAL_CONFIG_KEYS)
     grpc_tls_from_args(args)
-    if args.tensor_parallel_size != 1:
-        logger.error("--tensor-parallel-size %d is not supported yet; only 1 is",
-                     args.tensor_parallel_size)
-        return 2
-    model_path = str(resolve_model(args.model))
+    model_dir = resolve_model(args.model)
+    # The verifier starts the other tensor-parallel ranks itself; refuse a size the model's
+    # heads do not divide before any child starts.
+    check_tensor_parallel(load_model_config(model_dir), args.tensor_parallel_size)
+    model_path = str(model_dir)
     stop_requested = False
 
     def request_stop(signum: int, frame: object) -> None:

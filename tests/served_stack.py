@@ -41,14 +41,17 @@ def free_port() -> int:
 
 @contextmanager
 def served_stack(model: Path, *flags: str, ready_timeout_s: float = 60.0) -> Iterator[Stack]:
-    """Starts the launcher on `model` (cpu, float32, ngram unless `flags` say otherwise),
-    waits for /health, and stops it (SIGTERM, then SIGKILL) on exit."""
+    """Starts the launcher on `model` (cpu, float32, ngram with a fixed k unless `flags` say
+    otherwise), waits for /health, and stops it (SIGTERM, then SIGKILL) on exit."""
     port = free_port()
     command = [sys.executable, "-m", "specdec", "serve", "--model", str(model),
                "--port", str(port), "--device", "cpu", "--dtype", "float32",
                "--log-level", "warning", *flags]
     if "--speculative-config" not in flags:
         command += ["--speculative-config", NGRAM_SPEC]
+    if "--speculation-policy" not in flags:
+        # Drafts every step, so the counters the tests read do not depend on timing.
+        command += ["--speculation-policy", "fixed"]
     launcher = subprocess.Popen(command, cwd=ROOT, env=ENV)
     base_url = f"http://127.0.0.1:{port}"
     try:

@@ -39,7 +39,10 @@ def test_help(module: str, flags: list[str]) -> None:
      "num_speculative_tokens"),
     (["--speculative-config", '{"method": "medusa", "num_speculative_tokens": 2}'],
      "ngram, eagle, eagle3, draft_model"),
-    (["--tensor-parallel-size", "2"], "tensor-parallel-size"),
+    # The default model's 9 attention heads and 3 KV heads split over 1 or 3 ranks only.
+    (["--tensor-parallel-size", "2"], "--tensor-parallel-size 2 does not divide the model's 9 "
+                                      "attention heads; sizes this model allows: 1, 3"),
+    (["--tensor-parallel-size", "0"], "--tensor-parallel-size must be >= 1"),
     (["--additional-config", "{not json"], "additional-config"),
 ])
 def test_serve_refuses_bad_configuration(args: list[str], message: str) -> None:

@@ -76,7 +76,9 @@ async def start(model: Path, device: object, *drafter_ports: int) -> RunningVeri
     config = VerifierConfig(model=str(model), device=str(device), dtype="float32",
                             max_model_len=512, num_gpu_blocks_override=256,
                             speculative_config=SPEC, draft_timeout_s=DRAFT_TIMEOUT_S,
-                            drafter_targets=tuple(f"127.0.0.1:{port}" for port in drafter_ports))
+                            drafter_targets=tuple(f"127.0.0.1:{port}" for port in drafter_ports),
+                            # Every step asks for drafts, whatever they achieved before.
+                            adaptive_speculation=False)
     return await start_verifier(config, "127.0.0.1", 0)
 
 

@@ -66,7 +66,9 @@ class EngineHarness:
         values: dict[str, object] = dict(
             model=str(self.model_dir), device=self.device, dtype="float32", max_model_len=256,
             max_num_seqs=8, max_num_batched_tokens=64, block_size=4, num_gpu_blocks_override=256,
-            speculative_config=spec, drafter_targets=targets, draft_timeout_s=1.0)
+            speculative_config=spec, drafter_targets=targets, draft_timeout_s=1.0,
+            # Fixed k: these tests need drafts every step; adaptive k has tests of its own.
+            adaptive_speculation=False)
         values.update(self.overrides)
         self.engine, _ = build_engine(VerifierConfig(**values))  # type: ignore[arg-type]
         await self.engine.start()
@@ -99,6 +101,15 @@ async def test_greedy_invariance_with_ngram(tiny_model: Path, device, expected, 
     assert outputs == expected
     assert spec.num_draft_tokens > 0 and spec.num_accepted_tokens > 0, "ngram never helped"
     assert all(len(tokens) == MAX_TOKENS for tokens in outputs)
+
+
+async def test_adaptive_speculation_keeps_outputs(tiny_model: Path, device, expected) -> None:
+    async with EngineHarness(tiny_model, str(device), k=3, adaptive_speculation=True) as engine:
+        outputs = await asyncio.gather(*(generate(engine, p, greedy()) for p in PROMPTS))
+        policy = engine.policy
+        assert policy is not None and policy.verify_cost.has_data
+        assert not policy._stats, "finished sequences are forgotten"
+    assert list(outputs) == expected
 
 
 async def test_concurrent_batch_equals_one_at_a_time(tiny_model: Path, device, expected) -> None:

@@ -59,7 +59,10 @@ async def serve_and_generate(target: Path, device: str, spec: dict | None,
     engine, _ = build_engine(VerifierConfig(
         model=str(target), device=device, dtype="float32", max_model_len=128, block_size=4,
         num_gpu_blocks_override=256, max_num_batched_tokens=16, speculative_config=config,
-        drafter_targets=targets, draft_timeout_s=2.0))
+        drafter_targets=targets, draft_timeout_s=2.0,
+        # Drafts every step: a seeded sample with drafted probabilities depends on which
+        # drafts came, and the adaptive policy's choices depend on measured times.
+        adaptive_speculation=False))
     await engine.start()
     try:
         if engine.drafter_pool is not None:

@@ -49,19 +49,32 @@ def config_from_args(args: argparse.Namespace) -> VerifierConfig:
         num_gpu_blocks_override=args.num_gpu_blocks_override,
         kv_cache_memory_bytes=args.kv_cache_memory_bytes,
         tensor_parallel_size=args.tensor_parallel_size,
+        quantization=args.quantization,
+        adaptive_speculation=args.speculation_policy == "adaptive",
         speculative_config=SpeculativeConfig.parse(args.speculative_config),
         grpc_tls=grpc_tls_from_args(args),
         max_waiting_requests=args.max_waiting_requests, request_timeout_s=args.request_timeout_s,
         drafter_targets=tuple(args.drafter), draft_timeout_s=args.draft_timeout_ms / 1000 if args.draft_timeout_ms else None)
 
 
-async def serve(args: argparse.Namespace) -> None:
+async def serve(args: argparse.Namespace) -> int:
     verifier = await start_verifier(config_from_args(args), args.host, args.port,
                                     args.metrics_port)
     logger.info("verifier serving on %s:%d", args.host, verifier.port)
-    await wait_for_signal()
+    signalled = asyncio.ensure_future(wait_for_signal())
+    fatal = asyncio.ensure_future(verifier.wait_for_fatal_error())
+    await asyncio.wait({signalled, fatal}, return_when=asyncio.FIRST_COMPLETED)
+    for task in (signalled, fatal):
+        task.cancel()
+    if fatal.done() and not fatal.cancelled():
+        # A broken tensor-parallel group cannot serve again: exit so the launcher (or the
+        # orchestrator) sees it, rather than fail every request from here on.
+        logger.error("%s; stopping the verifier", fatal.result())
+        await verifier.shutdown(0.0)
+        return 1
     await verifier.shutdown(args.shutdown_grace_s)
     logger.info("verifier stopped")
+    return 0
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -70,11 +83,10 @@ def main(argv: list[str] | None = None) -> int:
     if args.threads:
         torch.set_num_threads(args.threads)
     try:
-        asyncio.run(serve(args))
+        return asyncio.run(serve(args))
     except ConfigError as exc:
         logger.error("%s", exc.message)
         return 2
-    return 0
 
 
 if __name__ == "__main__":

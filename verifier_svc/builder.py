@@ -15,13 +15,16 @@ from specdec.config import EngineConfig, SpeculativeConfig, default_draft_timeou
 from specdec.device import device_memory_bytes, resolve_device, resolve_dtype
 from specdec.errors import ConfigError
 from specdec.kv_cache import KVCache
-from specdec.models.loader import load_model
+from specdec.models.loader import load_model, load_model_config
 from specdec.models.model_files import load_tokenizer, resolve_model, tokenizer_fingerprint
+from specdec.models.packed_linear import choose_kernel, pack_linears
+from specdec.models.parallel import ParallelContext, check_tensor_parallel
 from specdec.scheduler import Scheduler
 from specdec.tls import GrpcTlsConfig
 from verifier_svc.drafter_pool import DrafterPool
 from verifier_svc.engine import Engine
 from verifier_svc.model_runner import ModelRunner
+from verifier_svc.tp_worker import TensorParallelGroup, rank_device
 
 logger = logging.getLogger(__name__)
 
@@ -55,11 +58,14 @@ class VerifierConfig:
     request_timeout_s: float | None = None
     # None: plain gRPC (loopback); see specdec.tls.
     grpc_tls: GrpcTlsConfig | None = None
+    # None or "int8" (weight-only); see specdec.models.packed_linear.
+    quantization: str | None = None
+    adaptive_speculation: bool = True
 
     def __post_init__(self) -> None:
-        if self.tensor_parallel_size != 1:
-            raise ConfigError(f"--tensor-parallel-size {self.tensor_parallel_size} is not "
-                              "supported yet; only 1 is", param="tensor_parallel_size")
+        if self.tensor_parallel_size < 1:
+            raise ConfigError("--tensor-parallel-size must be >= 1, got "
+                              f"{self.tensor_parallel_size}", param="tensor_parallel_size")
         if not 0 < self.gpu_memory_utilization <= 1:
             raise ConfigError("--gpu-memory-utilization must be in (0, 1], got "
                               f"{self.gpu_memory_utilization}", param="gpu_memory_utilization")
@@ -85,7 +91,14 @@ def build_engine(config: VerifierConfig) -> tuple[Engine, ServedModel]:
     device = resolve_device(config.device)
     dtype = resolve_dtype(config.dtype, device)
     model_dir = resolve_model(config.model)
-    model = load_model(model_dir, dtype, device)
+    parallel = None
+    if config.tensor_parallel_size > 1:
+        # Refuse a size the model's heads do not divide before anything is loaded or started.
+        check_tensor_parallel(load_model_config(model_dir), config.tensor_parallel_size)
+        parallel = ParallelContext(rank=0, world_size=config.tensor_parallel_size)
+        device = rank_device(device, 0)
+    # With tensor parallelism, `model` and its config are rank 0's shard (heads / N).
+    model = load_model(model_dir, dtype, device, parallel=parallel)
     model_config = model.config
     tokenizer = load_tokenizer(model_dir)
 
@@ -95,22 +108,23 @@ def build_engine(config: VerifierConfig) -> tuple[Engine, ServedModel]:
                           f"max_position_embeddings ({model_config.max_position_embeddings})",
                           param="max_model_len")
     num_blocks = _num_kv_blocks(config, model, dtype, device, max_model_len)
+    # After the KV budget, which counts the checkpoint's weights.
+    linear_kernel = choose_kernel(device, dtype, config.quantization)
+    if linear_kernel is not None:
+        pack_linears(model, linear_kernel)
     engine_config = EngineConfig(max_model_len=max_model_len, max_num_seqs=config.max_num_seqs,
                                  max_num_batched_tokens=config.max_num_batched_tokens,
                                  block_size=config.block_size, num_kv_blocks=num_blocks,
                                  draft_timeout_s=config.draft_timeout_s
                                  or default_draft_timeout_s(config.speculative_config),
                                  max_waiting_requests=config.max_waiting_requests,
-                                 request_timeout_s=config.request_timeout_s)
+                                 request_timeout_s=config.request_timeout_s,
+                                 adaptive_speculation=config.adaptive_speculation)
     if num_blocks * config.block_size < max_model_len:
         raise ConfigError(f"the KV cache holds {num_blocks * config.block_size} tokens, less "
                           f"than one sequence of --max-model-len {max_model_len}; raise "
                           "--gpu-memory-utilization or lower --max-model-len",
                           param="max_model_len")
-    kv_cache = KVCache.allocate(model_config, num_blocks, config.block_size, dtype, device)
-    runner = ModelRunner(model, kv_cache, config.block_size, device)
-    scheduler = Scheduler(engine_config, BlockManager(num_blocks, config.block_size))
-
     fingerprint = tokenizer_fingerprint(tokenizer)
     spec = config.speculative_config
     pool = None
@@ -118,12 +132,24 @@ def build_engine(config: VerifierConfig) -> tuple[Engine, ServedModel]:
         pool = DrafterPool(list(config.drafter_targets), vocab_size=model_config.vocab_size,
                            tokenizer_fingerprint=fingerprint, tls=config.grpc_tls)
     eos_token_ids = _eos_token_ids(model_dir, model_config.eos_token_ids, tokenizer)
+    kv_cache = KVCache.allocate(model_config, num_blocks, config.block_size, dtype, device)
+    # Workers start last: nothing after this can refuse the configuration.
+    tensor_parallel = None
+    if parallel is not None:
+        tensor_parallel = TensorParallelGroup.start(parallel, model_dir=model_dir, dtype=dtype,
+                                                    device=device, num_blocks=num_blocks,
+                                                    block_size=config.block_size,
+                                                    linear_kernel=linear_kernel)
+    runner = ModelRunner(model, kv_cache, config.block_size, device, tensor_parallel)
+    scheduler = Scheduler(engine_config, BlockManager(num_blocks, config.block_size))
+
     engine = Engine(engine_config, runner, scheduler, vocab_size=model_config.vocab_size,
                     eos_token_ids=eos_token_ids,
                     num_speculative_tokens=spec.num_speculative_tokens if spec else 0,
                     drafter_pool=pool)
-    logger.info("verifier: model %s on %s in %s, max_model_len %d, %d KV blocks of %d tokens "
-                "(%d tokens), speculation %s", model_dir, device, dtype, max_model_len,
+    logger.info("verifier: model %s on %s in %s, tensor parallel %d, max_model_len %d, %d KV "
+                "blocks of %d tokens (%d tokens), speculation %s", model_dir, device, dtype,
+                config.tensor_parallel_size, max_model_len,
                 num_blocks, config.block_size, num_blocks * config.block_size,
                 f"{spec.method} k={spec.num_speculative_tokens} via {', '.join(config.drafter_targets)}"
                 if spec else "off")
@@ -152,7 +178,11 @@ def _num_kv_blocks(config: VerifierConfig, model: torch.nn.Module, dtype: torch.
                         * (4 * model_config.hidden_size + 2 * model_config.intermediate_size)
                         + config.max_num_batched_tokens * model_config.vocab_size * 4
                         + _ACTIVATION_SLACK_BYTES)
-    budget = (int(config.gpu_memory_utilization * device_memory_bytes(device))
+    device_bytes = device_memory_bytes(device)
+    if device.type == "cpu":
+        # Tensor-parallel ranks on the CPU share its RAM; `model` is one rank's shard.
+        device_bytes //= config.tensor_parallel_size
+    budget = (int(config.gpu_memory_utilization * device_bytes)
               - weight_bytes - activation_bytes)
     if config.kv_cache_memory_bytes is not None:
         budget = config.kv_cache_memory_bytes

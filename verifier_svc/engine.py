@@ -28,6 +28,7 @@ import asyncio
 import itertools
 import logging
 import time
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 import torch
@@ -41,6 +42,7 @@ from specdec.sequence import FinishReason, Sequence, SpeculationCounters
 from verifier_svc.drafter_pool import Draft, DraftRequest, DrafterPool
 from verifier_svc.model_runner import ModelRunner, PreparedBatch, StepInput
 from verifier_svc.requests import EngineError, RequestOutput, check_admission, check_request
+from verifier_svc.speculation_policy import Candidate, SpeculationPolicy
 
 if TYPE_CHECKING:
     from verifier_svc.metrics import VerifierMetrics
@@ -68,6 +70,9 @@ class Engine:
         self.eos_token_ids = frozenset(eos_token_ids)
         self.num_speculative_tokens = num_speculative_tokens if drafter_pool else 0
         self.drafter_pool = drafter_pool
+        # None: every sequence drafts its cap (the request's k, the room left) every step.
+        self.policy = (SpeculationPolicy(self.num_speculative_tokens)
+                       if config.adaptive_speculation and self.num_speculative_tokens else None)
         self.spec = SpeculationCounters()
         self.num_steps = 0
         self._seq_ids = itertools.count()
@@ -164,6 +169,8 @@ class Engine:
     def _forget_in_drafter(self, seq_id: int) -> None:
         if self.drafter_pool is not None:
             self._finished_for_drafter.append(seq_id)
+        if self.policy is not None:
+            self.policy.forget(seq_id)
 
     @property
     def num_running(self) -> int:
@@ -215,8 +222,23 @@ class Engine:
             return ()
         return self.drafter_pool.hidden_state_layer_ids or ()
 
+    def _plan_speculation(self) -> Callable[[Sequence], int]:
+        """The draft length of each running sequence this step (adaptive, or its cap)."""
+        if self.policy is None:
+            return self._speculative_tokens_for
+        candidates: list[Candidate] = []
+        num_other_tokens = 0
+        for seq in self.scheduler.running:
+            if seq.num_uncomputed_tokens == 1:
+                candidates.append(Candidate(seq.seq_id, self._speculative_tokens_for(seq)))
+            else:
+                num_other_tokens += seq.num_uncomputed_tokens
+        num_other_tokens = min(num_other_tokens, self.config.max_num_batched_tokens)
+        planned = self.policy.plan(candidates, num_other_tokens)
+        return lambda seq: planned.get(seq.seq_id, 0)
+
     async def step(self) -> None:
-        plan = self.scheduler.schedule(self._speculative_tokens_for)
+        plan = self.scheduler.schedule(self._plan_speculation())
         if not plan.scheduled:
             return
         try:
@@ -244,7 +266,11 @@ class Engine:
                 return
         inputs, step_drafts = self._build_inputs(scheduled, drafts)
         batch = self.runner.prepare(inputs)
+        started = time.perf_counter()
         logits, hidden = self.runner.execute(batch, hidden_layer_ids)
+        if self.policy is not None and all(item.num_query_tokens == 1 for item in scheduled):
+            # Decode steps only: a prefill chunk's attention would skew the per-token cost.
+            self.policy.observe_forward(batch.input_ids.numel(), time.perf_counter() - started)
         self.num_steps += 1
         for index, item in enumerate(scheduled):
             seq = item.seq
@@ -264,6 +290,8 @@ class Engine:
             seq.num_last_accepted = num_accepted
             seq.spec.record(len(draft.token_ids), num_accepted)
             self.spec.record(len(draft.token_ids), num_accepted)
+            if self.policy is not None:
+                self.policy.record_draft(seq.seq_id, len(draft.token_ids), num_accepted)
             self._append_tokens(seq, new_token_ids)
         self._maybe_log_stats()
 
@@ -304,8 +332,12 @@ class Engine:
         finished, self._finished_for_drafter = self._finished_for_drafter, []
         started = time.perf_counter()
         drafts = await self.drafter_pool.propose(requests, finished, self.config.draft_timeout_s)
+        seconds = time.perf_counter() - started
         if self.metrics is not None:
-            self.metrics.observe_round_trip(time.perf_counter() - started)
+            self.metrics.observe_round_trip(seconds)
+        if self.policy is not None:
+            self.policy.observe_drafting(max(request.num_speculative_tokens for request in requests),
+                                         seconds)
         return drafts
 
     def _build_inputs(self, scheduled: list[ScheduledSequence], drafts: dict[int, Draft],

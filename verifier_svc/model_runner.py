@@ -8,13 +8,18 @@ prefill's final chunk, none for an intermediate chunk.
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
 from specdec.attention import AttentionMetadata
 from specdec.kv_cache import KVCache
 from specdec.models.llama import LlamaForCausalLM
+
+if TYPE_CHECKING:
+    from verifier_svc.tp_worker import TensorParallelGroup
 
 
 @dataclass(slots=True)
@@ -37,13 +42,22 @@ class PreparedBatch:
 
 
 class ModelRunner:
+    """With `tensor_parallel`, this is rank 0: each forward first goes to the other ranks
+    (see `verifier_svc.tp_worker`) and `model` / `kv_cache` hold rank 0's shards."""
+
     def __init__(self, model: LlamaForCausalLM, kv_cache: KVCache, block_size: int,
-                 device: torch.device) -> None:
+                 device: torch.device, tensor_parallel: TensorParallelGroup | None = None) -> None:
         self.model = model
         self.kv_cache = kv_cache
         self.block_size = block_size
         self.device = device
         self.dtype = kv_cache.key_caches[0].dtype
+        self.tensor_parallel = tensor_parallel
+
+    def close(self) -> None:
+        """Stops the tensor-parallel workers, if any."""
+        if self.tensor_parallel is not None:
+            self.tensor_parallel.close()
 
     def prepare(self, inputs: list[StepInput]) -> PreparedBatch:
         token_ids: list[int] = []
@@ -95,12 +109,16 @@ class ModelRunner:
         layer i.
         """
         aux_layer_ids = tuple(i for i in hidden_layer_ids if i >= 0)
-        if aux_layer_ids:
-            hidden, aux = self.model(batch.input_ids, batch.positions, self.kv_cache,
-                                     batch.attn_metadata, aux_layer_ids)
-        else:
-            hidden = self.model(batch.input_ids, batch.positions, self.kv_cache,
-                                batch.attn_metadata)
+        parallel_step = (contextlib.nullcontext() if self.tensor_parallel is None else
+                         self.tensor_parallel.step(batch.input_ids, batch.positions,
+                                                   batch.attn_metadata))
+        with parallel_step:
+            if aux_layer_ids:
+                hidden, aux = self.model(batch.input_ids, batch.positions, self.kv_cache,
+                                         batch.attn_metadata, aux_layer_ids)
+            else:
+                hidden = self.model(batch.input_ids, batch.positions, self.kv_cache,
+                                    batch.attn_metadata)
         captured = None
         if hidden_layer_ids:
             by_id = dict(zip(aux_layer_ids, aux)) if aux_layer_ids else {}

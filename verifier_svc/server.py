@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from dataclasses import dataclass
 
@@ -19,6 +20,8 @@ SERVICE_NAME = specdec_pb2.DESCRIPTOR.services_by_name["Verifier"].full_name
 # After the engine is idle, the time the last responses and error statuses get to reach
 # their clients before the gRPC server closes.
 RPC_FLUSH_S = 1.0
+# How often a tensor-parallel verifier checks that its worker ranks are alive while idle.
+WORKER_POLL_S = 0.5
 
 
 @dataclass
@@ -31,6 +34,18 @@ class RunningVerifier:
     async def stop(self) -> None:
         await self.server.stop()
         await self.engine.stop()
+        self.engine.runner.close()
+
+    async def wait_for_fatal_error(self) -> str:
+        """Returns why the engine can serve no more (a tensor-parallel worker died, a
+        collective failed); never returns while it can."""
+        tensor_parallel = self.engine.runner.tensor_parallel
+        while True:
+            if tensor_parallel is not None:
+                failure = tensor_parallel.poll_failure()
+                if failure is not None:
+                    return failure
+            await asyncio.sleep(WORKER_POLL_S)
 
     async def shutdown(self, grace_s: float) -> None:
         """Graceful stop (SIGTERM): NOT_SERVING and no new Generate calls at once (they
@@ -47,6 +62,7 @@ class RunningVerifier:
                            num_aborted)
         await self.server.stop(RPC_FLUSH_S)
         await self.engine.stop()
+        self.engine.runner.close()
 
 
 async def start_verifier(config: VerifierConfig, host: str = "127.0.0.1", port: int = 0,
@@ -56,6 +72,15 @@ async def start_verifier(config: VerifierConfig, host: str = "127.0.0.1", port: 
     With `metrics_port`, Prometheus metrics are served over HTTP at /metrics there.
     """
     engine, served = build_engine(config)
+    try:
+        return await _serve(engine, served, config, host, port, metrics_port)
+    except BaseException:
+        engine.runner.close()  # no orphaned tensor-parallel workers
+        raise
+
+
+async def _serve(engine: Engine, served: ServedModel, config: VerifierConfig, host: str,
+                 port: int, metrics_port: int | None) -> RunningVerifier:
     if metrics_port is not None:
         engine.metrics = VerifierMetrics(engine, config.model)
         engine.metrics.serve(host, metrics_port)

@@ -20,9 +20,12 @@ from typing import Any
 
 import torch
 
+from specdec.attention import make_attention_backend
 from specdec.errors import ConfigError
 from specdec.models.llama import LlamaForCausalLM
 from specdec.models.model_config import ModelConfig
+from specdec.models.parallel import (ParallelContext, finish_loading, install_all_reduce,
+                                     rank_config, shard_tensor)
 
 logger = logging.getLogger(__name__)
 
@@ -78,8 +81,9 @@ def _weight_files(model_dir: Path) -> list[Path]:
     )
 
 
-def _iter_tensors(path: Path) -> Iterator[tuple[str, torch.Tensor]]:
-    """Yield (name, cpu tensor) from one checkpoint file; a corrupt file raises ConfigError."""
+def _iter_tensors(path: Path, keep: set[str] | None = None) -> Iterator[tuple[str, torch.Tensor]]:
+    """Yield (name, cpu tensor) from one checkpoint file (only names in `keep`, when given);
+    a corrupt file raises ConfigError."""
     if not path.is_file():
         raise ConfigError(f"weight file {path} is missing", param="model")
     try:
@@ -88,10 +92,11 @@ def _iter_tensors(path: Path) -> Iterator[tuple[str, torch.Tensor]]:
 
             with safe_open(str(path), framework="pt", device="cpu") as reader:
                 for name in reader.keys():
-                    yield name, reader.get_tensor(name)
+                    if keep is None or name in keep:
+                        yield name, reader.get_tensor(name)
         else:
             state = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
-            yield from state.items()
+            yield from ((name, tensor) for name, tensor in state.items() if keep is None or name in keep)
     except ConfigError:
         raise
     except Exception as error:  # safetensors / pickle errors come in many types
@@ -108,19 +113,30 @@ def _target_of(model: LlamaForCausalLM, hf_name: str) -> tuple[str, int | None]:
 
 
 def load_model(
-    model_dir: Path, dtype: torch.dtype, device: torch.device, max_positions: int | None = None
+    model_dir: Path, dtype: torch.dtype, device: torch.device, max_positions: int | None = None,
+    parallel: ParallelContext | None = None, borrow_from: Path | None = None,
 ) -> LlamaForCausalLM:
     """Build the model described by `model_dir/config.json` and fill it from the checkpoint.
 
     `max_positions` bounds the RoPE table (default: the config's max_position_embeddings);
-    pass `--max-model-len` to save memory on long-context models.
+    pass `--max-model-len` to save memory on long-context models. With `parallel`, only this
+    rank's tensor-parallel shard is built and read (see `specdec.models.parallel`); its
+    `config` is then the rank-local one. With `borrow_from` (another model directory, e.g.
+    the target of a shipped draft that leaves out its embedding), tensors the checkpoint
+    lacks are read from there instead, with the same shape checks.
     """
     model_dir = Path(model_dir)
     started = time.perf_counter()
     config = load_model_config(model_dir)
+    if parallel is not None:
+        config = rank_config(config, parallel.world_size)
     files = _weight_files(model_dir)
+    backend = make_attention_backend(device, config.num_attention_heads, config.num_key_value_heads,
+                                     config.head_dim)
     with torch.device("meta"):
-        model = LlamaForCausalLM(config, max_positions=max_positions)
+        model = LlamaForCausalLM(config, max_positions=max_positions, attention_backend=backend)
+    if parallel is not None:
+        install_all_reduce(model, parallel)
     model = model.to(dtype).to_empty(device=device)
     if config.tie_word_embeddings:
         model.lm_head.weight = model.model.embed_tokens.weight
@@ -144,6 +160,8 @@ def load_model(
             if config.tie_word_embeddings and hf_name == "lm_head.weight":
                 continue  # some tied checkpoints store the shared matrix twice
             name, shard = _target_of(model, hf_name)
+            if parallel is not None:
+                tensor = shard_tensor(hf_name, tensor, parallel)
             if name not in params:
                 raise ConfigError(f"unexpected tensor {hf_name!r} in {path}", param="model")
             target = params[name].data
@@ -161,9 +179,13 @@ def load_model(
             loaded.add((name, shard))
 
     missing = expected - loaded
+    if missing and borrow_from is not None:
+        missing = _borrow(model, params, missing, Path(borrow_from))
     if missing:
         names = sorted(_hf_name(model, name, shard) for name, shard in missing)
         raise ConfigError(f"checkpoint in {model_dir} lacks tensors: {', '.join(names[:8])}", param="model")
+    if parallel is not None:
+        finish_loading(model, parallel)
     model.eval()
     num_params = sum(p.numel() for p in params.values())
     logger.info(
@@ -171,6 +193,22 @@ def load_model(
         model_dir, config.model_type, num_params / 1e6, dtype, device, time.perf_counter() - started,
     )
     return model
+
+
+def _borrow(model: LlamaForCausalLM, params: dict[str, torch.nn.Parameter],
+            missing: set[tuple[str, int | None]], borrow_from: Path) -> set[tuple[str, int | None]]:
+    """Fills unsharded missing parameters from `borrow_from`'s checkpoint; returns what is still missing."""
+    wanted = {name for name, shard in missing if shard is None}
+    for path in _weight_files(borrow_from):
+        for hf_name, tensor in _iter_tensors(path, keep=wanted):
+            target = params[hf_name].data
+            if tuple(tensor.shape) != tuple(target.shape):
+                raise ConfigError(f"borrowed tensor {hf_name!r} in {path} has shape {tuple(tensor.shape)}, "
+                                  f"expected {tuple(target.shape)}", param="model")
+            target.copy_(tensor)
+            missing = missing - {(hf_name, None)}
+    logger.info("borrowed %s from %s", ", ".join(sorted(wanted)), borrow_from)
+    return missing
 
 
 def _hf_name(model: LlamaForCausalLM, name: str, shard: int | None) -> str:
