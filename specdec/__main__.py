@@ -15,6 +15,12 @@ def main(argv: list[str] | None = None) -> int:
     if argv[:2] == ["bench", "serve"]:  # the serving benchmark has flags of its own
         from specdec import bench_serve
         return bench_serve.main(argv[2:])
+    if argv[:2] == ["bench", "compare"]:  # so do the comparison with other engines
+        from specdec import bench_compare
+        return bench_compare.main(argv[2:])
+    if argv[:2] == ["bench", "accuracy"]:  # and the accuracy check over the OpenAI API
+        from specdec import bench_accuracy
+        return bench_accuracy.main(argv[2:])
     parser = argparse.ArgumentParser(prog="python -m specdec")
     commands = parser.add_subparsers(dest="command", required=True)
     from specdec import bench, launcher
@@ -23,7 +29,9 @@ def main(argv: list[str] | None = None) -> int:
     launcher.add_serve_args(serve_parser)
     bench_parser = commands.add_parser(
         "bench", help="tokens/s with and without speculation; `bench serve --help`: load a "
-                      "running server")
+                      "running server; `bench compare --help`: against transformers and "
+                      "llama.cpp; `bench accuracy --help`: answers with and without "
+                      "speculation")
     bench.add_bench_args(bench_parser)
     args = parser.parse_args(argv)
     setup_logging(args.log_level, "specdec")
