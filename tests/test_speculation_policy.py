@@ -5,17 +5,21 @@ from __future__ import annotations
 import pytest
 
 from verifier_svc.speculation_policy import (PROBE_INTERVAL, AcceptanceStats, Candidate,
-                                             LinearCostModel, SpeculationPolicy)
+                                             LinearCostModel, SpeculationPolicy,
+                                             VerifyCostModel)
 
 MS = 1e-3
 
 
 def policy_with_cost(base_s: float, per_token_s: float, k: int = 4,
-                     draft_s: float = 0.0) -> SpeculationPolicy:
-    """A policy that has measured T(N) = base + per_token * N over N = 1..16."""
+                     draft_s: float = 0.0, per_seq_s: float = 0.0) -> SpeculationPolicy:
+    """A policy that has measured T(N, S) = base + per_token * N + per_seq * S over
+    N = 1..16 tokens, S = 0..3 sequences with drafts."""
     policy = SpeculationPolicy(k)
     for num_tokens in range(1, 17):
-        policy.observe_forward(num_tokens, base_s + per_token_s * num_tokens)
+        num_seqs = num_tokens % 4
+        policy.observe_verify(num_tokens, num_seqs,
+                              base_s + per_token_s * num_tokens + per_seq_s * num_seqs)
         policy.observe_drafting(1 + num_tokens % k, draft_s)
     return policy
 
@@ -56,6 +60,35 @@ def test_cost_model_uses_the_prior_slope_until_sizes_vary() -> None:
         model.observe(1, 0.030)
     base, slope = model.fit(prior_slope_fraction=1 / 32)
     assert base + slope == pytest.approx(0.030) and slope == pytest.approx(base / 32)
+
+
+def test_verify_cost_separates_tokens_from_drafting_sequences() -> None:
+    model = VerifyCostModel()
+    for num_tokens in range(1, 33):
+        num_seqs = (num_tokens * 7) % 5
+        model.observe(num_tokens, num_seqs, 0.020 + 0.001 * num_tokens + 0.004 * num_seqs)
+    base, per_token, per_seq = model.fit()
+    assert base == pytest.approx(0.020, rel=0.1)
+    assert per_token == pytest.approx(0.001, rel=0.1) and per_seq == pytest.approx(0.004, rel=0.1)
+
+
+def test_verify_cost_falls_back_on_its_prior() -> None:
+    model = VerifyCostModel()
+    for _ in range(10):
+        model.observe(1, 0, 0.030)
+    base, per_token, per_seq = model.fit()
+    assert base + per_token == pytest.approx(0.030, rel=0.05)
+    assert per_token == pytest.approx(base / 32, rel=0.2) and per_seq == pytest.approx(0.0, abs=1e-3)
+
+
+def test_a_costly_first_draft_needs_a_sequence_worth_it() -> None:
+    # The first draft of a sequence costs 3 ms more than its tokens: worth it for a sequence
+    # whose drafts are always accepted, not for one whose drafts fail half the time.
+    policy = policy_with_cost(10 * MS, 0.1 * MS, per_seq_s=3 * MS)
+    teach(policy, 1, num_drafts=30, k=4, num_accepted=4)
+    teach(policy, 2, num_drafts=30, k=4, num_accepted=(0, 1))
+    plan = policy.plan([Candidate(1, 4), Candidate(2, 4)])
+    assert plan[1] == 4 and plan[2] == 0
 
 
 def test_nothing_measured_means_every_sequence_drafts_its_cap() -> None:
@@ -107,7 +140,7 @@ def test_slow_drafting_shortens_drafts() -> None:
     fast = policy_with_cost(10 * MS, 0.1 * MS, draft_s=0.0)
     slow = SpeculationPolicy(4)
     for num_tokens in range(1, 17):
-        slow.observe_forward(num_tokens, 10 * MS + 0.1 * MS * num_tokens)
+        slow.observe_verify(num_tokens, num_tokens % 4, 10 * MS + 0.1 * MS * num_tokens)
     for max_k in (1, 2, 3, 4) * 4:
         slow.observe_drafting(max_k, 6 * MS * max_k)  # each draft token: a 6 ms drafter step
     for policy in (fast, slow):

@@ -259,6 +259,7 @@ class Engine:
             self._start_capture(scheduled)
         num_aborted = self._num_aborted
         drafts = await self._propose(scheduled)
+        verify_started = time.perf_counter()
         if self._num_aborted != num_aborted:
             # Sequences aborted while the drafters answered hold no blocks any more.
             scheduled = [item for item in scheduled if not item.seq.is_finished]
@@ -266,11 +267,7 @@ class Engine:
                 return
         inputs, step_drafts = self._build_inputs(scheduled, drafts)
         batch = self.runner.prepare(inputs)
-        started = time.perf_counter()
         logits, hidden = self.runner.execute(batch, hidden_layer_ids)
-        if self.policy is not None and all(item.num_query_tokens == 1 for item in scheduled):
-            # Decode steps only: a prefill chunk's attention would skew the per-token cost.
-            self.policy.observe_forward(batch.input_ids.numel(), time.perf_counter() - started)
         self.num_steps += 1
         for index, item in enumerate(scheduled):
             seq = item.seq
@@ -293,6 +290,12 @@ class Engine:
             if self.policy is not None:
                 self.policy.record_draft(seq.seq_id, len(draft.token_ids), num_accepted)
             self._append_tokens(seq, new_token_ids)
+        if self.policy is not None and all(item.num_query_tokens == 1 for item in scheduled):
+            # What a verified token costs: inputs, forward, logits and the sampler, for
+            # decode steps only (a prefill chunk's attention would skew the per-token cost).
+            self.policy.observe_verify(batch.input_ids.numel(),
+                                       sum(1 for draft in step_drafts if draft.token_ids),
+                                       time.perf_counter() - verify_started)
         self._maybe_log_stats()
 
     def _start_capture(self, scheduled: list[ScheduledSequence]) -> None:

@@ -20,7 +20,9 @@ What is measured, not assumed:
 - acceptance per sequence and position, with the engine-wide rates as a prior (a new
   request starts from what drafts achieved so far), exponentially forgetting old drafts
   so a request that leaves a repetitive passage stops drafting;
-- T(N), fit by exponentially weighted least squares to decode steps' forward times;
+- T(N, S), fit by exponentially weighted least squares to decode steps' verify times
+  (inputs, forward, logits, rejection sampling) against the tokens verified N and the
+  sequences with drafts S: a sequence's first draft costs more than its later ones;
 - drafting time against the longest draft asked, fit the same way.
 A sequence planned at k = 0 for `PROBE_INTERVAL` steps verifies one draft token, so its
 acceptance keeps being measured (a passage can become predictable again).
@@ -31,6 +33,8 @@ from __future__ import annotations
 import heapq
 from dataclasses import dataclass, field
 
+import torch
+
 # Weight of the engine-wide rate in a sequence's estimate, in drafts.
 PRIOR_WEIGHT = 2.0
 # Per-draft forgetting of a sequence's counts, and of the engine-wide counts.
@@ -40,8 +44,8 @@ ENGINE_DECAY = 0.995
 INITIAL_RATE = 0.6
 # Steps a sequence may go undrafted before one draft token is verified to re-measure.
 PROBE_INTERVAL = 16
-# Before the step times span enough token counts to fit a slope, a forward over
-# PRIOR_FLAT_TOKENS tokens is assumed to cost twice a one-token forward.
+# The cost model's prior: a forward over PRIOR_FLAT_TOKENS tokens costs twice a
+# one-token forward.
 PRIOR_FLAT_TOKENS = 32
 COST_DECAY = 0.98
 
@@ -113,6 +117,52 @@ class LinearCostModel:
         return base, base * prior_slope_fraction
 
 
+class VerifyCostModel:
+    """seconds = base + per_token * N + per_drafting_seq * S for a step verifying N tokens of
+    which S sequences carry drafts, fit by exponentially weighted least squares.
+
+    The per-sequence term is what a sequence's first draft costs beyond its tokens (its
+    attention takes the multi-row, masked path; the sampler walks its drafts). A weak prior
+    (`PRIOR_OBSERVATIONS` pseudo-observations: a forward over PRIOR_FLAT_TOKENS tokens costs
+    twice a one-token forward, no per-sequence term) keeps the fit sane while N and S have
+    hardly varied.
+    """
+
+    PRIOR_OBSERVATIONS = 2.0
+
+    def __init__(self, decay: float = COST_DECAY) -> None:
+        self.decay = decay
+        self._gram = torch.zeros(3, 3, dtype=torch.float64)  # sum of f f^T, f = (1, N, S)
+        self._moment = torch.zeros(3, dtype=torch.float64)   # sum of f * seconds
+
+    def observe(self, num_tokens: int, num_drafting_seqs: int, seconds: float) -> None:
+        features = torch.tensor([1.0, num_tokens, num_drafting_seqs], dtype=torch.float64)
+        self._gram.mul_(self.decay).add_(torch.outer(features, features))
+        self._moment.mul_(self.decay).add_(features * seconds)
+
+    @property
+    def has_data(self) -> bool:
+        return bool(self._gram[0, 0] > 0)
+
+    def fit(self) -> tuple[float, float, float]:
+        """(base, per_token, per_drafting_seq), none negative; zeros with no data."""
+        weight = float(self._gram[0, 0])
+        if weight == 0.0:
+            return 0.0, 0.0, 0.0
+        means = self._gram[0] / weight  # (1, mean N, mean S)
+        mean_seconds = float(self._moment[0]) / weight
+        prior_base = mean_seconds / (1.0 + float(means[1]) / PRIOR_FLAT_TOKENS)
+        prior = torch.tensor([prior_base, prior_base / PRIOR_FLAT_TOKENS, 0.0], dtype=torch.float64)
+        # Ridge toward the prior, each slope weighted by its feature's variance (plus a
+        # quarter, so the prior decides while a feature has not varied); the base is free.
+        variances = torch.diagonal(self._gram) / weight - means * means
+        scale = torch.cat((torch.tensor([1e-9], dtype=torch.float64), variances[1:].clamp(min=0) + 0.25))
+        penalty = torch.diag(self.PRIOR_OBSERVATIONS * scale)
+        solution = torch.linalg.solve(self._gram + penalty, self._moment + penalty @ prior)
+        base, per_token, per_seq = (max(0.0, float(value)) for value in solution)
+        return base, per_token, per_seq
+
+
 @dataclass(slots=True)
 class Candidate:
     """A sequence the plan may draft for."""
@@ -129,7 +179,7 @@ class SpeculationPolicy:
         self.engine_stats = AcceptanceStats(ENGINE_DECAY)
         self._stats: dict[int, AcceptanceStats] = {}
         self._idle_steps: dict[int, int] = {}
-        self.verify_cost = LinearCostModel()  # x: tokens in the forward
+        self.verify_cost = VerifyCostModel()
         self.draft_cost = LinearCostModel()   # x: longest draft asked
 
     # ------------------------------------------------------------ measurements
@@ -141,9 +191,10 @@ class SpeculationPolicy:
             stats = self._stats[seq_id] = AcceptanceStats(SEQUENCE_DECAY)
         stats.record(num_draft_tokens, num_accepted)
 
-    def observe_forward(self, num_tokens: int, seconds: float) -> None:
-        """A decode-only step's forward time (prefill chunks would skew the fit)."""
-        self.verify_cost.observe(num_tokens, seconds)
+    def observe_verify(self, num_tokens: int, num_drafting_seqs: int, seconds: float) -> None:
+        """A decode-only step's verify time: inputs, forward, logits and sampling of
+        `num_tokens` tokens, `num_drafting_seqs` of the sequences with drafts."""
+        self.verify_cost.observe(num_tokens, num_drafting_seqs, seconds)
 
     def observe_drafting(self, max_draft_tokens: int, seconds: float) -> None:
         self.draft_cost.observe(max_draft_tokens, seconds)
@@ -172,7 +223,7 @@ class SpeculationPolicy:
         plan = {candidate.seq_id: 0 for candidate in candidates}
         if not candidates:
             return plan
-        verify_base, verify_slope = self.verify_cost.fit(1.0 / PRIOR_FLAT_TOKENS)
+        verify_base, verify_slope, verify_per_seq = self.verify_cost.fit()
         draft_base, draft_per_token = self.draft_cost.fit(0.0)
         num_tokens = len(candidates) + num_other_tokens
         expected_tokens = float(len(candidates))
@@ -192,7 +243,7 @@ class SpeculationPolicy:
         while heap:
             negative_gain, index, position = heapq.heappop(heap)
             gain = -negative_gain
-            cost = verify_slope
+            cost = verify_slope + (verify_per_seq if position == 0 else 0.0)
             if position + 1 > longest:
                 cost += draft_per_token + (draft_base if longest == 0 else 0.0)
             if gain * seconds <= cost * expected_tokens:
