@@ -22,6 +22,7 @@ from specdec.device import resolve_device, resolve_dtype
 from specdec.errors import ConfigError
 from specdec.models import resolve_model
 from specdec.models.eagle3 import load_eagle3_head
+from specdec.models.packed_linear import pack_for_device
 
 logger = logging.getLogger(__name__)
 
@@ -58,6 +59,7 @@ def build_eagle3_method(config: SpeculativeConfig, options: ModelOptions) -> Cal
     dtype = resolve_dtype(options.dtype, device)
     target, fingerprint, max_positions = load_target_for_head(options, dtype, device)
     head, layer_ids = load_eagle3_head(head_dir, target, dtype, device, max_positions)
+    pack_for_device(head, device, dtype)
     info = ProposerInfo(method="eagle3", max_num_speculative_tokens=config.num_speculative_tokens,
                         hidden_state_layer_ids=layer_ids,
                         vocab_size=target.config.vocab_size, tokenizer_fingerprint=fingerprint,

@@ -21,6 +21,7 @@ from specdec.errors import ConfigError
 from specdec.models import load_tokenizer, resolve_model, tokenizer_fingerprint
 from specdec.models.eagle import EagleHead, TargetParts, load_eagle_head, load_target_parts
 from specdec.models.eagle3 import Eagle3Head
+from specdec.models.packed_linear import pack_for_device
 
 logger = logging.getLogger(__name__)
 
@@ -75,6 +76,7 @@ def build_eagle_method(config: SpeculativeConfig, options: ModelOptions) -> Call
     dtype = resolve_dtype(options.dtype, device)
     target, fingerprint, max_positions = load_target_for_head(options, dtype, device)
     head = load_eagle_head(head_dir, target, dtype, device, max_positions)
+    pack_for_device(head, device, dtype)
     info = ProposerInfo(method="eagle", max_num_speculative_tokens=config.num_speculative_tokens,
                         hidden_state_layer_ids=(FINAL_HIDDEN_STATE,),
                         vocab_size=target.config.vocab_size, tokenizer_fingerprint=fingerprint,

@@ -40,6 +40,7 @@ from specdec.errors import ConfigError, DrafterMismatchError, InvalidRequestErro
 from specdec.kv_cache import KVCache
 from specdec.models import load_model, load_tokenizer, tokenizer_fingerprint
 from specdec.models.eagle3 import aux_layer_ids_from_config, default_aux_layer_ids
+from specdec.models.packed_linear import PackedLinear, mkldnn_supported
 from specdec.tensors import decode_tensor, encode_tensor
 from specdec.v1 import specdec_pb2, specdec_pb2_grpc
 from tests.draft_checkpoints import make_draft_model, make_eagle3_head, make_eagle_head
@@ -93,9 +94,10 @@ def factory(method: str, model: Path, target_dir: Path, **options: object) -> Ca
     if key not in _FACTORIES:
         config = SpeculativeConfig.parse({"method": method, "model": str(model),
                                           "num_speculative_tokens": K})
-        _FACTORIES[key] = proposer_factory(config, ModelOptions(
-            target_model=str(target_dir), dtype="float32", device="cpu", num_blocks=64,
-            block_size=4, **options))
+        values: dict[str, object] = dict(target_model=str(target_dir), dtype="float32",
+                                         device="cpu", num_blocks=64, block_size=4)
+        values.update(options)
+        _FACTORIES[key] = proposer_factory(config, ModelOptions(**values))  # type: ignore[arg-type]
     return _FACTORIES[key]
 
 
@@ -444,6 +446,22 @@ def test_bfloat16_hidden_states_are_accepted(heads, target_dir, oracle) -> None:
     proposer = factory("eagle", heads["eagle_bias_bin"][0], target_dir)()
     drafts = Driver(proposer, oracle, (-1,), dtype=torch.bfloat16).step({1: PROMPTS[11]})
     assert len(drafts[1].draft_token_ids) == K
+    proposer.close()
+
+
+@pytest.mark.skipif(not mkldnn_supported(torch.bfloat16), reason="no oneDNN bf16 on this CPU")
+@pytest.mark.parametrize("method, head, layer_ids", [
+    ("draft_model", None, ()),
+    ("eagle", "eagle_bias_bin", (-1,)),
+    ("eagle3", "eagle3_reduced", tuple(EAGLE3_LAYERS)),
+])
+def test_bf16_drafters_run_on_packed_linears(method, head, layer_ids, heads, target_dir, oracle) -> None:
+    model_dir = target_dir if head is None else heads[head][0]
+    proposer = factory(method, model_dir, target_dir, dtype="bfloat16")()
+    drafts = Driver(proposer, oracle, layer_ids, dtype=torch.bfloat16).step({1: PROMPTS[11]})
+    assert len(drafts[1].draft_token_ids) == K
+    drafter_model = proposer.model if method == "draft_model" else proposer.head
+    assert any(isinstance(module, PackedLinear) for module in drafter_model.modules())
     proposer.close()
 
 

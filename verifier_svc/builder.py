@@ -17,7 +17,7 @@ from specdec.errors import ConfigError
 from specdec.kv_cache import KVCache
 from specdec.models.loader import load_model, load_model_config
 from specdec.models.model_files import load_tokenizer, resolve_model, tokenizer_fingerprint
-from specdec.models.packed_linear import choose_kernel, pack_linears
+from specdec.models.packed_linear import pack_for_device
 from specdec.models.parallel import ParallelContext, check_tensor_parallel
 from specdec.scheduler import Scheduler
 from specdec.tls import GrpcTlsConfig
@@ -109,9 +109,7 @@ def build_engine(config: VerifierConfig) -> tuple[Engine, ServedModel]:
                           param="max_model_len")
     num_blocks = _num_kv_blocks(config, model, dtype, device, max_model_len)
     # After the KV budget, which counts the checkpoint's weights.
-    linear_kernel = choose_kernel(device, dtype, config.quantization)
-    if linear_kernel is not None:
-        pack_linears(model, linear_kernel)
+    linear_kernel = pack_for_device(model, device, dtype, config.quantization)
     engine_config = EngineConfig(max_model_len=max_model_len, max_num_seqs=config.max_num_seqs,
                                  max_num_batched_tokens=config.max_num_batched_tokens,
                                  block_size=config.block_size, num_kv_blocks=num_blocks,

@@ -137,7 +137,7 @@ class Eagle3Head(nn.Module):
         return [self.config.intermediate_size, self.config.intermediate_size]
 
     def combine_hidden_states(self, aux: torch.Tensor) -> torch.Tensor:  # [n, k * H_target] -> [n, H]
-        return self.fc(aux.to(self.fc.weight.dtype))
+        return self.fc(aux.to(self.embed_tokens.weight.dtype))
 
     def forward(
         self,

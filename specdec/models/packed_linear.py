@@ -132,3 +132,12 @@ def choose_kernel(device: torch.device, dtype: torch.dtype, quantization: str | 
     if device.type == "cpu" and dtype in (torch.bfloat16, torch.float16) and mkldnn_supported(dtype):
         return "mkldnn"
     return None
+
+
+def pack_for_device(model: nn.Module, device: torch.device, dtype: torch.dtype,
+                    quantization: str | None = None) -> str | None:
+    """Packs `model`'s linears for the kernel `choose_kernel` picks; returns it (None: none)."""
+    kernel = choose_kernel(device, dtype, quantization)
+    if kernel is not None:
+        pack_linears(model, kernel)
+    return kernel
