@@ -20,6 +20,7 @@ from specdec.config import SpeculativeConfig
 from specdec.device import resolve_device, resolve_dtype
 from specdec.errors import ConfigError
 from specdec.models import LlamaForCausalLM, load_model, load_tokenizer, resolve_model, tokenizer_fingerprint
+from specdec.models.packed_linear import pack_for_device
 
 logger = logging.getLogger(__name__)
 
@@ -57,6 +58,7 @@ def build_draft_model_method(config: SpeculativeConfig, options: ModelOptions
     dtype = resolve_dtype(options.dtype, device)
     model_dir = resolve_model(config.model)
     model = load_model(model_dir, dtype, device, max_positions=options.max_model_len)
+    pack_for_device(model, device, dtype)
     tokenizer = load_tokenizer(model_dir)
     info = ProposerInfo(method="draft_model",
                         max_num_speculative_tokens=config.num_speculative_tokens,
