@@ -21,6 +21,9 @@ def main(argv: list[str] | None = None) -> int:
     if argv[:2] == ["bench", "accuracy"]:  # and the accuracy check over the OpenAI API
         from specdec import bench_accuracy
         return bench_accuracy.main(argv[2:])
+    if argv[:2] == ["bench", "forward"]:  # and the verifier forward per kernel path
+        from specdec import bench_forward
+        return bench_forward.main(argv[2:])
     parser = argparse.ArgumentParser(prog="python -m specdec")
     commands = parser.add_subparsers(dest="command", required=True)
     from specdec import bench, launcher

@@ -1,0 +1,119 @@
+"""`python -m specdec bench forward`: one verifier forward, per kernel path, side by side.
+
+Loads the model once per path (dtype x linear kernel), then times forwards over 1 and over
+1 + k tokens against a cached context, alternating the paths so they see the same machine
+state; prints the median and the minimum per path, the weight-reading bound at each
+dtype, and with `--profile` the torch profiler's table for one path.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from specdec.attention import AttentionMetadata
+from specdec.kv_cache import KVCache
+from specdec.models.loader import load_model
+from specdec.models.model_files import DEFAULT_MODEL, resolve_model
+from specdec.models.packed_linear import pack_linears
+
+# name -> (dtype, packed kernel or None)
+PATHS: dict[str, tuple[torch.dtype, str | None]] = {
+    "fp32": (torch.float32, None),
+    "fp32-onednn": (torch.float32, "mkldnn"),
+    "bf16": (torch.bfloat16, None),
+    "bf16-onednn": (torch.bfloat16, "mkldnn"),
+    "bf16-int8": (torch.bfloat16, "int8"),
+}
+BLOCK_SIZE = 16
+
+
+@dataclass
+class Path:
+    name: str
+    model: nn.Module
+    kv_cache: KVCache
+    weight_bytes: int
+
+
+def _load(model_dir, name: str, num_blocks: int) -> Path:
+    dtype, kernel = PATHS[name]
+    model = load_model(model_dir, dtype, torch.device("cpu"))
+    weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    if kernel is not None:
+        pack_linears(model, kernel)
+    kv_cache = KVCache.allocate(model.config, num_blocks, BLOCK_SIZE, dtype, torch.device("cpu"))
+    for cache in kv_cache.key_caches + kv_cache.value_caches:
+        cache.zero_()
+    return Path(name, model, kv_cache, weight_bytes)
+
+
+def _forward(path: Path, num_tokens: int, context_len: int) -> float:
+    positions = torch.arange(context_len - num_tokens, context_len)
+    metadata = AttentionMetadata(slot_mapping=positions.clone(), query_start_locs=[0, num_tokens],
+                                 context_lens=[context_len],
+                                 block_tables=[torch.arange(-(-context_len // BLOCK_SIZE))])
+    started = time.perf_counter()
+    input_ids = positions % path.model.config.vocab_size
+    hidden = path.model(input_ids, positions, path.kv_cache, metadata)
+    path.model.compute_logits(hidden)
+    return time.perf_counter() - started
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m specdec bench forward", description=__doc__)
+    parser.add_argument("--model", default=DEFAULT_MODEL)
+    parser.add_argument("--paths", default="fp32,bf16,bf16-onednn,bf16-int8",
+                        help=f"comma-separated, of: {', '.join(PATHS)}")
+    parser.add_argument("--num-speculative-tokens", type=int, default=4,
+                        help="the second shape is 1 + k tokens")
+    parser.add_argument("--context-len", type=int, default=200)
+    parser.add_argument("--repeats", type=int, default=20)
+    parser.add_argument("--threads", type=int, default=None)
+    parser.add_argument("--memory-gbps", type=float, default=28.0,
+                        help="memory read bandwidth for the weight-reading bound (this machine: ~28)")
+    parser.add_argument("--profile", default=None, metavar="PATH_NAME",
+                        help="print the torch profiler's table for this path's 1 + k forward")
+    args = parser.parse_args(argv)
+    names = [name.strip() for name in args.paths.split(",") if name.strip()]
+    unknown = [name for name in names if name not in PATHS]
+    if unknown:
+        parser.error(f"unknown paths {unknown}; allowed: {', '.join(PATHS)}")
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    model_dir = resolve_model(args.model)
+    num_blocks = -(-args.context_len // BLOCK_SIZE) + 1
+    shapes = (1, 1 + args.num_speculative_tokens)
+    with torch.inference_mode():
+        paths = [_load(model_dir, name, num_blocks) for name in names]
+        for path in paths:
+            for num_tokens in shapes:
+                _forward(path, num_tokens, args.context_len)  # warm-up
+        times: dict[tuple[str, int], list[float]] = {}
+        for _ in range(args.repeats):
+            for path in paths:
+                for num_tokens in shapes:
+                    times.setdefault((path.name, num_tokens), []).append(
+                        _forward(path, num_tokens, args.context_len))
+        print(f"{'path':12s} {'tokens':>6s} {'median ms':>10s} {'min ms':>8s} {'bound ms':>9s}")
+        for path in paths:
+            bound_ms = path.weight_bytes / (args.memory_gbps * 1e9) * 1e3
+            for num_tokens in shapes:
+                samples = times[(path.name, num_tokens)]
+                print(f"{path.name:12s} {num_tokens:6d} {statistics.median(samples) * 1e3:10.1f} "
+                      f"{min(samples) * 1e3:8.1f} {bound_ms:9.3f}")
+        if args.profile:
+            path = next((p for p in paths if p.name == args.profile), None)
+            if path is None:
+                parser.error(f"--profile {args.profile!r} is not among --paths")
+            from torch.profiler import ProfilerActivity, profile
+            with profile(activities=[ProfilerActivity.CPU]) as profiler:
+                for _ in range(10):
+                    _forward(path, shapes[1], args.context_len)
+            print(profiler.key_averages().table(sort_by="self_cpu_time_total", row_limit=15))
+    return 0
