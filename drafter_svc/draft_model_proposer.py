@@ -8,8 +8,11 @@ since draft token ids would mean other tokens there.
 
 from __future__ import annotations
 
+import json
 import logging
 from collections.abc import Callable
+from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -48,6 +51,13 @@ class DraftModelProposer(ModelProposer):
         return self.model.compute_logits(hidden)
 
 
+def _read_json(path: Path) -> dict[str, Any]:
+    try:
+        return json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError) as error:
+        raise ConfigError(f"cannot read {path}: {error}", param="model") from None
+
+
 def build_draft_model_method(config: SpeculativeConfig, options: ModelOptions
                              ) -> Callable[[], DraftModelProposer]:
     """Loads the draft model and allocates the KV pool once; returns the per-stream factory."""
@@ -57,9 +67,14 @@ def build_draft_model_method(config: SpeculativeConfig, options: ModelOptions
     device = resolve_device(options.device)
     dtype = resolve_dtype(options.dtype, device)
     model_dir = resolve_model(config.model)
-    model = load_model(model_dir, dtype, device, max_positions=options.max_model_len)
+    # A draft trained by `specdec train` leaves out what it shares with its target
+    # (config.json: specdec_borrowed_tensors, usually without a tokenizer): read it from there.
+    borrowed = _read_json(model_dir / "config.json").get("specdec_borrowed_tensors")
+    target_dir = resolve_model(options.target_model) if borrowed else None
+    model = load_model(model_dir, dtype, device, max_positions=options.max_model_len, borrow_from=target_dir)
     pack_for_device(model, device, dtype)
-    tokenizer = load_tokenizer(model_dir)
+    has_tokenizer = any((model_dir / name).is_file() for name in ("tokenizer.json", "tokenizer_config.json"))
+    tokenizer = load_tokenizer(model_dir if has_tokenizer or target_dir is None else target_dir)
     info = ProposerInfo(method="draft_model",
                         max_num_speculative_tokens=config.num_speculative_tokens,
                         vocab_size=model.config.vocab_size,

