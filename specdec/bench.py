@@ -1,8 +1,18 @@
-"""`python -m specdec bench`: tokens/s of one request with and without speculation.
+"""`python -m specdec bench`: tokens/s and acceptance with and without speculation.
 
 Both modes run in one process on one engine, alternating, so they see the same machine
 state: plain decoding is the same request with speculation turned off per request. The
 drafter is a real drafter service on a loopback port, as in production.
+
+Two ways to use it:
+- one speculation (`--speculative-config`) on the two built-in prompts (`--prompt`),
+  per-prompt rows (the original mode);
+- the drafts specdec ships (`--drafts shipped`, or names / paths, comma-separated) on the
+  held-out chat prompts (`--prompts heldout`, never trained on) at each of
+  `--temperatures`: per draft and temperature the acceptance rate, mean acceptance length
+  (accepted + 1 per verify step), per-position acceptance, tokens/s and the speedup over
+  plain decoding measured in the same run. `--write-cards` stores the figures in each
+  shipped draft's bench.json and README.md.
 """
 
 from __future__ import annotations
@@ -14,12 +24,15 @@ import logging
 import statistics
 import time
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
+from drafter_svc.proposer import ModelOptions
 from drafter_svc.server import start_drafter_server, stop_drafter_server
 from specdec.cli import add_engine_args, add_logging_args, add_model_args
 from specdec.config import SpeculativeConfig
+from specdec.device import resolve_device, resolve_dtype
 from specdec.models.model_files import load_tokenizer, resolve_model
 from specdec.sampling_params import SamplingParams
 from specdec.sequence import SpeculationCounters
@@ -58,12 +71,25 @@ def add_bench_args(parser: argparse.ArgumentParser) -> None:
                         help="runs of each mode per prompt; the median is reported")
     parser.add_argument("--prompt", action="append", choices=sorted(PROMPTS), default=None)
     parser.add_argument("--json", default=None, help="also write the figures here")
+    drafts = parser.add_argument_group("trained drafts")
+    drafts.add_argument("--drafts", default=None,
+                        help="'shipped' (every draft specdec ships) or comma-separated shipped names "
+                             "or draft directories; replaces --speculative-config")
+    drafts.add_argument("--prompts", default="heldout",
+                        help="with --drafts: 'heldout' (specdec/prompts/heldout_chat.jsonl) or a JSONL "
+                             "file of {\"messages\": [...]} lines")
+    drafts.add_argument("--num-prompts", type=int, default=None, help="the first N prompts only")
+    drafts.add_argument("--temperatures", default="0,0.7", help="comma-separated")
+    drafts.add_argument("--num-speculative-tokens", type=int, default=4, help="k, drafted as a chain")
+    drafts.add_argument("--write-cards", action="store_true",
+                        help="write bench.json and README.md into each shipped draft measured")
     add_logging_args(parser)
 
 
 async def _generate(engine: Engine, prompt_ids: list[int], max_tokens: int,
-                    num_speculative_tokens: int | None) -> RunResult:
-    params = SamplingParams(temperature=0.0, max_tokens=max_tokens)
+                    num_speculative_tokens: int | None, temperature: float = 0.0,
+                    seed: int | None = None) -> RunResult:
+    params = SamplingParams(temperature=temperature, max_tokens=max_tokens, seed=seed)
     started = time.perf_counter()
     seq_id, queue = engine.add_request("bench", prompt_ids, params, num_speculative_tokens)
     token_ids: list[int] = []
@@ -76,21 +102,38 @@ async def _generate(engine: Engine, prompt_ids: list[int], max_tokens: int,
             return RunResult(token_ids, time.perf_counter() - started, output.spec)
 
 
+async def _start(args: argparse.Namespace, spec: SpeculativeConfig, model_dir: Path,
+                 max_num_seqs: int = 4, adaptive: bool | None = None) -> tuple[Engine, object]:
+    """A drafter server and an engine using it; `adaptive` None: the --speculation-policy flag."""
+    if adaptive is None:
+        adaptive = getattr(args, "speculation_policy", "adaptive") == "adaptive"
+    options = ModelOptions(target_model=str(model_dir), dtype=args.dtype, device=args.device)
+    drafter, drafter_port = await start_drafter_server(spec, "127.0.0.1", 0, options=options)
+    config = VerifierConfig(
+        model=str(model_dir), dtype=args.dtype, device=args.device,
+        max_model_len=args.max_model_len or 2048, max_num_seqs=max_num_seqs,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        num_gpu_blocks_override=args.num_gpu_blocks_override or 512,
+        speculative_config=spec, drafter_targets=(f"127.0.0.1:{drafter_port}",),
+        draft_timeout_s=args.draft_timeout_ms / 1000 if args.draft_timeout_ms else None,
+        adaptive_speculation=adaptive)
+    try:
+        engine, _ = build_engine(config)
+    except BaseException:
+        await stop_drafter_server(drafter)
+        raise
+    await engine.start()
+    if engine.drafter_pool is not None and not await engine.drafter_pool.wait_for_healthy(1, timeout_s=120.0):
+        logger.warning("the drafter is not healthy: speculative runs may decode plainly")
+    return engine, drafter
+
+
 async def _bench(args: argparse.Namespace) -> list[dict[str, object]]:
     spec = SpeculativeConfig.parse(args.speculative_config)
     assert spec is not None
     model_dir = resolve_model(args.model)
     tokenizer = load_tokenizer(model_dir)
-    drafter, drafter_port = await start_drafter_server(spec, "127.0.0.1", 0)
-    config = VerifierConfig(
-        model=str(model_dir), dtype=args.dtype, device=args.device,
-        max_model_len=args.max_model_len or 2048, max_num_seqs=4,
-        max_num_batched_tokens=args.max_num_batched_tokens,
-        num_gpu_blocks_override=args.num_gpu_blocks_override or 512,
-        speculative_config=spec, drafter_targets=(f"127.0.0.1:{drafter_port}",),
-        draft_timeout_s=args.draft_timeout_ms / 1000 if args.draft_timeout_ms else None)
-    engine, _ = build_engine(config)
-    await engine.start()
+    engine, drafter = await _start(args, spec, model_dir)
     rows: list[dict[str, object]] = []
     try:
         for name in args.prompt or sorted(PROMPTS):
@@ -105,7 +148,7 @@ async def _bench(args: argparse.Namespace) -> list[dict[str, object]]:
             rows.append(_summarise(name, runs, spec.method))
     finally:
         await engine.stop()
-        await stop_drafter_server(drafter)
+        await stop_drafter_server(drafter)  # type: ignore[arg-type]
     return rows
 
 
@@ -130,9 +173,134 @@ def _summarise(prompt: str, runs: dict[str, list[RunResult]], method: str) -> di
     }
 
 
+# ------------------------------------------------------------ trained drafts on held-out prompts
+
+
+def _draft_specs(value: str, k: int) -> list[tuple[str, SpeculativeConfig]]:
+    """(name, config) per draft named in --drafts; the method comes from the shipped table or the name."""
+    from specdec.drafts import SHIPPED_DRAFTS, shipped_draft_dir
+
+    names = list(SHIPPED_DRAFTS) if value.strip() == "shipped" else [v.strip() for v in value.split(",") if v.strip()]
+    specs = []
+    for name in names:
+        if name in SHIPPED_DRAFTS and shipped_draft_dir(name) is None:
+            logger.warning("shipped draft %s is not installed: skipped", name)
+            continue
+        raw: dict[str, object] = {"model": name, "num_speculative_tokens": k}
+        if name in SHIPPED_DRAFTS:
+            raw["method"] = SHIPPED_DRAFTS[name]
+        specs.append((name, SpeculativeConfig.parse(raw)))
+    return specs
+
+
+def _prompt_texts(value: str, limit: int | None) -> list[str]:
+    from specdec.train.prompts import heldout_prompts
+
+    if value == "heldout":
+        texts = heldout_prompts()
+    else:
+        texts = [json.loads(line)["messages"][-1]["content"]
+                 for line in Path(value).read_text().splitlines() if line.strip()]
+    return texts[:limit] if limit else texts
+
+
+def _aggregate(name: str, method: str, temperature: float, plain: list[RunResult],
+               speculative: list[RunResult]) -> dict[str, object]:
+    """One row over all prompts: token-weighted tokens/s, summed speculation counters."""
+    counters = SpeculationCounters()
+    for result in speculative:
+        spec = result.spec or SpeculationCounters()
+        counters.num_drafts += spec.num_drafts
+        counters.num_draft_tokens += spec.num_draft_tokens
+        counters.num_accepted_tokens += spec.num_accepted_tokens
+        for position, count in enumerate(spec.accepted_per_position):
+            if position >= len(counters.accepted_per_position):
+                counters.accepted_per_position.append(0)
+            counters.accepted_per_position[position] += count
+    num_drafts = max(1, counters.num_drafts)
+    plain_tps = sum(len(r.token_ids) for r in plain) / sum(r.seconds for r in plain)
+    spec_tps = sum(len(r.token_ids) for r in speculative) / sum(r.seconds for r in speculative)
+    return {
+        "draft": name, "method": method, "temperature": temperature, "num_prompts": len(plain),
+        "output_tokens": sum(len(r.token_ids) for r in speculative),
+        "acceptance_rate": round(counters.num_accepted_tokens / max(1, counters.num_draft_tokens), 3),
+        "mean_acceptance_length": round(1 + counters.num_accepted_tokens / num_drafts, 3),
+        "per_position_acceptance": [round(n / num_drafts, 3) for n in counters.accepted_per_position],
+        "plain_tokens_per_s": round(plain_tps, 2), "spec_tokens_per_s": round(spec_tps, 2),
+        "speedup": round(spec_tps / plain_tps, 3),
+        "identical_output": all(p.token_ids == s.token_ids for p, s in zip(plain, speculative)),
+    }
+
+
+async def _bench_drafts(args: argparse.Namespace) -> list[dict[str, object]]:
+    model_dir = resolve_model(args.model)
+    tokenizer = load_tokenizer(model_dir)
+    prompts = [tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True,
+                                             tokenize=True, return_dict=False)
+               for text in _prompt_texts(args.prompts, args.num_prompts)]
+    temperatures = [float(t) for t in args.temperatures.split(",")]
+    rows: list[dict[str, object]] = []
+    for name, spec in _draft_specs(args.drafts, args.num_speculative_tokens):
+        # Fixed speculation: every step drafts k tokens as a chain, so acceptance is per position.
+        engine, drafter = await _start(args, spec, model_dir, adaptive=False)
+        try:
+            # Warm-up at full length in both modes: the first runs of each shape pay for
+            # allocation and kernel selection, which would count against whichever mode came first.
+            await _generate(engine, prompts[0], args.max_tokens, None)
+            await _generate(engine, prompts[0], args.max_tokens, 0)
+            for temperature in temperatures:
+                plain: list[RunResult] = []
+                speculative: list[RunResult] = []
+                for index, prompt_ids in enumerate(prompts):
+                    seed = index if temperature > 0 else None  # the same seed in both modes
+                    plain.append(await _generate(engine, prompt_ids, args.max_tokens, 0, temperature, seed))
+                    speculative.append(await _generate(engine, prompt_ids, args.max_tokens, None,
+                                                       temperature, seed))
+                row = _aggregate(name, spec.method, temperature, plain, speculative)
+                logger.info("%s", row)
+                rows.append(row)
+        finally:
+            await engine.stop()
+            await stop_drafter_server(drafter)  # type: ignore[arg-type]
+    return rows
+
+
+def _write_cards(rows: list[dict[str, object]], args: argparse.Namespace) -> None:
+    from specdec.drafts import shipped_draft_dir
+    from specdec.train.card import write_card
+
+    for name in dict.fromkeys(str(row["draft"]) for row in rows):
+        directory = shipped_draft_dir(name)
+        if directory is None:
+            continue
+        device = resolve_device(args.device)
+        bench = {"k": args.num_speculative_tokens, "max_tokens": args.max_tokens,
+                 "num_prompts": rows[0]["num_prompts"],
+                 "dtype": str(resolve_dtype(args.dtype, device)).removeprefix("torch."), "device": device.type,
+                 "rows": [row for row in rows if row["draft"] == name]}
+        (directory / "bench.json").write_text(json.dumps(bench, indent=2) + "\n")
+        write_card(directory)
+
+
 def run(args: argparse.Namespace) -> int:
     if args.threads:
         torch.set_num_threads(args.threads)
+    if args.drafts:
+        rows = asyncio.run(_bench_drafts(args))
+        print(f"{'draft':30} {'temp':>4} {'accept':>6} {'mean len':>8} {'plain tok/s':>11} {'spec tok/s':>10} "
+              f"{'speedup':>7} identical  per-position")
+        for row in rows:
+            print(f"{row['draft']:30} {row['temperature']:>4} {row['acceptance_rate']:>6} "
+                  f"{row['mean_acceptance_length']:>8} {row['plain_tokens_per_s']:>11} "
+                  f"{row['spec_tokens_per_s']:>10} {row['speedup']:>6}x {str(row['identical_output']):9}  "
+                  f"{row['per_position_acceptance']}")
+        if args.write_cards:
+            _write_cards(rows, args)
+        if args.json:
+            with open(args.json, "w") as handle:
+                json.dump(rows, handle, indent=2)
+        greedy_rows = [row for row in rows if row["temperature"] == 0]
+        return 0 if all(row["identical_output"] for row in greedy_rows) else 1
     rows = asyncio.run(_bench(args))
     print(f"{'prompt':8} {'method':8} {'tokens':>6} {'plain tok/s':>11} {'spec tok/s':>10} "
           f"{'speedup':>7} {'accept':>6} {'mean len':>8} identical  per-position")
