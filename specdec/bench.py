@@ -37,7 +37,8 @@ from specdec.models.model_files import load_tokenizer, resolve_model
 from specdec.sampling_params import SamplingParams
 from specdec.sequence import SpeculationCounters
 from verifier_svc.builder import VerifierConfig, build_engine
-from verifier_svc.engine import Engine, EngineError
+from verifier_svc.engine import Engine
+from verifier_svc.requests import collect_outputs
 
 logger = logging.getLogger(__name__)
 
@@ -91,15 +92,9 @@ async def _generate(engine: Engine, prompt_ids: list[int], max_tokens: int,
                     seed: int | None = None) -> RunResult:
     params = SamplingParams(temperature=temperature, max_tokens=max_tokens, seed=seed)
     started = time.perf_counter()
-    seq_id, queue = engine.add_request("bench", prompt_ids, params, num_speculative_tokens)
-    token_ids: list[int] = []
-    while True:
-        output = await queue.get()
-        if isinstance(output, EngineError):
-            raise RuntimeError(str(output))
-        token_ids.extend(output.token_ids)
-        if output.finish_reason is not None:
-            return RunResult(token_ids, time.perf_counter() - started, output.spec)
+    _, queue = engine.add_request("bench", prompt_ids, params, num_speculative_tokens)
+    token_ids, spec = await collect_outputs(queue)
+    return RunResult(token_ids, time.perf_counter() - started, spec)
 
 
 async def _start(args: argparse.Namespace, spec: SpeculativeConfig, model_dir: Path,

@@ -30,11 +30,12 @@ from drafter_svc.proposer import ModelOptions
 from drafter_svc.server import start_drafter_server, stop_drafter_server
 from specdec.config import SpeculativeConfig
 from specdec.device import resolve_device, resolve_dtype
-from specdec.errors import ConfigError
+from specdec.errors import ConfigError, SpecdecError
 from specdec.sampling_params import SamplingParams
 from specdec.sequence import SpeculationCounters
 from verifier_svc.builder import VerifierConfig, build_engine
 from verifier_svc.engine import Engine
+from verifier_svc.requests import collect_outputs
 
 logger = logging.getLogger(__name__)
 
@@ -134,17 +135,14 @@ class SpecdecSystem:
         started = time.perf_counter()
         _, queue = self._engine.engine.add_request(
             "bench-compare", prompt_ids, params, None if self._speculate else 0)
-        token_ids: list[int] = []
-        while True:
-            output = await queue.get()
-            if isinstance(output, Exception):
-                raise RuntimeError(f"{self.name}: {output}")
-            token_ids.extend(output.token_ids)
-            if output.finish_reason is not None:
-                seconds = time.perf_counter() - started
-                text = self._tokenizer.decode(token_ids, skip_special_tokens=True)
-                return Generation(token_ids, text, len(token_ids), seconds,
-                                  output.spec if self._speculate else None)
+        try:
+            token_ids, spec = await collect_outputs(queue)
+        except SpecdecError as error:
+            raise RuntimeError(f"{self.name}: {error}") from error
+        seconds = time.perf_counter() - started
+        text = self._tokenizer.decode(token_ids, skip_special_tokens=True)
+        return Generation(token_ids, text, len(token_ids), seconds,
+                          spec if self._speculate else None)
 
     async def close(self) -> None:
         pass  # the engines are stopped by whoever started them (shared by two systems)

@@ -7,6 +7,7 @@ Admitted requests get `RequestOutput`s and, when they cannot go on, one `Specdec
 
 from __future__ import annotations
 
+import asyncio
 from dataclasses import dataclass
 
 from specdec.config import EngineConfig
@@ -25,6 +26,20 @@ class RequestOutput:
     num_output_tokens: int
     # The request's counters so far: a client that stops early (stop strings) still has them.
     spec: SpeculationCounters
+
+
+async def collect_outputs(queue: asyncio.Queue[RequestOutput | SpecdecError],
+                          ) -> tuple[list[int], SpeculationCounters]:
+    """Drains one request's output queue to its end: every streamed token id and the
+    request's speculation counters; raises the `SpecdecError` that ended it instead."""
+    token_ids: list[int] = []
+    while True:
+        output = await queue.get()
+        if isinstance(output, SpecdecError):
+            raise output
+        token_ids.extend(output.token_ids)
+        if output.finish_reason is not None:
+            return token_ids, output.spec
 
 
 class EngineError(SpecdecError):

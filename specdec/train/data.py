@@ -25,7 +25,8 @@ from specdec.models.model_files import load_tokenizer, resolve_model
 from specdec.sampling_params import SamplingParams
 from specdec.train.progress import Progress
 from verifier_svc.builder import VerifierConfig, build_engine
-from verifier_svc.engine import Engine, EngineError
+from verifier_svc.engine import Engine
+from verifier_svc.requests import collect_outputs
 
 logger = logging.getLogger(__name__)
 
@@ -62,14 +63,8 @@ def plan_requests(prompts: list[str], options: GenerateOptions) -> list[tuple[st
 async def _answer(engine: Engine, index: int, prompt_ids: list[int], params: SamplingParams
                   ) -> tuple[int, list[int]]:
     _, queue = engine.add_request(f"distill-{index}", prompt_ids, params, 0)
-    output_ids: list[int] = []
-    while True:
-        output = await queue.get()
-        if isinstance(output, EngineError):
-            raise RuntimeError(str(output))
-        output_ids.extend(output.token_ids)
-        if output.finish_reason is not None:
-            return index, output_ids
+    output_ids, _ = await collect_outputs(queue)
+    return index, output_ids
 
 
 async def _generate(options: GenerateOptions, prompts: list[str]) -> int:
