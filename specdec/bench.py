@@ -291,11 +291,7 @@ def run(args: argparse.Namespace) -> int:
                   f"{row['per_position_acceptance']}")
         if args.write_cards:
             _write_cards(rows, args)
-        if args.json:
-            with open(args.json, "w") as handle:
-                json.dump(rows, handle, indent=2)
-        greedy_rows = [row for row in rows if row["temperature"] == 0]
-        return 0 if all(row["identical_output"] for row in greedy_rows) else 1
+        return _finish(args, rows, [row for row in rows if row["temperature"] == 0])
     rows = asyncio.run(_bench(args))
     print(f"{'prompt':8} {'method':8} {'tokens':>6} {'plain tok/s':>11} {'spec tok/s':>10} "
           f"{'speedup':>7} {'accept':>6} {'mean len':>8} identical  per-position")
@@ -305,7 +301,16 @@ def run(args: argparse.Namespace) -> int:
               f"{row['speedup']:>6}x {row['acceptance_rate']:>6} "
               f"{row['mean_acceptance_length']:>8} {str(row['identical_output']):9}  "
               f"{row['per_position_acceptance']}")
+    return _finish(args, rows, rows)
+
+
+def _finish(args: argparse.Namespace, rows: list[dict[str, object]],
+            greedy_rows: list[dict[str, object]]) -> int:
+    """Writes --json; the exit status is 1 when speculation changed a greedy float32 output
+    (in 16-bit dtypes a near-tie may flip, see DESIGN.md, so there it is reported only)."""
     if args.json:
         with open(args.json, "w") as handle:
             json.dump(rows, handle, indent=2)
-    return 0 if all(row["identical_output"] for row in rows) else 1
+    if resolve_dtype(args.dtype, resolve_device(args.device)) != torch.float32:
+        return 0
+    return 0 if all(row["identical_output"] for row in greedy_rows) else 1
