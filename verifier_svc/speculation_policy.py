@@ -220,6 +220,8 @@ class SpeculationPolicy:
         `num_other_tokens`: tokens the forward runs besides these sequences' one token each
         (prefill chunks), which make the step slower and drafts relatively cheaper.
         """
+        if not self.verify_cost.has_data:
+            return {c.seq_id: c.max_tokens for c in candidates}  # nothing measured yet
         plan = {candidate.seq_id: 0 for candidate in candidates}
         if not candidates:
             return plan
@@ -228,10 +230,8 @@ class SpeculationPolicy:
         num_tokens = len(candidates) + num_other_tokens
         expected_tokens = float(len(candidates))
         seconds = verify_base + verify_slope * num_tokens
-        if not self.verify_cost.has_data:
-            return {c.seq_id: c.max_tokens for c in candidates}  # nothing measured yet
 
-        # Max-heap of (expected gain of the next draft, seq index, position, chain prob).
+        # Max-heap of (-expected tokens the next draft adds, candidate index, its position).
         heap: list[tuple[float, int, int]] = []
         rates: list[list[float]] = []
         for index, candidate in enumerate(candidates):
