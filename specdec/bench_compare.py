@@ -6,7 +6,9 @@ each prompt, then the systems take turns (the order rotates every repeat, so non
 first); tokens/s is output tokens over the wall time of a request, prefill included, median
 over the repeats. Each row gives the ratio to specdec plain and to transformers plain, and
 whether the output is identical to specdec plain's: token ids for specdec and transformers,
-text for llama.cpp (whose GGUF weights are quantised, so its text may differ legitimately).
+text for llama.cpp. llama.cpp reads the weights at specdec's precision by default (F32 for
+float32, F16 for 16-bit dtypes; see `gguf_precision`), so the speeds compare like with like;
+its text may still differ where its kernels round differently.
 The systems themselves live in `bench_compare_systems`.
 """
 
@@ -34,6 +36,7 @@ from specdec.bench_compare_systems import (LLAMA_CPP_MISSING, Generation, LlamaC
 from specdec.config import SpeculativeConfig
 from specdec.device import resolve_device, resolve_dtype
 from specdec.errors import ConfigError
+from specdec.gguf_precision import PRECISIONS, gguf_at_precision, precision_for_dtype
 from specdec.models.loader import load_model_config
 from specdec.models.model_files import (DEFAULT_MODEL, default_cache_dir, fetch_default_gguf,
                                         load_tokenizer, resolve_model)
@@ -151,6 +154,8 @@ async def build_systems(args: argparse.Namespace, specs: list[SpeculativeConfig]
         gguf = None if reason else gguf_file(args)
         if reason is None and gguf is None:
             reason = "no GGUF file for this model (pass --gguf PATH)"
+        if gguf is not None and args.llama_cpp_precision != "file":
+            gguf = gguf_at_precision(gguf, llama_cpp_precision(args), default_cache_dir() / "gguf")
         if reason is not None:
             unavailable.append(Unavailable(name, "llama.cpp", reason))
             continue
@@ -175,6 +180,15 @@ def gguf_file(args: argparse.Namespace) -> Path | None:
         return path
     found = sorted(path.glob("*.gguf")) if path.is_dir() else []
     return found[0] if len(found) == 1 else None
+
+
+def llama_cpp_precision(args: argparse.Namespace) -> str:
+    """The GGUF precision llama.cpp runs at: --llama-cpp-precision, or for `same` the one
+    that matches specdec's dtype."""
+    if args.llama_cpp_precision != "same":
+        return args.llama_cpp_precision
+    dtype = resolve_dtype(args.dtype, resolve_device(args.device))
+    return precision_for_dtype(str(dtype).removeprefix("torch."))
 
 
 # ------------------------------------------------------------------ the runs
@@ -228,6 +242,11 @@ def build_parser() -> argparse.ArgumentParser:
                         help="CPU threads for torch and llama.cpp (default: torch's count)")
     parser.add_argument("--gguf", default=None,
                         help="GGUF file for llama.cpp (default: the model's own)")
+    parser.add_argument("--llama-cpp-precision", default="same",
+                        choices=["same", "file", *PRECISIONS],
+                        help="weights llama.cpp reads: same (F32 for float32, F16 for 16-bit "
+                             "dtypes; a quantised GGUF is dequantised once into the cache), "
+                             "file (the GGUF as it is), or F32 / F16 / BF16")
     parser.add_argument("--max-model-len", type=int, default=None,
                         help="context length (default: min(2048, the model's))")
     parser.add_argument("--json", default=None, metavar="PATH", help="also write the figures here")

