@@ -111,7 +111,7 @@ async def _start(args: argparse.Namespace, spec: SpeculativeConfig, model_dir: P
         num_gpu_blocks_override=args.num_gpu_blocks_override or 512,
         speculative_config=spec, drafter_targets=(f"127.0.0.1:{drafter_port}",),
         draft_timeout_s=args.draft_timeout_ms / 1000 if args.draft_timeout_ms else None,
-        adaptive_speculation=adaptive)
+        adaptive_speculation=adaptive, compile=getattr(args, "compile", False))
     try:
         engine, _ = build_engine(config)
     except BaseException:

@@ -113,7 +113,7 @@ async def build_systems(args: argparse.Namespace, specs: list[SpeculativeConfig]
         if name in selected:
             try:
                 engine = await SpecdecEngine.start(model_dir, args.model, args.dtype,
-                                                   args.device, spec, max_model_len)
+                                                   args.device, spec, max_model_len, args.compile)
             except ConfigError as exc:  # e.g. a draft built for another target
                 unavailable.append(Unavailable(name, "specdec", exc.message))
                 continue
@@ -122,7 +122,8 @@ async def build_systems(args: argparse.Namespace, specs: list[SpeculativeConfig]
     if "specdec" in selected:  # plain: the first engine with k=0, or one without a drafter
         if not engines:
             engines.append(await SpecdecEngine.start(model_dir, args.model, args.dtype,
-                                                     args.device, None, max_model_len))
+                                                     args.device, None, max_model_len,
+                                                     args.compile))
         built["specdec"] = SpecdecSystem("specdec", engines[0], False, tokenizer)
 
     hf_names = [name for name in selected if kinds[name] == "transformers"]
@@ -249,6 +250,8 @@ def build_parser() -> argparse.ArgumentParser:
                              "file (the GGUF as it is), or F32 / F16 / BF16")
     parser.add_argument("--max-model-len", type=int, default=None,
                         help="context length (default: min(2048, the model's))")
+    parser.add_argument("--compile", action="store_true",
+                        help="specdec's engines compile their forward (as serve --compile)")
     parser.add_argument("--json", default=None, metavar="PATH", help="also write the figures here")
     parser.add_argument("--disable-tqdm", action="store_true", help="no progress bar")
     parser.add_argument("--log-level", default="warning",

@@ -18,17 +18,20 @@ from torch import nn
 
 from specdec.attention import AttentionMetadata
 from specdec.kv_cache import KVCache
+from specdec.models.compiled_forward import CompiledForward
 from specdec.models.loader import load_model
 from specdec.models.model_files import DEFAULT_MODEL, resolve_model
 from specdec.models.packed_linear import pack_linears
 
-# name -> (dtype, packed kernel or None)
-PATHS: dict[str, tuple[torch.dtype, str | None]] = {
-    "fp32": (torch.float32, None),
-    "fp32-onednn": (torch.float32, "mkldnn"),
-    "bf16": (torch.bfloat16, None),
-    "bf16-onednn": (torch.bfloat16, "mkldnn"),
-    "bf16-int8": (torch.bfloat16, "int8"),
+# name -> (dtype, packed kernel or None, compiled)
+PATHS: dict[str, tuple[torch.dtype, str | None, bool]] = {
+    "fp32": (torch.float32, None, False),
+    "fp32-onednn": (torch.float32, "mkldnn", False),
+    "fp32-compiled": (torch.float32, None, True),
+    "bf16": (torch.bfloat16, None, False),
+    "bf16-onednn": (torch.bfloat16, "mkldnn", False),
+    "bf16-compiled": (torch.bfloat16, "mkldnn", True),
+    "bf16-int8": (torch.bfloat16, "int8", False),
 }
 BLOCK_SIZE = 16
 
@@ -37,20 +40,25 @@ BLOCK_SIZE = 16
 class Path:
     name: str
     model: nn.Module
+    forward: nn.Module | CompiledForward  # the model itself, or its compiled forward
     kv_cache: KVCache
     weight_bytes: int
 
 
 def _load(model_dir, name: str, num_blocks: int) -> Path:
-    dtype, kernel = PATHS[name]
+    dtype, kernel, compiled = PATHS[name]
     model = load_model(model_dir, dtype, torch.device("cpu"))
     weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
-    if kernel is not None:
+    if compiled:  # inductor packs the layers' weights itself; the LM head runs eagerly
+        if kernel is not None:
+            pack_linears(model, kernel, only=("lm_head",))
+    elif kernel is not None:
         pack_linears(model, kernel)
     kv_cache = KVCache.allocate(model.config, num_blocks, BLOCK_SIZE, dtype, torch.device("cpu"))
     for cache in kv_cache.key_caches + kv_cache.value_caches:
         cache.zero_()
-    return Path(name, model, kv_cache, weight_bytes)
+    forward = CompiledForward(model) if compiled else model
+    return Path(name, model, forward, kv_cache, weight_bytes)
 
 
 def _forward(path: Path, num_tokens: int, context_len: int) -> float:
@@ -60,8 +68,8 @@ def _forward(path: Path, num_tokens: int, context_len: int) -> float:
                                  block_tables=[torch.arange(-(-context_len // BLOCK_SIZE))])
     started = time.perf_counter()
     input_ids = positions % path.model.config.vocab_size
-    hidden = path.model(input_ids, positions, path.kv_cache, metadata)
-    path.model.compute_logits(hidden)
+    hidden = path.forward(input_ids, positions, path.kv_cache, metadata)
+    path.forward.compute_logits(hidden)
     return time.perf_counter() - started
 
 

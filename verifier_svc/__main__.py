@@ -50,6 +50,7 @@ def config_from_args(args: argparse.Namespace) -> VerifierConfig:
         kv_cache_memory_bytes=args.kv_cache_memory_bytes,
         tensor_parallel_size=args.tensor_parallel_size,
         quantization=args.quantization,
+        compile=args.compile,
         adaptive_speculation=args.speculation_policy == "adaptive",
         speculative_config=SpeculativeConfig.parse(args.speculative_config),
         grpc_tls=grpc_tls_from_args(args),

@@ -17,7 +17,8 @@ from specdec.errors import ConfigError
 from specdec.kv_cache import KVCache
 from specdec.models.loader import load_model, load_model_config
 from specdec.models.model_files import load_tokenizer, resolve_model, tokenizer_fingerprint
-from specdec.models.packed_linear import pack_for_device
+from specdec.models.compiled_forward import CompiledForward, warm_up
+from specdec.models.packed_linear import choose_kernel, pack_linears
 from specdec.models.parallel import ParallelContext, check_tensor_parallel
 from specdec.scheduler import Scheduler
 from specdec.tls import GrpcTlsConfig
@@ -61,6 +62,8 @@ class VerifierConfig:
     # None or "int8" (weight-only); see specdec.models.packed_linear.
     quantization: str | None = None
     adaptive_speculation: bool = True
+    # Compile the forward (see specdec.models.compiled_forward).
+    compile: bool = False
 
     def __post_init__(self) -> None:
         if self.tensor_parallel_size < 1:
@@ -69,6 +72,9 @@ class VerifierConfig:
         if not 0 < self.gpu_memory_utilization <= 1:
             raise ConfigError("--gpu-memory-utilization must be in (0, 1], got "
                               f"{self.gpu_memory_utilization}", param="gpu_memory_utilization")
+        if self.compile and self.tensor_parallel_size > 1:
+            raise ConfigError("--compile does not run with --tensor-parallel-size > 1 (the "
+                              "all-reduces stay eager); drop one of them", param="compile")
         if self.speculative_config is not None and not self.drafter_targets:
             raise ConfigError("--speculative-config is set but no --drafter address is given",
                               param="drafter")
@@ -108,8 +114,14 @@ def build_engine(config: VerifierConfig) -> tuple[Engine, ServedModel]:
                           f"max_position_embeddings ({model_config.max_position_embeddings})",
                           param="max_model_len")
     num_blocks = _num_kv_blocks(config, model, dtype, device, max_model_len)
-    # After the KV budget, which counts the checkpoint's weights.
-    linear_kernel = pack_for_device(model, device, dtype, config.quantization)
+    if config.compile and device.type not in ("cpu", "cuda"):
+        raise ConfigError(f"--compile runs on cpu or cuda, not {device.type}", param="compile")
+    # After the KV budget, which counts the checkpoint's weights. A compiled forward has
+    # inductor prepack the layers' weights; only the LM head, run eagerly, is packed here.
+    linear_kernel = choose_kernel(device, dtype, config.quantization)
+    if linear_kernel is not None:
+        pack_linears(model, linear_kernel, only=("lm_head",) if config.compile
+                     and linear_kernel == "mkldnn" else None)
     engine_config = EngineConfig(max_model_len=max_model_len, max_num_seqs=config.max_num_seqs,
                                  max_num_batched_tokens=config.max_num_batched_tokens,
                                  block_size=config.block_size, num_kv_blocks=num_blocks,
@@ -138,7 +150,12 @@ def build_engine(config: VerifierConfig) -> tuple[Engine, ServedModel]:
                                                     device=device, num_blocks=num_blocks,
                                                     block_size=config.block_size,
                                                     linear_kernel=linear_kernel)
-    runner = ModelRunner(model, kv_cache, config.block_size, device, tensor_parallel)
+    forward = None
+    if config.compile:
+        forward = CompiledForward(model)
+        # Before the first request; the blocks it writes hold no sequence yet.
+        warm_up(forward, kv_cache, block_ids=list(range(-(-16 // config.block_size))))
+    runner = ModelRunner(model, kv_cache, config.block_size, device, tensor_parallel, forward)
     scheduler = Scheduler(engine_config, BlockManager(num_blocks, config.block_size))
 
     engine = Engine(engine_config, runner, scheduler, vocab_size=model_config.vocab_size,

@@ -19,6 +19,7 @@ from specdec.kv_cache import KVCache
 from specdec.models.llama import LlamaForCausalLM
 
 if TYPE_CHECKING:
+    from specdec.models.compiled_forward import CompiledForward
     from verifier_svc.tp_worker import TensorParallelGroup
 
 
@@ -46,8 +47,11 @@ class ModelRunner:
     (see `verifier_svc.tp_worker`) and `model` / `kv_cache` hold rank 0's shards."""
 
     def __init__(self, model: LlamaForCausalLM, kv_cache: KVCache, block_size: int,
-                 device: torch.device, tensor_parallel: TensorParallelGroup | None = None) -> None:
+                 device: torch.device, tensor_parallel: TensorParallelGroup | None = None,
+                 forward: CompiledForward | None = None) -> None:
         self.model = model
+        # The forward each step runs: the model's compiled forward when built with one.
+        self.forward: LlamaForCausalLM | CompiledForward = forward or model
         self.kv_cache = kv_cache
         self.block_size = block_size
         self.device = device
@@ -114,11 +118,11 @@ class ModelRunner:
                                                    batch.attn_metadata))
         with parallel_step:
             if aux_layer_ids:
-                hidden, aux = self.model(batch.input_ids, batch.positions, self.kv_cache,
-                                         batch.attn_metadata, aux_layer_ids)
+                hidden, aux = self.forward(batch.input_ids, batch.positions, self.kv_cache,
+                                           batch.attn_metadata, aux_layer_ids)
             else:
-                hidden = self.model(batch.input_ids, batch.positions, self.kv_cache,
-                                    batch.attn_metadata)
+                hidden = self.forward(batch.input_ids, batch.positions, self.kv_cache,
+                                      batch.attn_metadata)
         captured = None
         if hidden_layer_ids:
             by_id = dict(zip(aux_layer_ids, aux)) if aux_layer_ids else {}

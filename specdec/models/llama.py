@@ -244,21 +244,24 @@ class LlamaForCausalLM(nn.Module):
         With `aux_layer_ids`, returns `(hidden, aux)` where `aux[j]` is the residual stream
         entering layer `aux_layer_ids[j]` (`[num_tokens, hidden]`, before that layer's norm).
         """
+        num_layers = len(self.model.layers)
+        outside = [i for i in aux_layer_ids if not 0 <= i < num_layers]
+        if outside:
+            raise ValueError(f"aux_layer_ids {outside} outside [0, {num_layers})")
         hidden = self.model.embed_tokens(input_ids)  # [num_tokens, hidden]
-        aux: dict[int, torch.Tensor] = {}
+        # Filled by plain int comparisons, which dynamo traces (a dict keyed by layer id was not).
+        aux: list[torch.Tensor] = [hidden] * len(aux_layer_ids)
         for layer_id, layer in enumerate(self.model.layers):
-            if aux_layer_ids and layer_id in aux_layer_ids:
-                aux[layer_id] = hidden
+            for index, wanted in enumerate(aux_layer_ids):
+                if wanted == layer_id:
+                    aux[index] = hidden
             hidden = layer(
                 positions, hidden, kv_cache.key_caches[layer_id], kv_cache.value_caches[layer_id], attn_metadata
             )
         hidden = self.model.norm(hidden)
         if not aux_layer_ids:
             return hidden
-        missing = [i for i in aux_layer_ids if i not in aux]
-        if missing:
-            raise ValueError(f"aux_layer_ids {missing} outside [0, {len(self.model.layers)})")
-        return hidden, [aux[i] for i in aux_layer_ids]
+        return hidden, aux
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [n, hidden] -> [n, vocab] float32
         return self.lm_head(hidden).float()

@@ -92,13 +92,15 @@ class PackedLinear(nn.Module):
                 f"bias={self.bias is not None}, kernel={self.kernel}")
 
 
-def pack_linears(model: nn.Module, kernel: str) -> int:
-    """Replaces every `nn.Linear` in `model` by a `PackedLinear`; returns how many.
+def pack_linears(model: nn.Module, kernel: str, only: tuple[str, ...] | None = None) -> int:
+    """Replaces every `nn.Linear` in `model` (or those named in `only`, e.g. `("lm_head",)`)
+    by a `PackedLinear`; returns how many.
 
     For inference only: call after the weights are loaded (and sharded), on a CPU model.
     """
-    linears = [(parent, name, child) for parent in model.modules()
-               for name, child in parent.named_children() if isinstance(child, nn.Linear)]
+    linears = [(parent, name, child) for parent_name, parent in model.named_modules()
+               for name, child in parent.named_children() if isinstance(child, nn.Linear)
+               and (only is None or f"{parent_name}.{name}".lstrip(".") in only)]
     linear_weights = {id(child.weight) for _, _, child in linears}
     shared = {id(param) for name, param in model.named_parameters(remove_duplicate=False)
               if id(param) in linear_weights and not _is_linear_weight(model, name)}

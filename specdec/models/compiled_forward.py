@@ -1,0 +1,148 @@
+"""`CompiledForward`: a model's forward compiled by inductor, attention left to the backend.
+
+Why: a decode or verify forward of a small model on a CPU spends about as long in the
+~60 small ops per layer (norms, RoPE, SiLU, residual adds, views), each a trip through
+torch's dispatcher, as in the matmuls. Inductor fuses those into a few generated C++ loops
+per layer and, with `freezing`, prepacks the weights for oneDNN as `PackedLinear` does.
+
+How: the paged attention cannot be traced (its metadata is Python lists that change every
+step), so it is one opaque custom op, `specdec::paged_attention`, in an otherwise whole
+graph. The op takes the step's tensors; the step's `AttentionMetadata` and the eager
+backend that does the work travel beside the graph in a per-thread *forward context*, set
+around each call (as vLLM does for its attention op). The number of tokens is dynamic:
+one graph serves every step size >= 2 and one the single-token decode (dynamo
+specialises size 1), so steps never recompile once both are warm.
+
+Limits: inference only; cpu (the path measured); not with tensor parallelism (its
+all-reduce hooks stay eager). The LM head is left out of the graph: `compute_logits` runs
+it on the rows that are sampled, packed eagerly by the caller.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from dataclasses import dataclass
+
+import torch
+
+from specdec.attention import AttentionBackend, AttentionMetadata
+from specdec.kv_cache import KVCache
+
+logger = logging.getLogger(__name__)
+
+RECOMPILE_LIMIT = 64
+
+
+@dataclass(slots=True)
+class _ForwardContext:
+    backend: AttentionBackend
+    metadata: AttentionMetadata
+
+
+# The forward in progress on this thread: set by `CompiledForward.__call__` only.
+_forward_context = threading.local()
+
+
+@torch.library.custom_op("specdec::paged_attention", mutates_args=())
+def paged_attention(
+    query: torch.Tensor,  # [num_tokens, num_heads, head_dim]
+    key: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
+    value: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
+    key_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
+    value_cache: torch.Tensor,
+) -> torch.Tensor:  # [num_tokens, num_heads, head_dim], contiguous
+    """The backend's attention for this step. Writes this step's K/V into the caches, a side
+    effect the graph never observes (nothing in it reads the caches), so it is not declared."""
+    context: _ForwardContext = _forward_context.current
+    out = context.backend.forward(query, key, value, key_cache, value_cache, context.metadata)
+    # The graph assumes the fake's contiguous layout below; a view would be misread.
+    return out.contiguous()
+
+
+@paged_attention.register_fake
+def _(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor,
+      value_cache: torch.Tensor) -> torch.Tensor:
+    return query.new_empty(query.shape)
+
+
+class _OpAttention:
+    """The backend the layers see once compiled: inside a trace it emits the custom op;
+    called eagerly (a test or a tool running the model itself) it is the wrapped backend."""
+
+    def __init__(self, backend: AttentionBackend) -> None:
+        self.backend = backend
+
+    def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                key_cache: torch.Tensor, value_cache: torch.Tensor,
+                metadata: AttentionMetadata) -> torch.Tensor:
+        if torch.compiler.is_compiling():
+            return torch.ops.specdec.paged_attention(query, key, value, key_cache, value_cache)
+        return self.backend.forward(query, key, value, key_cache, value_cache, metadata)
+
+
+class CompiledForward:
+    """Calls like the model (`(input_ids, positions, kv_cache, metadata, aux_layer_ids)`),
+    runs its compiled forward. Build it after the weights are final (loaded, not packed)."""
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        import torch._inductor.config as inductor_config
+
+        self.model = model
+        self.backend: AttentionBackend = model.attention_backend
+        op_attention = _OpAttention(self.backend)
+        for layer in model.model.layers:
+            layer.self_attn._backend = op_attention
+        # Process-wide, and read when a graph is compiled (torch.compile's `options` does not
+        # reach it): weights become constants that inductor prepacks for oneDNN.
+        inductor_config.freezing = True
+        # Every instance's graphs are cached on the one code object below, up to
+        # recompile_limit (8 by default), after which dynamo silently runs it eagerly. An
+        # instance holds 2-3 (one token, several, and in fp32 many), and a process may build
+        # a few engines (bench compare, the tests).
+        torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit,
+                                                   RECOMPILE_LIMIT)
+
+        def forward(input_ids: torch.Tensor, positions: torch.Tensor, kv_cache: KVCache,
+                    attn_metadata: AttentionMetadata, aux_layer_ids: tuple[int, ...],
+                    ) -> torch.Tensor | tuple[torch.Tensor, list[torch.Tensor]]:
+            return model(input_ids, positions, kv_cache, attn_metadata, aux_layer_ids)
+
+        self._compiled = torch.compile(forward, dynamic=True)
+
+    def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_cache: KVCache,
+                 attn_metadata: AttentionMetadata, aux_layer_ids: tuple[int, ...] = (),
+                 ) -> torch.Tensor | tuple[torch.Tensor, list[torch.Tensor]]:
+        _forward_context.current = _ForwardContext(self.backend, attn_metadata)
+        try:
+            return self._compiled(input_ids, positions, kv_cache, attn_metadata, aux_layer_ids)
+        finally:
+            _forward_context.current = None
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.model.compute_logits(hidden)
+
+
+def warm_up(forward: CompiledForward, kv_cache: KVCache, block_ids: list[int],
+            aux_layer_ids: tuple[int, ...] = ()) -> float:
+    """Compiles the graphs steps use before any request arrives: one token, a few (a verify
+    window) and many (a prefill chunk; fp32 linears branch on the row count), writing only
+    into `block_ids` (blocks no sequence holds yet, enough for 16 tokens); returns the
+    seconds it took. Inputs are made outside inference mode, as `ModelRunner.prepare` makes
+    them: dynamo's guards tell the two kinds of tensor apart."""
+    started = time.perf_counter()
+    block_size = kv_cache.block_size
+    block_table = torch.tensor(block_ids, dtype=torch.long)
+    # (tokens, context length): the first attends to itself, the others to the cache too.
+    for num_tokens, context_len in ((16, 16), (2, 3), (1, 4)):
+        positions = torch.arange(context_len - num_tokens, context_len)
+        slots = block_table[positions // block_size] * block_size + positions % block_size
+        metadata = AttentionMetadata(slot_mapping=slots, query_start_locs=[0, num_tokens],
+                                     context_lens=[context_len], block_tables=[block_table])
+        input_ids = positions % 8
+        with torch.inference_mode():
+            forward(input_ids, positions, kv_cache, metadata, aux_layer_ids)
+    seconds = time.perf_counter() - started
+    logger.info("compiled the forward in %.1f s", seconds)
+    return seconds

@@ -1,0 +1,115 @@
+"""`--compile`: the inductor-compiled forward computes what the eager one does, greedy
+speculation through it stays token-for-token plain decoding (fp32), and it refuses the
+configurations it does not run in."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from specdec.attention import AttentionMetadata
+from specdec.errors import ConfigError
+from specdec.kv_cache import KVCache
+from specdec.models.compiled_forward import CompiledForward, warm_up
+from specdec.models.loader import load_model
+from tests.engine_driver import generate
+from tests.test_engine import PROMPTS, EngineHarness, greedy, plain_outputs
+from tests.tiny_models import make_tiny_llama
+from verifier_svc.builder import VerifierConfig
+
+BLOCK_SIZE = 4
+
+
+@pytest.fixture(scope="module")
+def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return make_tiny_llama(tmp_path_factory.mktemp("tiny-llama-compiled"), num_layers=3)
+
+
+def _step(chunks: list[tuple[list[int], int, list[int]]]) -> tuple[torch.Tensor, torch.Tensor,
+                                                                   AttentionMetadata]:
+    """A flat batch from (token_ids, start_position, block_table) per sequence."""
+    token_ids, positions, slots, starts, context_lens, tables = [], [], [], [0], [], []
+    for ids, start, table in chunks:
+        token_ids += ids
+        for position in range(start, start + len(ids)):
+            positions.append(position)
+            slots.append(table[position // BLOCK_SIZE] * BLOCK_SIZE + position % BLOCK_SIZE)
+        starts.append(starts[-1] + len(ids))
+        context_lens.append(start + len(ids))
+        tables.append(torch.tensor(table))
+    metadata = AttentionMetadata(slot_mapping=torch.tensor(slots), query_start_locs=starts,
+                                 context_lens=context_lens, block_tables=tables)
+    return torch.tensor(token_ids), torch.tensor(positions), metadata
+
+
+def test_compiled_logits_match_eager(tiny_model: Path) -> None:
+    eager = load_model(tiny_model, torch.float32, torch.device("cpu"))
+    compiled_model = load_model(tiny_model, torch.float32, torch.device("cpu"))
+    config = eager.config
+    caches = [KVCache.allocate(config, 16, BLOCK_SIZE, torch.float32, torch.device("cpu"))
+              for _ in range(2)]
+    for cache in caches:  # compared whole below, unused slots included
+        for pool in cache.key_caches + cache.value_caches:
+            pool.zero_()
+    compiled = CompiledForward(compiled_model)
+    table_a, table_b = [3, 7, 1, 9], [0, 2, 5, 11]
+    steps = [
+        # Two first prefill chunks in one step.
+        [([5, 6, 7, 8, 9], 0, table_a), ([10, 11, 12, 13, 14, 15, 16], 0, table_b)],
+        # A decode row beside a verify window, both against the cache.
+        [([17], 5, table_a), ([18, 19, 20], 7, table_b)],
+        # One token alone: the single-token graph.
+        [([21], 6, table_a)],
+        # A later prefill chunk (context larger than the chunk).
+        [([22, 23, 24, 25], 10, table_b)],
+    ]
+    for chunks in steps:
+        input_ids, positions, metadata = _step(chunks)  # outside inference mode, as the runner
+        with torch.inference_mode():
+            expected = eager.compute_logits(eager(input_ids, positions, caches[0], metadata))
+            hidden, aux = compiled(input_ids, positions, caches[1], metadata, (0, 2))
+            got = compiled.compute_logits(hidden)
+            torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-4)
+            _, eager_aux = eager(input_ids, positions, caches[0], metadata, (0, 2))
+            for got_aux, want_aux in zip(aux, eager_aux):
+                torch.testing.assert_close(got_aux, want_aux, rtol=1e-4, atol=1e-4)
+    # Called directly, the compiled model's layers still run eagerly (tests and tools do).
+    input_ids, positions, metadata = _step([([26], 14, table_b)])
+    with torch.inference_mode():
+        direct = compiled_model.compute_logits(compiled_model(input_ids, positions, caches[1], metadata))
+        expected = eager.compute_logits(eager(input_ids, positions, caches[0], metadata))
+    torch.testing.assert_close(direct, expected, rtol=1e-4, atol=1e-4)
+    for layer_id in range(config.num_hidden_layers):
+        torch.testing.assert_close(caches[1].key_caches[layer_id], caches[0].key_caches[layer_id],
+                                   rtol=1e-4, atol=1e-4)
+
+
+def test_warm_up_compiles_both_graphs(tiny_model: Path) -> None:
+    model = load_model(tiny_model, torch.float32, torch.device("cpu"))
+    kv_cache = KVCache.allocate(model.config, 12, BLOCK_SIZE, torch.float32, torch.device("cpu"))
+    compiled = CompiledForward(model)
+    assert warm_up(compiled, kv_cache, block_ids=[0, 1, 2, 3]) > 0
+    counters = torch._dynamo.utils.counters
+    before = counters["stats"]["unique_graphs"]
+    table = [4, 5, 6, 7, 8, 9, 10, 11]
+    # As the engine does: a prefill, a verify window, a decode row, a long prefill chunk.
+    for chunk, start in (([4, 5, 6], 0), ([7, 8, 9, 10], 3), ([11], 7), (list(range(12, 32)), 8)):
+        input_ids, positions, metadata = _step([(chunk, start, table)])
+        with torch.inference_mode():
+            compiled(input_ids, positions, kv_cache, metadata)
+    assert counters["stats"]["unique_graphs"] == before, "a step recompiled after warm-up"
+
+
+async def test_compiled_speculation_is_plain_decoding(tiny_model: Path) -> None:
+    plain = await plain_outputs(tiny_model, "cpu")
+    async with EngineHarness(tiny_model, "cpu", k=3, compile=True) as engine:
+        speculative = [await generate(engine, prompt, greedy()) for prompt in PROMPTS]
+        assert engine.spec.num_accepted_tokens > 0, "ngram never helped"
+    assert speculative == plain
+
+
+def test_compile_refuses_tensor_parallel() -> None:
+    with pytest.raises(ConfigError, match="--compile"):
+        VerifierConfig(model="m", compile=True, tensor_parallel_size=3)
