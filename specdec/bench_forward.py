@@ -73,6 +73,18 @@ def _forward(path: Path, num_tokens: int, context_len: int) -> float:
     return time.perf_counter() - started
 
 
+def read_bandwidth_gbps(num_bytes: int = 512 << 20, repeats: int = 5) -> float:
+    """The best of `repeats` reads of a `num_bytes` fp32 tensor (a sum), in GB/s: what a
+    matrix-vector product streaming its weights can reach at most, on these threads."""
+    data = torch.ones(num_bytes // 4)
+    best = float("inf")
+    for _ in range(repeats):
+        started = time.perf_counter()
+        data.sum()
+        best = min(best, time.perf_counter() - started)
+    return num_bytes / best / 1e9
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m specdec bench forward", description=__doc__)
     parser.add_argument("--model", default=DEFAULT_MODEL)
@@ -83,8 +95,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--context-len", type=int, default=200)
     parser.add_argument("--repeats", type=int, default=20)
     parser.add_argument("--threads", type=int, default=None)
-    parser.add_argument("--memory-gbps", type=float, default=28.0,
-                        help="memory read bandwidth for the weight-reading bound (this machine: ~28)")
+    parser.add_argument("--memory-gbps", type=float, default=None,
+                        help="memory read bandwidth for the weight-reading bound (default: "
+                             "measured here by summing a 512 MiB tensor)")
     parser.add_argument("--profile", default=None, metavar="PATH_NAME",
                         help="print the torch profiler's table for this path's 1 + k forward")
     args = parser.parse_args(argv)
@@ -108,9 +121,12 @@ def main(argv: list[str] | None = None) -> int:
                 for num_tokens in shapes:
                     times.setdefault((path.name, num_tokens), []).append(
                         _forward(path, num_tokens, args.context_len))
+        memory_gbps = args.memory_gbps or read_bandwidth_gbps()
+        print(f"memory read bandwidth {memory_gbps:.1f} GB/s"
+              f"{'' if args.memory_gbps else ' (measured)'}; bound = weight bytes / bandwidth")
         print(f"{'path':12s} {'tokens':>6s} {'median ms':>10s} {'min ms':>8s} {'bound ms':>9s}")
         for path in paths:
-            bound_ms = path.weight_bytes / (args.memory_gbps * 1e9) * 1e3
+            bound_ms = path.weight_bytes / (memory_gbps * 1e9) * 1e3
             for num_tokens in shapes:
                 samples = times[(path.name, num_tokens)]
                 print(f"{path.name:12s} {num_tokens:6d} {statistics.median(samples) * 1e3:10.1f} "
