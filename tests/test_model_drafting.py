@@ -14,6 +14,7 @@ import logging
 from pathlib import Path
 
 import pytest
+import torch
 
 from drafter_svc.proposer import ModelOptions
 from drafter_svc.server import start_drafter_server, stop_drafter_server
@@ -46,6 +47,7 @@ def greedy() -> SamplingParams:
 
 async def serve_and_generate(target: Path, device: str, spec: dict | None,
                              params: SamplingParams | None = None, expect_healthy: bool = True,
+                             compile_forward: bool = False,
                              **drafter_options: object) -> tuple[list[list[int]], Engine]:
     """Runs PROMPTS concurrently through an engine (and a drafter for `spec`)."""
     config = SpeculativeConfig.parse(spec) if spec else None
@@ -62,7 +64,7 @@ async def serve_and_generate(target: Path, device: str, spec: dict | None,
         drafter_targets=targets, draft_timeout_s=2.0,
         # Drafts every step: a seeded sample with drafted probabilities depends on which
         # drafts came, and the adaptive policy's choices depend on measured times.
-        adaptive_speculation=False))
+        adaptive_speculation=False, compile=compile_forward))
     await engine.start()
     try:
         if engine.drafter_pool is not None:
@@ -143,6 +145,29 @@ async def test_eagle3_greedy_invariance(target, device, plain, tmp_path, draft_v
     # EAGLE-3's layer ids name the residual stream entering a layer, as the verifier's do.
     expected_layers = tuple(layer_ids) if layer_ids else (2, 4, 5)
     assert engine.drafter_pool.hidden_state_layer_ids == expected_layers
+
+
+async def test_eagle3_with_a_compiled_verifier(target, device, plain, tmp_path, monkeypatch) -> None:
+    """--compile builds the graph for the head's target layers at start-up: the requests
+    compile nothing, and the output is still the target's."""
+    if str(device) != "cpu":
+        pytest.skip("--compile is tested on the cpu")
+    head = tmp_path / "eagle3"
+    make_eagle3_head(head, target, draft_vocab_size=40, layer_ids=[1, 3, 6])
+    counters = torch._dynamo.utils.counters
+    graphs_at_start: list[int] = []
+    start = Engine.start
+
+    async def start_and_count(engine: Engine) -> None:  # built, warmed up, no request yet
+        graphs_at_start.append(counters["stats"]["unique_graphs"])
+        await start(engine)
+
+    monkeypatch.setattr(Engine, "start", start_and_count)
+    outputs, engine = await serve_and_generate(target, str(device), draft_spec("eagle3", head),
+                                               compile_forward=True)
+    assert outputs == plain
+    assert engine.spec.num_draft_tokens > 0
+    assert counters["stats"]["unique_graphs"] == graphs_at_start[0], "a request compiled a graph"
 
 
 async def test_probabilistic_drafting_is_seeded_and_complete(target, device) -> None:

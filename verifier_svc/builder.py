@@ -15,9 +15,9 @@ from specdec.config import EngineConfig, SpeculativeConfig, default_draft_timeou
 from specdec.device import device_memory_bytes, resolve_device, resolve_dtype
 from specdec.errors import ConfigError
 from specdec.kv_cache import KVCache
+from specdec.models.compiled_forward import CompiledForward, warm_up
 from specdec.models.loader import load_model, load_model_config
 from specdec.models.model_files import load_tokenizer, resolve_model, tokenizer_fingerprint
-from specdec.models.compiled_forward import CompiledForward, warm_up
 from specdec.models.packed_linear import choose_kernel, pack_linears
 from specdec.models.parallel import ParallelContext, check_tensor_parallel
 from specdec.scheduler import Scheduler
@@ -154,7 +154,8 @@ def build_engine(config: VerifierConfig) -> tuple[Engine, ServedModel]:
     if config.compile:
         forward = CompiledForward(model)
         # Before the first request; the blocks it writes hold no sequence yet.
-        warm_up(forward, kv_cache, block_ids=list(range(-(-16 // config.block_size))))
+        warm_up(forward, kv_cache, block_ids=list(range(-(-16 // config.block_size))),
+                aux_layer_ids=_drafter_aux_layer_ids(spec, model_config.num_hidden_layers))
     runner = ModelRunner(model, kv_cache, config.block_size, device, tensor_parallel, forward)
     scheduler = Scheduler(engine_config, BlockManager(num_blocks, config.block_size))
 
@@ -178,6 +179,18 @@ def build_engine(config: VerifierConfig) -> tuple[Engine, ServedModel]:
                          num_speculative_tokens=spec.num_speculative_tokens if spec else 0,
                          tokenizer_fingerprint=fingerprint)
     return engine, served
+
+
+def _drafter_aux_layer_ids(spec: SpeculativeConfig | None, num_layers: int) -> tuple[int, ...]:
+    """The target layers whose states an eagle3 drafter will ask for (the compiled forward
+    needs a graph for them); () for every other method, which reads none or the final
+    state only. Read from the head's config, as the drafter reads it."""
+    if spec is None or spec.method != "eagle3" or spec.model is None:
+        return ()
+    from specdec.models.eagle3 import aux_layer_ids_from_config
+
+    raw = json.loads((resolve_model(str(spec.model)) / "config.json").read_text())
+    return aux_layer_ids_from_config(raw, num_layers)
 
 
 def _num_kv_blocks(config: VerifierConfig, model: torch.nn.Module, dtype: torch.dtype,
