@@ -165,6 +165,20 @@ def test_a_sequence_that_stopped_drafting_is_probed() -> None:
     assert policy.plan([Candidate(1, 4)])[1] > 0
 
 
+def test_a_drafter_that_proposes_nothing_stops_being_asked() -> None:
+    """ngram finding no match returns no tokens: each ask cost a round trip for nothing."""
+    policy = policy_with_cost(10 * MS, 0.2 * MS, draft_s=1.5 * MS)
+    assert policy.plan([Candidate(1, 4)])[1] > 0  # the prior: worth asking
+    for _ in range(10):
+        policy.record_draft(1, 0, 0, num_requested=4)
+    assert policy.plan([Candidate(1, 4)])[1] == 0
+    # Not asked (k = 0 planned) and so nothing proposed: no evidence either way.
+    fresh = policy_with_cost(10 * MS, 0.2 * MS, draft_s=1.5 * MS)
+    for _ in range(10):
+        fresh.record_draft(2, 0, 0, num_requested=0)
+    assert fresh.plan([Candidate(2, 4)])[2] > 0
+
+
 def test_forget_drops_a_sequence() -> None:
     policy = policy_with_cost(1 * MS, 1 * MS)
     teach(policy, 1, num_drafts=30, k=4, num_accepted=4)

@@ -288,7 +288,8 @@ class Engine:
             seq.spec.record(len(draft.token_ids), num_accepted)
             self.spec.record(len(draft.token_ids), num_accepted)
             if self.policy is not None:
-                self.policy.record_draft(seq.seq_id, len(draft.token_ids), num_accepted)
+                self.policy.record_draft(seq.seq_id, len(draft.token_ids), num_accepted,
+                                         item.num_speculative_tokens)
             self._append_tokens(seq, new_token_ids)
         if self.policy is not None and all(item.num_query_tokens == 1 for item in scheduled):
             # What a verified token costs: inputs, forward, logits and the sampler, for

@@ -184,7 +184,14 @@ class SpeculationPolicy:
 
     # ------------------------------------------------------------ measurements
 
-    def record_draft(self, seq_id: int, num_draft_tokens: int, num_accepted: int) -> None:
+    def record_draft(self, seq_id: int, num_draft_tokens: int, num_accepted: int,
+                     num_requested: int = 0) -> None:
+        """A verified draft of `num_draft_tokens` of which `num_accepted` were accepted.
+        `num_requested`: the tokens asked of the drafter. A drafter that was asked and
+        proposed nothing (ngram finding no match) counts as one draft token rejected: the
+        round trip was paid for nothing, and the next steps should not ask again."""
+        if num_draft_tokens == 0 and num_requested > 0:
+            num_draft_tokens = 1
         self.engine_stats.record(num_draft_tokens, num_accepted)
         stats = self._stats.get(seq_id)
         if stats is None:
