@@ -86,17 +86,31 @@ def test_compiled_logits_match_eager(tiny_model: Path) -> None:
                                    rtol=1e-4, atol=1e-4)
 
 
-def test_warm_up_compiles_both_graphs(tiny_model: Path) -> None:
-    model = load_model(tiny_model, torch.float32, torch.device("cpu"))
-    kv_cache = KVCache.allocate(model.config, 12, BLOCK_SIZE, torch.float32, torch.device("cpu"))
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_warm_up_compiles_every_graph_steps_need(tiny_model: Path, dtype: torch.dtype) -> None:
+    model = load_model(tiny_model, dtype, torch.device("cpu"))
+    # 16-token blocks: the size of warm-up's prefill chunk, which dynamo must not take for
+    # the size of every chunk.
+    block_size = 16
+    kv_cache = KVCache.allocate(model.config, 8, block_size, dtype, torch.device("cpu"))
     compiled = CompiledForward(model)
-    assert warm_up(compiled, kv_cache, block_ids=[0, 1, 2, 3]) > 0
+    assert warm_up(compiled, kv_cache, block_ids=[0]) > 0
     counters = torch._dynamo.utils.counters
     before = counters["stats"]["unique_graphs"]
-    table = [4, 5, 6, 7, 8, 9, 10, 11]
-    # As the engine does: a prefill, a verify window, a decode row, a long prefill chunk.
-    for chunk, start in (([4, 5, 6], 0), ([7, 8, 9, 10], 3), ([11], 7), (list(range(12, 32)), 8)):
-        input_ids, positions, metadata = _step([(chunk, start, table)])
+    table = [1, 2, 3, 4, 5]
+    # As the engine does: prefills, a verify window, a decode row, a batch of verify windows.
+    steps = [([(list(range(4, 24)), 0)]), ([(list(range(24, 28)), 20)]), ([([28], 24)]),
+             ([(list(range(30, 70)), 25)]), ([([71, 72, 73, 74], 65)] * 8)]
+    for chunks in steps:
+        tokens, start = chunks[0]
+        input_ids = torch.tensor(tokens * len(chunks))
+        positions = torch.arange(start, start + len(tokens)).repeat(len(chunks))
+        metadata = AttentionMetadata(
+            slot_mapping=torch.tensor([table[p // block_size] * block_size + p % block_size
+                                       for p in positions.tolist()]),
+            query_start_locs=[len(tokens) * i for i in range(len(chunks) + 1)],
+            context_lens=[start + len(tokens)] * len(chunks),
+            block_tables=[torch.tensor(table)] * len(chunks))
         with torch.inference_mode():
             compiled(input_ids, positions, kv_cache, metadata)
     assert counters["stats"]["unique_graphs"] == before, "a step recompiled after warm-up"

@@ -88,6 +88,7 @@ class CompiledForward:
 
     def __init__(self, model: torch.nn.Module) -> None:
         import torch._inductor.config as inductor_config
+        import torch.fx.experimental._config as shape_config
 
         self.model = model
         self.backend: AttentionBackend = model.attention_backend
@@ -103,6 +104,10 @@ class CompiledForward:
         # a few engines (bench compare, the tests).
         torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit,
                                                    RECOMPILE_LIMIT)
+        # Duck sizing would take a token count that equals another size at trace time (a
+        # 16-token warm-up and 16-token KV blocks) to be that size for good, so that every
+        # other count recompiles.
+        shape_config.use_duck_shape = False
 
         def forward(input_ids: torch.Tensor, positions: torch.Tensor, kv_cache: KVCache,
                     attn_metadata: AttentionMetadata, aux_layer_ids: tuple[int, ...],

@@ -26,16 +26,18 @@ SMALL_M = 8
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """`F.linear(x, weight, bias)`; for few fp32 CPU rows, computed as `weight @ x.T`."""
+    # The row count is tested last: under torch.compile a test of it becomes a guard, and
+    # only fp32 CPU inputs need one.
     if (
-        x.dim() != 2
-        or not 1 <= x.shape[0] <= SMALL_M
-        or x.dtype != torch.float32
+        x.dtype != torch.float32
         or weight.dtype != torch.float32
         or x.device.type != "cpu"
         or weight.device.type != "cpu"
+        or x.dim() != 2
         or weight.dim() != 2
         or weight.layout != torch.strided
         or not weight.is_contiguous()
+        or not 1 <= x.shape[0] <= SMALL_M
     ):
         return F.linear(x, weight, bias)
     num_rows = x.shape[0]
