@@ -36,7 +36,7 @@ from specdec.device import resolve_device, resolve_dtype
 from specdec.models.model_files import load_tokenizer, resolve_model
 from specdec.sampling_params import SamplingParams
 from specdec.sequence import SpeculationCounters
-from verifier_svc.builder import VerifierConfig, build_engine
+from verifier_svc.builder import VerifierConfig, build_engine, compile_by_default
 from verifier_svc.engine import Engine
 from verifier_svc.requests import collect_outputs
 
@@ -111,7 +111,8 @@ async def _start(args: argparse.Namespace, spec: SpeculativeConfig, model_dir: P
         num_gpu_blocks_override=args.num_gpu_blocks_override or 512,
         speculative_config=spec, drafter_targets=(f"127.0.0.1:{drafter_port}",),
         draft_timeout_s=args.draft_timeout_ms / 1000 if args.draft_timeout_ms else None,
-        adaptive_speculation=adaptive, compile=getattr(args, "compile", False))
+        adaptive_speculation=adaptive,
+        compile=compile_by_default(args.device, 1, getattr(args, "enforce_eager", False)))
     try:
         engine, _ = build_engine(config)
     except BaseException:

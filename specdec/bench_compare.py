@@ -40,6 +40,7 @@ from specdec.gguf_precision import PRECISIONS, gguf_at_precision, precision_for_
 from specdec.models.loader import load_model_config
 from specdec.models.model_files import (DEFAULT_MODEL, default_cache_dir, fetch_default_gguf,
                                         load_tokenizer, resolve_model)
+from verifier_svc.builder import compile_by_default
 
 logger = logging.getLogger(__name__)
 
@@ -109,11 +110,13 @@ async def build_systems(args: argparse.Namespace, specs: list[SpeculativeConfig]
     built: dict[str, System] = {}
     unavailable: list[Unavailable] = []
 
+    compile_forward = compile_by_default(args.device, 1, args.enforce_eager)
     for name, spec in spec_by_name.items():
         if name in selected:
             try:
                 engine = await SpecdecEngine.start(model_dir, args.model, args.dtype,
-                                                   args.device, spec, max_model_len, args.compile)
+                                                   args.device, spec, max_model_len,
+                                                   compile_forward)
             except ConfigError as exc:  # e.g. a draft built for another target
                 unavailable.append(Unavailable(name, "specdec", exc.message))
                 continue
@@ -123,7 +126,7 @@ async def build_systems(args: argparse.Namespace, specs: list[SpeculativeConfig]
         if not engines:
             engines.append(await SpecdecEngine.start(model_dir, args.model, args.dtype,
                                                      args.device, None, max_model_len,
-                                                     args.compile))
+                                                     compile_forward))
         built["specdec"] = SpecdecSystem("specdec", engines[0], False, tokenizer)
 
     hf_names = [name for name in selected if kinds[name] == "transformers"]
@@ -250,8 +253,9 @@ def build_parser() -> argparse.ArgumentParser:
                              "file (the GGUF as it is), or F32 / F16 / BF16")
     parser.add_argument("--max-model-len", type=int, default=None,
                         help="context length (default: min(2048, the model's))")
-    parser.add_argument("--compile", action="store_true",
-                        help="specdec's engines compile their forward (as serve --compile)")
+    parser.add_argument("--enforce-eager", action="store_true",
+                        help="specdec's engines never compile their forward (as serve "
+                             "--enforce-eager; by default they compile as serve does)")
     parser.add_argument("--json", default=None, metavar="PATH", help="also write the figures here")
     parser.add_argument("--disable-tqdm", action="store_true", help="no progress bar")
     parser.add_argument("--log-level", default="warning",

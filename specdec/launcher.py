@@ -77,7 +77,7 @@ def _child_commands(args: argparse.Namespace, model_path: str) -> list[tuple[str
                 "--block-size", str(args.block_size),
                 "--tensor-parallel-size", str(args.tensor_parallel_size),
                 "--speculation-policy", args.speculation_policy,
-                *(["--compile"] if args.compile else []), *common]
+                *(["--enforce-eager"] if args.enforce_eager else []), *common]
     for flag, value in (("--max-model-len", args.max_model_len),
                         ("--num-gpu-blocks-override", args.num_gpu_blocks_override),
                         ("--kv-cache-memory-bytes", args.kv_cache_memory_bytes),

@@ -41,12 +41,13 @@ def free_port() -> int:
 
 @contextmanager
 def served_stack(model: Path, *flags: str, ready_timeout_s: float = 60.0) -> Iterator[Stack]:
-    """Starts the launcher on `model` (cpu, float32, ngram with a fixed k unless `flags` say
-    otherwise), waits for /health, and stops it (SIGTERM, then SIGKILL) on exit."""
+    """Starts the launcher on `model` (cpu, float32, eager, ngram with a fixed k unless
+    `flags` say otherwise), waits for /health, and stops it (SIGTERM, then SIGKILL) on exit."""
     port = free_port()
     command = [sys.executable, "-m", "specdec", "serve", "--model", str(model),
                "--port", str(port), "--device", "cpu", "--dtype", "float32",
-               "--log-level", "warning", *flags]
+               # Compiling is tested in test_compiled_forward and, as the default, in test_e2e.
+               "--enforce-eager", "--log-level", "warning", *flags]
     if "--speculative-config" not in flags:
         command += ["--speculative-config", NGRAM_SPEC]
     if "--speculation-policy" not in flags:

@@ -4,6 +4,7 @@ configurations it does not run in."""
 
 from __future__ import annotations
 
+import shutil
 from pathlib import Path
 
 import pytest
@@ -14,10 +15,12 @@ from specdec.errors import ConfigError
 from specdec.kv_cache import KVCache
 from specdec.models.compiled_forward import CompiledForward, warm_up
 from specdec.models.loader import load_model
+from specdec.models.packed_linear import mkldnn_supported
 from tests.engine_driver import generate
 from tests.test_engine import PROMPTS, EngineHarness, greedy, plain_outputs
 from tests.tiny_models import make_tiny_llama
-from verifier_svc.builder import VerifierConfig
+from verifier_svc import builder
+from verifier_svc.builder import VerifierConfig, compile_by_default
 
 BLOCK_SIZE = 4
 
@@ -127,3 +130,31 @@ async def test_compiled_speculation_is_plain_decoding(tiny_model: Path) -> None:
 def test_compile_refuses_tensor_parallel() -> None:
     with pytest.raises(ConfigError, match="--compile"):
         VerifierConfig(model="m", compile=True, tensor_parallel_size=3)
+
+
+def test_compile_by_default_only_where_it_runs(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(shutil, "which", lambda name: "/usr/bin/g++" if name == "g++" else None)
+    assert compile_by_default("cpu", 1, enforce_eager=False)
+    assert not compile_by_default("cpu", 1, enforce_eager=True)
+    assert not compile_by_default("cpu", 2, enforce_eager=False)  # the all-reduces stay eager
+    monkeypatch.setattr(shutil, "which", lambda name: None)  # no C++ compiler for inductor
+    assert not compile_by_default("cpu", 1, enforce_eager=False)
+
+
+@pytest.mark.skipif(not mkldnn_supported(torch.bfloat16), reason="no oneDNN bf16 on this CPU")
+async def test_a_failed_compile_runs_eagerly(tiny_model: Path, monkeypatch: pytest.MonkeyPatch,
+                                             caplog: pytest.LogCaptureFixture) -> None:
+    def fail(*args: object, **kwargs: object) -> float:
+        raise RuntimeError("InductorError: no C++ compiler\nmore lines")
+
+    monkeypatch.setattr(builder, "warm_up", fail)
+    async with EngineHarness(tiny_model, "cpu", dtype="bfloat16", compile=True) as engine:
+        assert engine.runner.forward is engine.runner.model  # eager
+        # The layers' linears got the packing the compiler would have done.
+        assert all(not isinstance(module, torch.nn.Linear) for module in engine.runner.model.modules())
+        compiled_failed = [await generate(engine, prompt, greedy()) for prompt in PROMPTS]
+    async with EngineHarness(tiny_model, "cpu", dtype="bfloat16") as engine:
+        eager = [await generate(engine, prompt, greedy()) for prompt in PROMPTS]
+    assert compiled_failed == eager
+    assert "compiling the forward failed (RuntimeError: InductorError: no C++ compiler); " \
+           "running eagerly" in caplog.text

@@ -205,7 +205,8 @@ def test_launcher_passes_the_speculation_through_to_the_drafter(target, plain, t
     process = subprocess.Popen(
         [sys.executable, "-m", "specdec", "serve", "--model", str(target), "--port", str(port),
          "--speculative-config", spec, "--max-model-len", "128", "--block-size", "4",
-         "--num-gpu-blocks-override", "256", "--dtype", "float32", "--log-level", "warning"],
+         "--num-gpu-blocks-override", "256", "--dtype", "float32", "--enforce-eager",
+         "--log-level", "warning"],
         cwd=root, env=dict(os.environ, PYTHONPATH=str(root)))
     base = f"http://127.0.0.1:{port}"
     try:

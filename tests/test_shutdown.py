@@ -97,7 +97,8 @@ async def test_sigterm_drains_in_flight_requests_and_exits_0(tiny_model: Path,
     with log_path.open("w") as log:
         proc = subprocess.Popen(
             [sys.executable, "-m", "verifier_svc", "--model", str(tiny_model), "--device", "cpu",
-             "--dtype", "float32", "--max-model-len", str(MAX_MODEL_LEN), "--num-gpu-blocks-override",
+             "--dtype", "float32", "--enforce-eager", "--max-model-len", str(MAX_MODEL_LEN),
+             "--num-gpu-blocks-override",
              str(NUM_BLOCKS), "--port", str(port), "--shutdown-grace-s", str(grace_s)],
             cwd=ROOT, env=dict(os.environ, PYTHONPATH=str(ROOT)), stdout=log, stderr=log)
     try:

@@ -16,7 +16,7 @@ from specdec.config import SpeculativeConfig, parse_additional_config
 from specdec.errors import ConfigError
 from specdec.grpc_server import wait_for_signal
 from specdec.tls import add_grpc_tls_args, grpc_tls_from_args
-from verifier_svc.builder import VerifierConfig
+from verifier_svc.builder import VerifierConfig, compile_by_default
 from verifier_svc.server import start_verifier
 
 logger = logging.getLogger("verifier_svc")
@@ -50,7 +50,7 @@ def config_from_args(args: argparse.Namespace) -> VerifierConfig:
         kv_cache_memory_bytes=args.kv_cache_memory_bytes,
         tensor_parallel_size=args.tensor_parallel_size,
         quantization=args.quantization,
-        compile=args.compile,
+        compile=compile_by_default(args.device, args.tensor_parallel_size, args.enforce_eager),
         adaptive_speculation=args.speculation_policy == "adaptive",
         speculative_config=SpeculativeConfig.parse(args.speculative_config),
         grpc_tls=grpc_tls_from_args(args),
