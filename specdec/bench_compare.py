@@ -153,13 +153,14 @@ async def build_systems(args: argparse.Namespace, specs: list[SpeculativeConfig]
                           f"k={spec.num_speculative_tokens}", target, tokenizer,
                     assisted_kwargs(assistant, spec))
 
-    for name in (n for n in selected if kinds[n] == "llama.cpp"):
-        reason = None if llama_cpp_installed() else LLAMA_CPP_MISSING
-        gguf = None if reason else gguf_file(args)
-        if reason is None and gguf is None:
-            reason = "no GGUF file for this model (pass --gguf PATH)"
-        if gguf is not None and args.llama_cpp_precision != "file":
-            gguf = gguf_at_precision(gguf, llama_cpp_precision(args), default_cache_dir() / "gguf")
+    llama_names = [name for name in selected if kinds[name] == "llama.cpp"]
+    reason = None if llama_cpp_installed() else LLAMA_CPP_MISSING
+    gguf = None if reason or not llama_names else gguf_file(args)
+    if reason is None and gguf is None:
+        reason = "no GGUF file for this model (pass --gguf PATH)"
+    if gguf is not None and args.llama_cpp_precision != "file":
+        gguf = gguf_at_precision(gguf, llama_cpp_precision(args), default_cache_dir() / "gguf")
+    for name in llama_names:
         if reason is not None:
             unavailable.append(Unavailable(name, "llama.cpp", reason))
             continue

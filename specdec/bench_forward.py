@@ -18,7 +18,7 @@ from torch import nn
 
 from specdec.attention import AttentionMetadata
 from specdec.kv_cache import KVCache
-from specdec.models.compiled_forward import CompiledForward
+from specdec.models.compiled_forward import CompiledForward, linears_to_pack
 from specdec.models.loader import load_model
 from specdec.models.model_files import DEFAULT_MODEL, resolve_model
 from specdec.models.packed_linear import pack_linears
@@ -49,11 +49,8 @@ def _load(model_dir, name: str, num_blocks: int) -> Path:
     dtype, kernel, compiled = PATHS[name]
     model = load_model(model_dir, dtype, torch.device("cpu"))
     weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
-    if compiled:  # inductor packs the layers' weights itself; the LM head runs eagerly
-        if kernel is not None:
-            pack_linears(model, kernel, only=("lm_head",))
-    elif kernel is not None:
-        pack_linears(model, kernel)
+    if kernel is not None:
+        pack_linears(model, kernel, only=linears_to_pack(kernel) if compiled else None)
     kv_cache = KVCache.allocate(model.config, num_blocks, BLOCK_SIZE, dtype, torch.device("cpu"))
     for cache in kv_cache.key_caches + kv_cache.value_caches:
         cache.zero_()

@@ -128,7 +128,7 @@ async def test_compiled_speculation_is_plain_decoding(tiny_model: Path) -> None:
 
 
 def test_compile_refuses_tensor_parallel() -> None:
-    with pytest.raises(ConfigError, match="--compile"):
+    with pytest.raises(ConfigError, match="compiled forward does not run with --tensor-parallel"):
         VerifierConfig(model="m", compile=True, tensor_parallel_size=3)
 
 

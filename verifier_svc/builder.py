@@ -16,7 +16,7 @@ from specdec.config import EngineConfig, SpeculativeConfig, default_draft_timeou
 from specdec.device import device_memory_bytes, resolve_device, resolve_dtype
 from specdec.errors import ConfigError
 from specdec.kv_cache import KVCache
-from specdec.models.compiled_forward import CompiledForward, warm_up
+from specdec.models.compiled_forward import CompiledForward, linears_to_pack, warm_up
 from specdec.models.loader import load_model, load_model_config
 from specdec.models.model_files import load_tokenizer, resolve_model, tokenizer_fingerprint
 from specdec.models.packed_linear import choose_kernel, pack_linears
@@ -75,8 +75,9 @@ class VerifierConfig:
             raise ConfigError("--gpu-memory-utilization must be in (0, 1], got "
                               f"{self.gpu_memory_utilization}", param="gpu_memory_utilization")
         if self.compile and self.tensor_parallel_size > 1:
-            raise ConfigError("--compile does not run with --tensor-parallel-size > 1 (the "
-                              "all-reduces stay eager); drop one of them", param="compile")
+            raise ConfigError("a compiled forward does not run with --tensor-parallel-size > 1 "
+                              "(the all-reduces stay eager); set compile=False "
+                              "(--enforce-eager)", param="compile")
         if self.speculative_config is not None and not self.drafter_targets:
             raise ConfigError("--speculative-config is set but no --drafter address is given",
                               param="drafter")
@@ -117,13 +118,14 @@ def build_engine(config: VerifierConfig) -> tuple[Engine, ServedModel]:
                           param="max_model_len")
     num_blocks = _num_kv_blocks(config, model, dtype, device, max_model_len)
     if config.compile and device.type not in ("cpu", "cuda"):
-        raise ConfigError(f"--compile runs on cpu or cuda, not {device.type}", param="compile")
+        raise ConfigError(f"a compiled forward runs on cpu or cuda, not {device.type}; set "
+                          "compile=False (--enforce-eager)", param="compile")
     # After the KV budget, which counts the checkpoint's weights. A compiled forward has
     # inductor prepack the layers' weights; only the LM head, run eagerly, is packed here.
     linear_kernel = choose_kernel(device, dtype, config.quantization)
     if linear_kernel is not None:
-        pack_linears(model, linear_kernel, only=("lm_head",) if config.compile
-                     and linear_kernel == "mkldnn" else None)
+        pack_linears(model, linear_kernel,
+                     only=linears_to_pack(linear_kernel) if config.compile else None)
     engine_config = EngineConfig(max_model_len=max_model_len, max_num_seqs=config.max_num_seqs,
                                  max_num_batched_tokens=config.max_num_batched_tokens,
                                  block_size=config.block_size, num_kv_blocks=num_blocks,

@@ -10,8 +10,9 @@ step), so it is one opaque custom op, `specdec::paged_attention`, in an otherwis
 graph. The op takes the step's tensors; the step's `AttentionMetadata` and the eager
 backend that does the work travel beside the graph in a per-thread *forward context*, set
 around each call (as vLLM does for its attention op). The number of tokens is dynamic:
-one graph serves every step size >= 2 and one the single-token decode (dynamo
-specialises size 1), so steps never recompile once both are warm.
+one graph serves the single-token decode (dynamo specialises size 1) and one every larger
+step (in fp32 two: `linear()` branches on up to 8 rows), so steps never recompile once
+`warm_up` has run.
 
 Limits: inference only; cpu (the path measured); not with tensor parallelism (its
 all-reduce hooks stay eager). The LM head is left out of the graph: `compute_logits` runs
@@ -65,6 +66,14 @@ def paged_attention(
 def _(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor,
       value_cache: torch.Tensor) -> torch.Tensor:
     return query.new_empty(query.shape)
+
+
+def linears_to_pack(kernel: str) -> tuple[str, ...] | None:
+    """Which of a to-be-compiled model's linears its builder packs eagerly for `kernel`
+    (`pack_linears`' `only`; None: all). oneDNN's packed weights are opaque tensors dynamo
+    cannot trace, and inductor's freezing prepacks the layers itself, so only the LM head,
+    which runs outside the graph, is packed; int8 packs are plain tensors, traced as they are."""
+    return ("lm_head",) if kernel == "mkldnn" else None
 
 
 class _OpAttention:
