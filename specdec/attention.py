@@ -166,11 +166,12 @@ class TorchPagedAttention:
         return output
 
 
-# Which backend `make_attention_backend` builds: auto (the fused NPU backend on npu, the
-# reference elsewhere), torch (the reference everywhere) or npu_fused (the NPU backend on any
+# Which backend `make_attention_backend` builds: auto (the fused NPU backend on npu, the C++
+# kernel on cpu, the reference elsewhere), torch (the reference everywhere), cpu (the C++
+# kernel on cpu; the reference where it cannot be built) or npu_fused (the NPU backend on any
 # device; it falls back to the reference where its op is missing or refuses a shape).
 ATTENTION_BACKEND_ENV = "SPECDEC_ATTENTION_BACKEND"
-ATTENTION_BACKENDS = ("auto", "torch", "npu_fused")
+ATTENTION_BACKENDS = ("auto", "torch", "cpu", "npu_fused")
 
 
 def make_attention_backend(device: torch.device, num_heads: int, num_kv_heads: int, head_dim: int,
@@ -184,4 +185,10 @@ def make_attention_backend(device: torch.device, num_heads: int, num_kv_heads: i
         from specdec.attention_npu import NpuFusedPagedAttention
 
         return NpuFusedPagedAttention(num_heads, num_kv_heads, head_dim)
+    if choice in ("cpu", "auto") and device.type == "cpu":
+        from specdec.attention_cpu import CpuPagedAttention, load_kernel
+
+        kernel = load_kernel()
+        if kernel is not None:
+            return CpuPagedAttention(kernel, num_heads, num_kv_heads, head_dim)
     return TorchPagedAttention(num_heads, num_kv_heads, head_dim)

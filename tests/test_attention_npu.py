@@ -21,6 +21,7 @@ import torch
 
 from specdec.attention import (ATTENTION_BACKEND_ENV, AttentionMetadata, TorchPagedAttention,
                                make_attention_backend)
+from specdec.attention_cpu import CpuPagedAttention
 from specdec.attention_npu import NpuFusedPagedAttention
 from specdec.errors import ConfigError
 
@@ -219,8 +220,10 @@ def test_without_torch_npu_the_reference_serves(monkeypatch: pytest.MonkeyPatch)
 
 @pytest.mark.parametrize("env,device,expected", [
     (None, "npu", NpuFusedPagedAttention),
-    (None, "cpu", TorchPagedAttention),
+    (None, "cpu", CpuPagedAttention),
+    ("torch", "cpu", TorchPagedAttention),
     ("torch", "npu", TorchPagedAttention),
+    ("cpu", "npu", TorchPagedAttention),  # the C++ kernel reads host memory only
     ("npu_fused", "cpu", NpuFusedPagedAttention),
 ])
 def test_backend_selection(monkeypatch: pytest.MonkeyPatch, fake_npu: FakeTorchNpu,
@@ -237,7 +240,7 @@ def test_backend_selection(monkeypatch: pytest.MonkeyPatch, fake_npu: FakeTorchN
 
 def test_unknown_backend_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv(ATTENTION_BACKEND_ENV, "flash")
-    with pytest.raises(ConfigError, match="auto, torch, npu_fused"):
+    with pytest.raises(ConfigError, match="auto, torch, cpu, npu_fused"):
         make_attention_backend(torch.device("cpu"), 4, 2, HEAD_DIM)
 
 

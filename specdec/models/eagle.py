@@ -36,7 +36,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from specdec.attention import AttentionMetadata, TorchPagedAttention
+from specdec.attention import AttentionBackend, AttentionMetadata, TorchPagedAttention, make_attention_backend
 from specdec.errors import ConfigError
 from specdec.kv_cache import KVCache
 from specdec.models.llama import LlamaDecoderLayer, RotaryEmbedding
@@ -195,10 +195,12 @@ def load_target_parts(target_dir: Path, dtype: torch.dtype, device: torch.device
 class EagleHead(nn.Module):
     """EAGLE-1/2 head: fc over (embedding, feature), Llama layers, the target's lm_head."""
 
-    def __init__(self, config: ModelConfig, fc_bias: bool, max_positions: int) -> None:
+    def __init__(self, config: ModelConfig, fc_bias: bool, max_positions: int,
+                 attention_backend: AttentionBackend | None = None) -> None:
         super().__init__()
         self.config = config
-        self.attention_backend = TorchPagedAttention(
+        # Training runs the reference (autograd); serving passes the device's backend.
+        self.attention_backend = attention_backend or TorchPagedAttention(
             config.num_attention_heads, config.num_key_value_heads, config.head_dim)
         self.rotary_emb = RotaryEmbedding(config, max_positions)
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
@@ -247,7 +249,9 @@ def load_eagle_head(head_dir: Path, target: TargetParts, dtype: torch.dtype, dev
     if "fc.weight" not in tensors:
         raise ConfigError(f"eagle head {head_dir} lacks fc.weight: not an EAGLE checkpoint", param="model")
     with torch.device("meta"):
-        head = EagleHead(config, fc_bias="fc.bias" in tensors, max_positions=max_positions)
+        head = EagleHead(config, fc_bias="fc.bias" in tensors, max_positions=max_positions,
+                         attention_backend=make_attention_backend(device, config.num_attention_heads,
+                                                                  config.num_key_value_heads, config.head_dim))
     head = head.to(dtype).to_empty(device=device)
     head.rotary_emb.reset_cache(device, dtype)
     head.requires_grad_(False)

@@ -40,7 +40,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from specdec.attention import AttentionMetadata, TorchPagedAttention
+from specdec.attention import AttentionBackend, AttentionMetadata, TorchPagedAttention, make_attention_backend
 from specdec.errors import ConfigError
 from specdec.kv_cache import KVCache
 from specdec.models.eagle import TargetParts, fill_parameters, head_model_config, read_checkpoint
@@ -73,7 +73,7 @@ def aux_layer_ids_from_config(raw: dict[str, Any], num_target_layers: int) -> tu
 class Eagle3DecoderLayer(nn.Module):
     """cnets.py's `LlamaDecoderLayeremb`: attention over concat(normed embedding, normed hidden)."""
 
-    def __init__(self, config: ModelConfig, rotary: RotaryEmbedding, backend: TorchPagedAttention,
+    def __init__(self, config: ModelConfig, rotary: RotaryEmbedding, backend: AttentionBackend,
                  norm_before_residual: bool) -> None:
         super().__init__()
         self.self_attn = LlamaAttention(config, rotary, backend)
@@ -111,11 +111,12 @@ class Eagle3Head(nn.Module):
 
     def __init__(self, config: ModelConfig, *, target_hidden_size: int, num_aux_layers: int,
                  draft_vocab_size: int, reduced_vocab: bool, norm_before_residual: bool,
-                 max_positions: int) -> None:
+                 max_positions: int, attention_backend: AttentionBackend | None = None) -> None:
         super().__init__()
         self.config = config
         self.draft_vocab_size = draft_vocab_size
-        self.attention_backend = TorchPagedAttention(
+        # Training runs the reference (autograd); serving passes the device's backend.
+        self.attention_backend = attention_backend or TorchPagedAttention(
             config.num_attention_heads, config.num_key_value_heads, config.head_dim)
         self.rotary_emb = RotaryEmbedding(config, max_positions)
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
@@ -191,7 +192,9 @@ def load_eagle3_head(head_dir: Path, target: TargetParts, dtype: torch.dtype, de
         head = Eagle3Head(config, target_hidden_size=target_hidden, num_aux_layers=len(layer_ids),
                           draft_vocab_size=draft_vocab_size, reduced_vocab=reduced_vocab,
                           norm_before_residual=bool(raw.get("norm_before_residual", False)),
-                          max_positions=max_positions)
+                          max_positions=max_positions,
+                          attention_backend=make_attention_backend(device, config.num_attention_heads,
+                                                                   config.num_key_value_heads, config.head_dim))
     head = head.to(dtype).to_empty(device=device)  # d2t / t2d keep their int64 / bool dtypes
     head.rotary_emb.reset_cache(device, dtype)
     head.requires_grad_(False)

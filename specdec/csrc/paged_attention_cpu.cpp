@@ -1,0 +1,374 @@
+// Paged attention for the CPU in one call per layer: writes the step's K/V into the paged
+// cache, then attends every query token (see specdec/attention.py for the terms and
+// specdec/attention_cpu.py for how it is built and chosen).
+//
+// Why: the reference backend does per sequence an index_select of the whole context, a
+// dtype conversion and an SDPA call, ~20 dispatcher trips a layer, which cost more than the
+// arithmetic of a decode or verify step (about 120 us a layer against a few us of math for
+// the default model). Here a short query segment (a decode token or a verify window)
+// reads its K/V rows straight out of the blocks, in fp32 arithmetic whatever the cache's
+// dtype, and the query heads that share a KV head are done together so each cached row is
+// loaded once. A long segment (a prefill chunk) is dominated by its math, so it gathers its
+// context and calls torch's SDPA as the reference does.
+//
+// Layouts (all on the CPU): query [T, H, D], key/value [T, KVH, D] with the last dim
+// contiguous (any other strides); caches [num_blocks, block_size, KVH, D] contiguous;
+// block tables int32 or int64. Output [T, H, D] contiguous, the query's dtype.
+
+#include <torch/extension.h>
+
+#include <ATen/Parallel.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <limits>
+#include <type_traits>
+#include <vector>
+
+namespace {
+
+// Query segments up to this length use the kernel below; longer ones use SDPA.
+constexpr int64_t kMaxKernelQueryLen = 32;
+// Below this many (query row x cached row) products a step runs on one thread: forking
+// costs more than it saves.
+constexpr int64_t kMinParallelWork = 1 << 10;
+
+template <typename T>
+inline void to_float_row(const T* src, float* dst, int64_t n) {
+#pragma omp simd
+  for (int64_t i = 0; i < n; ++i) dst[i] = static_cast<float>(src[i]);
+}
+
+// e^x for x <= 0 (softmax arguments after subtracting the maximum) in plain arithmetic the
+// compiler vectorises, unlike std::exp: x = n ln2 + r with |r| <= ln2 / 2, e^r by its
+// degree-7 Taylor polynomial (relative error below 2e-7, about fp32's rounding), 2^n by
+// building the exponent bits. Below -87 the result flushes to zero, as expf underflows.
+inline float exp_nonpositive(float x) {
+  x = std::max(x, -87.f);
+  const float n = std::nearbyint(x * 1.44269504088896341f);
+  const float r = std::fma(n, -0.693145751953125f, std::fma(n, -1.428606765330187e-06f, x));
+  float p = 1.f / 5040.f;
+  p = std::fma(p, r, 1.f / 720.f);
+  p = std::fma(p, r, 1.f / 120.f);
+  p = std::fma(p, r, 1.f / 24.f);
+  p = std::fma(p, r, 1.f / 6.f);
+  p = std::fma(p, r, 0.5f);
+  p = std::fma(p, r, 1.f);
+  p = std::fma(p, r, 1.f);
+  const int32_t bits = (static_cast<int32_t>(n) + 127) << 23;
+  float scale;
+  std::memcpy(&scale, &bits, sizeof(scale));
+  return p * scale;
+}
+
+// Sixteen floats in one value, for the loops over head_dim when it is a multiple of 16: GCC
+// and Clang lower it to one AVX-512 register, two AVX2 or four NEON ones.
+typedef float Float16 __attribute__((vector_size(64)));
+
+inline Float16 load16(const float* src) {
+  Float16 v;
+  std::memcpy(&v, src, sizeof(v));
+  return v;
+}
+
+// The four sums of a0..a3's lanes, by halving in a tree (a compiler's own reduction of a
+// vector is sixteen dependent scalar adds).
+inline void sum_lanes4(Float16 a0, Float16 a1, Float16 a2, Float16 a3, float* sums) {
+  const Float16 h01 = __builtin_shufflevector(a0, a1, 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23) +
+                      __builtin_shufflevector(a0, a1, 8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31);
+  const Float16 h23 = __builtin_shufflevector(a2, a3, 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23) +
+                      __builtin_shufflevector(a2, a3, 8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31);
+  // Lanes 4i..4i+3 hold four partial sums of a_i.
+  const Float16 q = __builtin_shufflevector(h01, h23, 0, 1, 2, 3, 8, 9, 10, 11, 16, 17, 18, 19, 24, 25, 26, 27) +
+                    __builtin_shufflevector(h01, h23, 4, 5, 6, 7, 12, 13, 14, 15, 20, 21, 22, 23, 28, 29, 30, 31);
+  const Float16 pairs = q + __builtin_shufflevector(q, q, 2, 3, 0, 1, 6, 7, 4, 5, 10, 11, 8, 9, 14, 15, 12, 13);
+  const Float16 total = pairs + __builtin_shufflevector(pairs, pairs, 1, 0, 3, 2, 5, 4, 7, 6, 9, 8, 11, 10, 13, 12, 15, 14);
+  sums[0] = total[0];
+  sums[1] = total[4];
+  sums[2] = total[8];
+  sums[3] = total[12];
+}
+
+// Query rows handled together: each cached row loaded serves this many dot products or
+// updates, and their sums are independent chains the CPU overlaps.
+constexpr int64_t kRowBlock = 4;
+
+// One short query segment of one sequence, for one KV head: the `group` query heads that
+// share it, `query_len` tokens each. Query row r = j * group + i is token j, head
+// kv_head * group + i; token j attends to cache positions [0, context_len - query_len + j].
+// kHeadDim: head_dim as a compile-time constant (the common sizes, so that the loops over it
+// unroll into a few vector instructions), or 0 for any other size.
+template <typename T, int64_t kHeadDim>
+void attend_segment(const T* query, int64_t query_token_stride, int64_t query_head_stride,
+                    const T* key_cache, const T* value_cache, const int64_t* block_table,
+                    int64_t block_size, int64_t num_kv_heads, int64_t runtime_head_dim, int64_t kv_head,
+                    int64_t group, int64_t query_len, int64_t context_len, float scale,
+                    T* out, int64_t num_heads) {
+  const int64_t head_dim = kHeadDim > 0 ? kHeadDim : runtime_head_dim;
+  const int64_t rows = query_len * group;
+  const int64_t padded_rows = (rows + kRowBlock - 1) / kRowBlock * kRowBlock;
+  // Padding rows are zeros: they compute harmless sums that are never written out.
+  std::vector<float> queries(padded_rows * head_dim, 0.f);  // [padded_rows, D], scaled
+  std::vector<float> keys(context_len * head_dim);          // [context_len, D]: this KV head's rows in fp32
+  std::vector<float> values(context_len * head_dim);
+  std::vector<float> weights(padded_rows * context_len);    // [padded_rows, context_len]
+  for (int64_t j = 0; j < query_len; ++j) {
+    for (int64_t i = 0; i < group; ++i) {
+      const T* src = query + j * query_token_stride + (kv_head * group + i) * query_head_stride;
+      float* dst = queries.data() + (j * group + i) * head_dim;
+      to_float_row(src, dst, head_dim);
+      for (int64_t d = 0; d < head_dim; ++d) dst[d] *= scale;
+    }
+  }
+  // Gather this KV head's cached rows in position order, walking the block table.
+  const int64_t row_stride = num_kv_heads * head_dim;
+  for (int64_t block_start = 0, b = 0; block_start < context_len; block_start += block_size, ++b) {
+    const int64_t offset = block_table[b] * block_size * row_stride + kv_head * head_dim;
+    const int64_t block_end = std::min(block_start + block_size, context_len);
+    for (int64_t position = block_start; position < block_end; ++position) {
+      const int64_t row = offset + (position - block_start) * row_stride;
+      to_float_row(key_cache + row, keys.data() + position * head_dim, head_dim);
+      to_float_row(value_cache + row, values.data() + position * head_dim, head_dim);
+    }
+  }
+  const int64_t first_query_position = context_len - query_len;
+  auto visible = [&](int64_t r) { return std::min(context_len, first_query_position + r / group + 1); };
+  for (int64_t r0 = 0; r0 < padded_rows; r0 += kRowBlock) {
+    const float* q0 = queries.data() + r0 * head_dim;
+    const float* q1 = q0 + head_dim;
+    const float* q2 = q1 + head_dim;
+    const float* q3 = q2 + head_dim;
+    float* w0 = weights.data() + r0 * context_len;
+    float* w1 = w0 + context_len;
+    float* w2 = w1 + context_len;
+    float* w3 = w2 + context_len;
+    const int64_t block_visible = visible(std::min(r0 + kRowBlock, rows) - 1);  // the block's last row sees most
+    for (int64_t p = 0; p < block_visible; ++p) {
+      const float* k = keys.data() + p * head_dim;
+      if constexpr (kHeadDim > 0 && kHeadDim % 16 == 0) {
+        Float16 s0{}, s1{}, s2{}, s3{};
+        for (int64_t d = 0; d < kHeadDim; d += 16) {
+          const Float16 kd = load16(k + d);
+          s0 += load16(q0 + d) * kd;
+          s1 += load16(q1 + d) * kd;
+          s2 += load16(q2 + d) * kd;
+          s3 += load16(q3 + d) * kd;
+        }
+        float sums[kRowBlock];
+        sum_lanes4(s0, s1, s2, s3, sums);
+        w0[p] = sums[0];
+        w1[p] = sums[1];
+        w2[p] = sums[2];
+        w3[p] = sums[3];
+      } else {
+        float s0 = 0.f, s1 = 0.f, s2 = 0.f, s3 = 0.f;
+#pragma omp simd reduction(+ : s0, s1, s2, s3)
+        for (int64_t d = 0; d < head_dim; ++d) {
+          s0 += q0[d] * k[d];
+          s1 += q1[d] * k[d];
+          s2 += q2[d] * k[d];
+          s3 += q3[d] * k[d];
+        }
+        w0[p] = s0;
+        w1[p] = s1;
+        w2[p] = s2;
+        w3[p] = s3;
+      }
+    }
+    // Softmax of each row over its visible prefix; what it may not see weighs zero.
+    for (int64_t r = r0; r < r0 + kRowBlock; ++r) {
+      float* row = weights.data() + r * context_len;
+      const int64_t row_visible = r < rows ? visible(r) : 0;
+      float max_score = -std::numeric_limits<float>::infinity();
+#pragma omp simd reduction(max : max_score)
+      for (int64_t p = 0; p < row_visible; ++p) max_score = std::max(max_score, row[p]);
+      float total = 0.f;
+#pragma omp simd reduction(+ : total)
+      for (int64_t p = 0; p < row_visible; ++p) {
+        row[p] = exp_nonpositive(row[p] - max_score);
+        total += row[p];
+      }
+      const float inverse = row_visible > 0 ? 1.f / total : 0.f;
+#pragma omp simd
+      for (int64_t p = 0; p < row_visible; ++p) row[p] *= inverse;
+      for (int64_t p = row_visible; p < block_visible; ++p) row[p] = 0.f;
+    }
+    // Weighted sum of the value rows, the block's accumulators kept together.
+    float accum[kRowBlock][kHeadDim > 0 ? kHeadDim : 1];
+    std::vector<float> dynamic_accum(kHeadDim > 0 ? 0 : kRowBlock * head_dim);
+    float* a0 = kHeadDim > 0 ? accum[0] : dynamic_accum.data();
+    float* a1 = kHeadDim > 0 ? accum[1] : a0 + head_dim;
+    float* a2 = kHeadDim > 0 ? accum[2] : a1 + head_dim;
+    float* a3 = kHeadDim > 0 ? accum[3] : a2 + head_dim;
+    for (int64_t d = 0; d < head_dim; ++d) a0[d] = a1[d] = a2[d] = a3[d] = 0.f;
+    for (int64_t p = 0; p < block_visible; ++p) {
+      const float* v = values.data() + p * head_dim;
+      const float u0 = w0[p], u1 = w1[p], u2 = w2[p], u3 = w3[p];
+#pragma omp simd
+      for (int64_t d = 0; d < head_dim; ++d) {
+        a0[d] += u0 * v[d];
+        a1[d] += u1 * v[d];
+        a2[d] += u2 * v[d];
+        a3[d] += u3 * v[d];
+      }
+    }
+    const float* sums[kRowBlock] = {a0, a1, a2, a3};
+    for (int64_t r = r0; r < std::min(r0 + kRowBlock, rows); ++r) {
+      T* dst = out + ((r / group) * num_heads + kv_head * group + r % group) * head_dim;
+      const float* src = sums[r - r0];
+      for (int64_t d = 0; d < head_dim; ++d) dst[d] = static_cast<T>(src[d]);
+    }
+  }
+}
+
+// Stores each token's K/V row at its slot.
+void write_kv(const at::Tensor& key, const at::Tensor& value, at::Tensor& key_cache,
+              at::Tensor& value_cache, const at::Tensor& slot_mapping) {
+  const int64_t num_tokens = key.size(0);
+  const int64_t num_slots = key_cache.size(0) * key_cache.size(1);
+  const int64_t num_kv_heads = key_cache.size(2), head_dim = key_cache.size(3);
+  const at::Tensor slots = slot_mapping.to(at::kLong).contiguous();
+  const int64_t* slot_data = slots.data_ptr<int64_t>();
+  const at::Tensor key_rows = key.to(key_cache.scalar_type());
+  const at::Tensor value_rows = value.to(value_cache.scalar_type());
+  const int64_t element_size = key_cache.element_size();
+  const int64_t row_bytes = head_dim * element_size;
+  auto* key_base = static_cast<char*>(key_cache.data_ptr());
+  auto* value_base = static_cast<char*>(value_cache.data_ptr());
+  for (int64_t t = 0; t < num_tokens; ++t) {
+    const int64_t slot = slot_data[t];
+    TORCH_CHECK(slot >= 0 && slot < num_slots, "slot ", slot, " of token ", t,
+                " is outside the cache (", num_slots, " slots)");
+    for (int64_t h = 0; h < num_kv_heads; ++h) {
+      const int64_t offset = (slot * num_kv_heads + h) * row_bytes;
+      std::memcpy(key_base + offset,
+                  static_cast<const char*>(key_rows.data_ptr()) +
+                      (t * key_rows.stride(0) + h * key_rows.stride(1)) * element_size,
+                  row_bytes);
+      std::memcpy(value_base + offset,
+                  static_cast<const char*>(value_rows.data_ptr()) +
+                      (t * value_rows.stride(0) + h * value_rows.stride(1)) * element_size,
+                  row_bytes);
+    }
+  }
+}
+
+// A long query segment: gather its context and run torch's SDPA (fp32 math for 16 bits).
+at::Tensor attend_long_segment(const at::Tensor& query, const at::Tensor& key, const at::Tensor& value,
+                               const at::Tensor& key_cache, const at::Tensor& value_cache,
+                               const at::Tensor& block_table, int64_t context_len, double scale) {
+  const int64_t query_len = query.size(0);
+  at::Tensor seq_key, seq_value;
+  std::optional<at::Tensor> mask;
+  bool is_causal = false;
+  if (context_len == query_len) {
+    seq_key = key;  // the cache holds exactly this step's tokens
+    seq_value = value;
+    is_causal = query_len > 1;
+  } else {
+    const int64_t block_size = key_cache.size(1);
+    const int64_t num_blocks = (context_len + block_size - 1) / block_size;
+    const at::Tensor blocks = block_table.slice(0, 0, num_blocks).to(at::kLong);
+    seq_key = key_cache.index_select(0, blocks).flatten(0, 1).slice(0, 0, context_len);
+    seq_value = value_cache.index_select(0, blocks).flatten(0, 1).slice(0, 0, context_len);
+    mask = at::ones({query_len, context_len}, query.options().dtype(at::kBool)).tril(context_len - query_len);
+  }
+  auto heads_first = [](const at::Tensor& x) { return x.to(at::kFloat).transpose(0, 1).unsqueeze(0); };
+  const at::Tensor out = at::scaled_dot_product_attention(
+      heads_first(query), heads_first(seq_key), heads_first(seq_value), mask, 0.0, is_causal, scale,
+      /*enable_gqa=*/query.size(1) != seq_key.size(1));  // [1, H, query_len, D]
+  return out.squeeze(0).transpose(0, 1);
+}
+
+at::Tensor paged_attention(const at::Tensor& query, const at::Tensor& key, const at::Tensor& value,
+                           at::Tensor key_cache, at::Tensor value_cache, const at::Tensor& slot_mapping,
+                           const std::vector<int64_t>& query_start_locs,
+                           const std::vector<int64_t>& context_lens,
+                           const std::vector<at::Tensor>& block_tables, double scale) {
+  TORCH_CHECK(query.device().is_cpu() && key_cache.device().is_cpu(), "paged_attention_cpu runs on the CPU");
+  TORCH_CHECK(query.dim() == 3 && key.dim() == 3 && value.dim() == 3 && key_cache.dim() == 4,
+              "expected query [T, H, D], key/value [T, KVH, D], caches [blocks, block_size, KVH, D]");
+  TORCH_CHECK(key_cache.is_contiguous() && value_cache.is_contiguous(), "the KV caches must be contiguous");
+  TORCH_CHECK(key_cache.scalar_type() == query.scalar_type() &&
+                  value_cache.scalar_type() == query.scalar_type(),
+              "the KV caches must have the query's dtype");
+  const int64_t num_seqs = static_cast<int64_t>(context_lens.size());
+  TORCH_CHECK(static_cast<int64_t>(query_start_locs.size()) == num_seqs + 1 &&
+                  static_cast<int64_t>(block_tables.size()) == num_seqs,
+              "query_start_locs, context_lens and block_tables disagree on the number of sequences");
+  const int64_t num_tokens = query.size(0), num_heads = query.size(1), head_dim = query.size(2);
+  const int64_t num_kv_heads = key_cache.size(2), block_size = key_cache.size(1);
+  TORCH_CHECK(key_cache.size(3) == head_dim && num_heads % num_kv_heads == 0,
+              "head_dim or the number of KV heads does not fit the query");
+  TORCH_CHECK(query_start_locs.back() == num_tokens, "query_start_locs must end at the number of tokens");
+  const at::Tensor query_rows = query.stride(2) == 1 ? query : query.contiguous();
+  const at::Tensor key_rows = key.stride(2) == 1 ? key : key.contiguous();
+  const at::Tensor value_rows = value.stride(2) == 1 ? value : value.contiguous();
+  write_kv(key_rows, value_rows, key_cache, value_cache, slot_mapping);
+
+  at::Tensor out = at::empty({num_tokens, num_heads, head_dim}, query.options());
+  const int64_t group = num_heads / num_kv_heads;
+  std::vector<at::Tensor> tables(num_seqs);
+  struct Unit { int64_t seq, kv_head; };
+  std::vector<Unit> units;
+  int64_t work = 0;
+  for (int64_t s = 0; s < num_seqs; ++s) {
+    const int64_t start = query_start_locs[s], query_len = query_start_locs[s + 1] - start;
+    const int64_t context_len = context_lens[s];
+    if (query_len == 0) continue;
+    TORCH_CHECK(query_len > 0 && context_len >= query_len, "sequence ", s, ": context_len ", context_len,
+                " is shorter than its ", query_len, " query tokens");
+    tables[s] = block_tables[s].to(at::kLong).contiguous();
+    TORCH_CHECK(tables[s].numel() * block_size >= context_len, "sequence ", s, "'s block table covers fewer than ",
+                context_len, " tokens");
+    if (query_len > kMaxKernelQueryLen) {
+      out.slice(0, start, start + query_len).copy_(attend_long_segment(
+          query_rows.slice(0, start, start + query_len), key_rows.slice(0, start, start + query_len),
+          value_rows.slice(0, start, start + query_len), key_cache, value_cache, tables[s], context_len, scale));
+      continue;
+    }
+    for (int64_t h = 0; h < num_kv_heads; ++h) units.push_back({s, h});
+    work += query_len * group * num_kv_heads * context_len;
+  }
+  if (units.empty()) return out;
+
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, query.scalar_type(), "paged_attention_cpu", [&] {
+    const auto* query_data = query_rows.data_ptr<scalar_t>();
+    const auto* key_cache_data = key_cache.data_ptr<scalar_t>();
+    const auto* value_cache_data = value_cache.data_ptr<scalar_t>();
+    auto* out_data = out.data_ptr<scalar_t>();
+    auto run = [&](int64_t begin, int64_t end) {
+      for (int64_t u = begin; u < end; ++u) {
+        const int64_t s = units[u].seq;
+        const int64_t start = query_start_locs[s];
+        auto attend = [&](auto head_dim_constant) {
+          attend_segment<scalar_t, decltype(head_dim_constant)::value>(
+              query_data + start * query_rows.stride(0), query_rows.stride(0), query_rows.stride(1),
+              key_cache_data, value_cache_data, tables[s].data_ptr<int64_t>(), block_size, num_kv_heads,
+              head_dim, units[u].kv_head, group, query_start_locs[s + 1] - start, context_lens[s],
+              static_cast<float>(scale), out_data + start * num_heads * head_dim, num_heads);
+        };
+        switch (head_dim) {
+          case 64: attend(std::integral_constant<int64_t, 64>{}); break;
+          case 128: attend(std::integral_constant<int64_t, 128>{}); break;
+          default: attend(std::integral_constant<int64_t, 0>{}); break;
+        }
+      }
+    };
+    const int64_t num_units = static_cast<int64_t>(units.size());
+    if (work < kMinParallelWork) {
+      run(0, num_units);
+    } else {
+      at::parallel_for(0, num_units, 1, run);
+    }
+  });
+  return out;
+}
+
+}  // namespace
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("paged_attention", &paged_attention,
+        "Write this step's K/V into the paged cache, then attend every query token");
+}
