@@ -43,7 +43,8 @@ inline void to_float_row(const T* src, float* dst, int64_t n) {
 // e^x for x <= 0 (softmax arguments after subtracting the maximum) in plain arithmetic the
 // compiler vectorises, unlike std::exp: x = n ln2 + r with |r| <= ln2 / 2, e^r by its
 // degree-7 Taylor polynomial (relative error below 2e-7, about fp32's rounding), 2^n by
-// building the exponent bits. Below -87 the result flushes to zero, as expf underflows.
+// building the exponent bits. Arguments below -87 are clamped there (e^-87 ~ 1.6e-38, nothing
+// beside the row maximum's weight of 1).
 inline float exp_nonpositive(float x) {
   x = std::max(x, -87.f);
   const float n = std::nearbyint(x * 1.44269504088896341f);
