@@ -23,6 +23,7 @@
 #include <cmath>
 #include <cstring>
 #include <limits>
+#include <memory>
 #include <type_traits>
 #include <vector>
 
@@ -111,9 +112,11 @@ void attend_segment(const T* query, int64_t query_token_stride, int64_t query_he
   const int64_t padded_rows = (rows + kRowBlock - 1) / kRowBlock * kRowBlock;
   // Padding rows are zeros: they compute harmless sums that are never written out.
   std::vector<float> queries(padded_rows * head_dim, 0.f);  // [padded_rows, D], scaled
-  std::vector<float> keys(context_len * head_dim);          // [context_len, D]: this KV head's rows in fp32
-  std::vector<float> values(context_len * head_dim);
-  std::vector<float> weights(padded_rows * context_len);    // [padded_rows, context_len]
+  // Written in full below before they are read, so left uninitialised (zeroing them was a
+  // memset of ~100 KB per KV head and layer at context 200).
+  std::unique_ptr<float[]> keys(new float[context_len * head_dim]);    // [context_len, D]: this KV head's rows in fp32
+  std::unique_ptr<float[]> values(new float[context_len * head_dim]);
+  std::unique_ptr<float[]> weights(new float[padded_rows * context_len]);  // [padded_rows, context_len]
   for (int64_t j = 0; j < query_len; ++j) {
     for (int64_t i = 0; i < group; ++i) {
       const T* src = query + j * query_token_stride + (kv_head * group + i) * query_head_stride;
@@ -129,8 +132,8 @@ void attend_segment(const T* query, int64_t query_token_stride, int64_t query_he
     const int64_t block_end = std::min(block_start + block_size, context_len);
     for (int64_t position = block_start; position < block_end; ++position) {
       const int64_t row = offset + (position - block_start) * row_stride;
-      to_float_row(key_cache + row, keys.data() + position * head_dim, head_dim);
-      to_float_row(value_cache + row, values.data() + position * head_dim, head_dim);
+      to_float_row(key_cache + row, keys.get() + position * head_dim, head_dim);
+      to_float_row(value_cache + row, values.get() + position * head_dim, head_dim);
     }
   }
   const int64_t first_query_position = context_len - query_len;
@@ -140,13 +143,13 @@ void attend_segment(const T* query, int64_t query_token_stride, int64_t query_he
     const float* q1 = q0 + head_dim;
     const float* q2 = q1 + head_dim;
     const float* q3 = q2 + head_dim;
-    float* w0 = weights.data() + r0 * context_len;
+    float* w0 = weights.get() + r0 * context_len;
     float* w1 = w0 + context_len;
     float* w2 = w1 + context_len;
     float* w3 = w2 + context_len;
     const int64_t block_visible = visible(std::min(r0 + kRowBlock, rows) - 1);  // the block's last row sees most
     for (int64_t p = 0; p < block_visible; ++p) {
-      const float* k = keys.data() + p * head_dim;
+      const float* k = keys.get() + p * head_dim;
       if constexpr (kHeadDim > 0 && kHeadDim % 16 == 0) {
         Float16 s0{}, s1{}, s2{}, s3{};
         for (int64_t d = 0; d < kHeadDim; d += 16) {
@@ -179,7 +182,7 @@ void attend_segment(const T* query, int64_t query_token_stride, int64_t query_he
     }
     // Softmax of each row over its visible prefix; what it may not see weighs zero.
     for (int64_t r = r0; r < r0 + kRowBlock; ++r) {
-      float* row = weights.data() + r * context_len;
+      float* row = weights.get() + r * context_len;
       const int64_t row_visible = r < rows ? visible(r) : 0;
       float max_score = -std::numeric_limits<float>::infinity();
 #pragma omp simd reduction(max : max_score)
@@ -204,7 +207,7 @@ void attend_segment(const T* query, int64_t query_token_stride, int64_t query_he
     float* a3 = kHeadDim > 0 ? accum[3] : a2 + head_dim;
     for (int64_t d = 0; d < head_dim; ++d) a0[d] = a1[d] = a2[d] = a3[d] = 0.f;
     for (int64_t p = 0; p < block_visible; ++p) {
-      const float* v = values.data() + p * head_dim;
+      const float* v = values.get() + p * head_dim;
       const float u0 = w0[p], u1 = w1[p], u2 = w2[p], u3 = w3[p];
 #pragma omp simd
       for (int64_t d = 0; d < head_dim; ++d) {
@@ -270,7 +273,7 @@ at::Tensor attend_long_segment(const at::Tensor& query, const at::Tensor& key, c
   } else {
     const int64_t block_size = key_cache.size(1);
     const int64_t num_blocks = (context_len + block_size - 1) / block_size;
-    const at::Tensor blocks = block_table.slice(0, 0, num_blocks).to(at::kLong);
+    const at::Tensor blocks = block_table.slice(0, 0, num_blocks);  // int64 already
     seq_key = key_cache.index_select(0, blocks).flatten(0, 1).slice(0, 0, context_len);
     seq_value = value_cache.index_select(0, blocks).flatten(0, 1).slice(0, 0, context_len);
     mask = at::ones({query_len, context_len}, query.options().dtype(at::kBool)).tril(context_len - query_len);
