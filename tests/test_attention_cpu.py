@@ -111,18 +111,6 @@ def test_bad_slots_and_short_tables_raise_instead_of_writing_out_of_bounds() -> 
         backend.forward(inputs["query"], inputs["key"], inputs["value"], key_cache, value_cache, short_table)
 
 
-def test_backend_choice(monkeypatch: pytest.MonkeyPatch) -> None:
-    from specdec.attention import make_attention_backend
-
-    cpu = torch.device("cpu")
-    monkeypatch.delenv(ATTENTION_BACKEND_ENV, raising=False)
-    assert isinstance(make_attention_backend(cpu, 4, 2, 8), CpuPagedAttention)  # the CPU's default
-    monkeypatch.setenv(ATTENTION_BACKEND_ENV, "torch")
-    assert isinstance(make_attention_backend(cpu, 4, 2, 8), TorchPagedAttention)
-    monkeypatch.setenv(ATTENTION_BACKEND_ENV, "cpu")
-    assert isinstance(make_attention_backend(cpu, 4, 2, 8), CpuPagedAttention)
-
-
 def test_a_failed_build_falls_back_to_the_reference(monkeypatch: pytest.MonkeyPatch,
                                                     caplog: pytest.LogCaptureFixture) -> None:
     from torch.utils import cpp_extension

@@ -222,6 +222,7 @@ def test_without_torch_npu_the_reference_serves(monkeypatch: pytest.MonkeyPatch)
     (None, "npu", NpuFusedPagedAttention),
     (None, "cpu", CpuPagedAttention),
     ("torch", "cpu", TorchPagedAttention),
+    ("cpu", "cpu", CpuPagedAttention),
     ("torch", "npu", TorchPagedAttention),
     ("cpu", "npu", TorchPagedAttention),  # the C++ kernel reads host memory only
     ("npu_fused", "cpu", NpuFusedPagedAttention),
