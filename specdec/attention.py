@@ -186,9 +186,10 @@ def make_attention_backend(device: torch.device, num_heads: int, num_kv_heads: i
 
         return NpuFusedPagedAttention(num_heads, num_kv_heads, head_dim)
     if choice in ("cpu", "auto") and device.type == "cpu":
-        from specdec.attention_cpu import CpuPagedAttention, load_kernel
+        from specdec.attention_cpu import CpuPagedAttention
+        from specdec.cpu_extension import load_extension
 
-        kernel = load_kernel()
+        kernel = load_extension()
         if kernel is not None:
             return CpuPagedAttention(kernel, num_heads, num_kv_heads, head_dim)
     return TorchPagedAttention(num_heads, num_kv_heads, head_dim)

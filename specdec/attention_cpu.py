@@ -7,61 +7,18 @@ SDPA as `TorchPagedAttention` does. It replaces about twenty dispatcher trips a 
 reference's gather, conversions and SDPA per sequence), which cost more than the arithmetic
 of a decode step on a small model.
 
-It is built once per machine with torch's C++ extension loader (g++ and ninja; cached under
-`TORCH_EXTENSIONS_DIR`, by default `~/.cache/torch_extensions`). Where it cannot be built (no
-compiler, as in the slim container image) `load_kernel` says why and the caller keeps the
+It is built once per machine with specdec's other CPU kernels (`specdec.cpu_extension`).
+Where it cannot be built (no compiler, as in the slim container image) the caller keeps the
 reference backend.
 """
 
 from __future__ import annotations
 
-import functools
-import hashlib
-import logging
-import platform
-from pathlib import Path
 from types import ModuleType
 
 import torch
 
 from specdec.attention import AttentionMetadata
-
-logger = logging.getLogger(__name__)
-
-SOURCE = Path(__file__).parent / "csrc" / "paged_attention_cpu.cpp"
-
-
-def _vector_flags() -> list[str]:
-    """The instruction sets to compile for: this machine's on x86-64 (AVX-512 or AVX2), the
-    compiler's default elsewhere. The flags are part of the build's name, so a cache shared by
-    two machines never hands one the other's binary."""
-    if platform.machine() not in ("x86_64", "AMD64"):
-        return []
-    try:
-        cpu_flags = set(Path("/proc/cpuinfo").read_text().split())
-    except OSError:
-        return []
-    if {"avx512f", "avx512bw", "avx512vl"} <= cpu_flags:
-        return ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx2", "-mfma", "-mf16c"]
-    if {"avx2", "fma", "f16c"} <= cpu_flags:
-        return ["-mavx2", "-mfma", "-mf16c"]
-    return []
-
-
-@functools.cache
-def load_kernel() -> ModuleType | None:
-    """The compiled kernel module, or None (logged once) where it cannot be built here."""
-    from torch.utils import cpp_extension
-
-    flags = ["-O3", "-fopenmp", *_vector_flags()]
-    digest = hashlib.sha256((SOURCE.read_text() + " ".join(flags)).encode()).hexdigest()[:12]
-    try:
-        return cpp_extension.load(name=f"specdec_paged_attention_cpu_{digest}", sources=[str(SOURCE)],
-                                  extra_cflags=flags, extra_ldflags=["-fopenmp"], verbose=False)
-    except Exception as error:  # a missing compiler or ninja, or a failed build
-        logger.warning("the C++ paged attention could not be built here (%s: %s); "
-                       "using the plain-torch reference", type(error).__name__, error)
-        return None
 
 
 class CpuPagedAttention:

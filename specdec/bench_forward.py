@@ -28,9 +28,13 @@ PATHS: dict[str, tuple[torch.dtype, str | None, bool]] = {
     "fp32": (torch.float32, None, False),
     "fp32-onednn": (torch.float32, "mkldnn", False),
     "fp32-compiled": (torch.float32, None, True),
+    "fp32-cpu": (torch.float32, "cpu", False),
+    "fp32-cpu-compiled": (torch.float32, "cpu", True),
     "bf16": (torch.bfloat16, None, False),
     "bf16-onednn": (torch.bfloat16, "mkldnn", False),
     "bf16-compiled": (torch.bfloat16, "mkldnn", True),
+    "bf16-cpu": (torch.bfloat16, "cpu", False),
+    "bf16-cpu-compiled": (torch.bfloat16, "cpu", True),
     "bf16-int8": (torch.bfloat16, "int8", False),
 }
 BLOCK_SIZE = 16

@@ -13,9 +13,10 @@ import logging
 import pytest
 import torch
 
-from specdec import attention_cpu
+from specdec import cpu_extension
 from specdec.attention import ATTENTION_BACKEND_ENV, AttentionMetadata, TorchPagedAttention, write_kv
-from specdec.attention_cpu import CpuPagedAttention, load_kernel
+from specdec.attention_cpu import CpuPagedAttention
+from specdec.cpu_extension import load_extension
 
 # (num_heads, num_kv_heads, head_dim, block_size, per sequence (cached_len, query_len))
 CASES = [
@@ -64,7 +65,7 @@ def build_batch(num_heads: int, num_kv_heads: int, head_dim: int, block_size: in
 @pytest.mark.parametrize("num_heads,num_kv_heads,head_dim,block_size,seq_shapes", CASES)
 def test_kernel_matches_reference(dtype: torch.dtype, num_heads: int, num_kv_heads: int, head_dim: int,
                                   block_size: int, seq_shapes: list[tuple[int, int]]) -> None:
-    kernel = load_kernel()
+    kernel = load_extension()
     assert kernel is not None, "the C++ paged attention did not build (see the log)"
     table_dtype = torch.int32 if len(seq_shapes) % 2 else torch.int64
     inputs, key_cache, value_cache = build_batch(num_heads, num_kv_heads, head_dim, block_size, seq_shapes,
@@ -85,7 +86,7 @@ def test_kernel_matches_reference(dtype: torch.dtype, num_heads: int, num_kv_hea
 
 def test_fp32_is_close_to_exact_on_a_long_decode() -> None:
     """fp32 agreement tight enough for greedy invariance: a 1,000-token context."""
-    kernel = load_kernel()
+    kernel = load_extension()
     inputs, key_cache, value_cache = build_batch(9, 3, 64, 16, [(1000, 1), (1000, 5)], torch.float32,
                                                  torch.int64, seed=5)
     reference = TorchPagedAttention(9, 3, 64).forward(inputs["query"], inputs["key"], inputs["value"],
@@ -96,7 +97,7 @@ def test_fp32_is_close_to_exact_on_a_long_decode() -> None:
 
 
 def test_bad_slots_and_short_tables_raise_instead_of_writing_out_of_bounds() -> None:
-    kernel = load_kernel()
+    kernel = load_extension()
     inputs, key_cache, value_cache = build_batch(2, 1, 8, 4, [(3, 1)], torch.float32, torch.int64, seed=1)
     backend = CpuPagedAttention(kernel, 2, 1, 8)
     metadata = inputs["metadata"]
@@ -122,11 +123,11 @@ def test_a_failed_build_falls_back_to_the_reference(monkeypatch: pytest.MonkeyPa
 
     monkeypatch.delenv(ATTENTION_BACKEND_ENV, raising=False)
     monkeypatch.setattr(cpp_extension, "load", no_compiler)
-    load_kernel.cache_clear()
+    load_extension.cache_clear()
     try:
-        with caplog.at_level(logging.WARNING, logger=attention_cpu.__name__):
+        with caplog.at_level(logging.WARNING, logger=cpu_extension.__name__):
             backend = make_attention_backend(torch.device("cpu"), 4, 2, 8)
         assert isinstance(backend, TorchPagedAttention)
         assert "Ninja is required" in caplog.text
     finally:
-        load_kernel.cache_clear()
+        load_extension.cache_clear()

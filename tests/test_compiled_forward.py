@@ -13,9 +13,9 @@ import torch
 from specdec.attention import AttentionMetadata
 from specdec.errors import ConfigError
 from specdec.kv_cache import KVCache
-from specdec.models.compiled_forward import CompiledForward, warm_up
+from specdec.models.compiled_forward import CompiledForward, linears_to_pack, warm_up
 from specdec.models.loader import load_model
-from specdec.models.packed_linear import mkldnn_supported
+from specdec.models.packed_linear import choose_kernel, mkldnn_supported, pack_linears
 from tests.engine_driver import generate
 from tests.test_engine import PROMPTS, EngineHarness, greedy, plain_outputs
 from tests.tiny_models import make_tiny_llama
@@ -90,8 +90,12 @@ def test_compiled_logits_match_eager(tiny_model: Path) -> None:
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_warm_up_compiles_every_graph_steps_need(tiny_model: Path, dtype: torch.dtype) -> None:
+@pytest.mark.parametrize("packed", [False, True], ids=["linear", "builder_kernel"])
+def test_warm_up_compiles_every_graph_steps_need(tiny_model: Path, dtype: torch.dtype, packed: bool) -> None:
     model = load_model(tiny_model, dtype, torch.device("cpu"))
+    kernel = choose_kernel(torch.device("cpu"), dtype, None) if packed else None
+    if kernel is not None:  # as the verifier's builder packs them (the cpu kernel: all)
+        pack_linears(model, kernel, only=linears_to_pack(kernel))
     # 16-token blocks: the size of warm-up's prefill chunk, which dynamo must not take for
     # the size of every chunk.
     block_size = 16

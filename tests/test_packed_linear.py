@@ -9,6 +9,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from specdec import cpu_extension
+from specdec.cpu_extension import linear_supports
 from specdec.errors import ConfigError
 from specdec.models.loader import load_model
 from specdec.models.packed_linear import PackedLinear, choose_kernel, mkldnn_supported, pack_linears
@@ -79,7 +81,10 @@ def test_pack_linears_keeps_a_tied_head_and_the_logits(tmp_path: Path) -> None:
 
 
 @pytest.mark.parametrize(("device", "dtype", "quantization", "expected"), [
-    ("cpu", torch.float32, None, None),
+    ("cpu", torch.float32, None, "cpu" if linear_supports(torch.float32) else None),
+    ("cpu", torch.bfloat16, None, "cpu" if linear_supports(torch.bfloat16)
+     else "mkldnn" if mkldnn_supported(torch.bfloat16) else None),
+    ("cpu", torch.float16, None, "mkldnn" if mkldnn_supported(torch.float16) else None),
     ("cpu", torch.float32, "int8", "int8"),
     ("cpu", torch.bfloat16, "int8", "int8"),
     ("cuda", torch.bfloat16, None, None),
@@ -89,9 +94,12 @@ def test_choose_kernel(device: str, dtype: torch.dtype, quantization: str | None
     assert choose_kernel(torch.device(device), dtype, quantization) == expected
 
 
-@needs_bf16_mkldnn
-def test_bf16_on_the_cpu_uses_onednn() -> None:
-    assert choose_kernel(torch.device("cpu"), torch.bfloat16, None) == "mkldnn"
+def test_without_the_extension_bf16_uses_onednn_and_fp32_the_plain_path(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(cpu_extension, "load_extension", lambda: None)
+    assert choose_kernel(torch.device("cpu"), torch.float32, None) is None
+    expected = "mkldnn" if mkldnn_supported(torch.bfloat16) else None
+    assert choose_kernel(torch.device("cpu"), torch.bfloat16, None) == expected
 
 
 @pytest.mark.parametrize(("device", "quantization", "words"), [

@@ -1,6 +1,6 @@
 // Paged attention for the CPU in one call per layer: writes the step's K/V into the paged
 // cache, then attends every query token (see specdec/attention.py for the terms and
-// specdec/attention_cpu.py for how it is built and chosen).
+// specdec/cpu_extension.py for how it is built, specdec/attention_cpu.py for where it is used).
 //
 // Why: the reference backend does per sequence an index_select of the whole context, a
 // dtype conversion and an SDPA call, ~20 dispatcher trips a layer, which cost more than the

@@ -72,7 +72,8 @@ def linears_to_pack(kernel: str) -> tuple[str, ...] | None:
     """Which of a to-be-compiled model's linears its builder packs eagerly for `kernel`
     (`pack_linears`' `only`; None: all). oneDNN's packed weights are opaque tensors dynamo
     cannot trace, and inductor's freezing prepacks the layers itself, so only the LM head,
-    which runs outside the graph, is packed; int8 packs are plain tensors, traced as they are."""
+    which runs outside the graph, is packed; the `cpu` kernel's weights and int8 packs are
+    plain tensors, traced as they are (the `cpu` kernel is one operator call in the graph)."""
     return ("lm_head",) if kernel == "mkldnn" else None
 
 

@@ -6,6 +6,11 @@ that depends on the kernel more than on the dtype (measured on the default model
 in oneDNN's blocked layout reads several times faster for 1..8 rows). So after loading,
 `pack_linears` swaps every `nn.Linear` of a model for a `PackedLinear` running one of:
 
+- `cpu`: specdec's own few-row kernel (`torch.ops.specdec_cpu.linear`, built by
+  `specdec.cpu_extension`; AVX-512 machines, fp32 and, with AVX512-BF16, bf16), on the
+  weight as it is: nothing is repacked or copied. It reads the weights faster than oneDNN or
+  MKL for up to 64 rows and hands larger calls (prefill) to `F.linear`'s kernels. Row-
+  invariant: a token's outputs do not depend on how many rows share the call.
 - `mkldnn`: the weight reordered once into oneDNN's layout
   (`torch.ops.mkldnn._reorder_linear_weight`), multiplied by `_linear_pointwise`: what
   inductor's `freezing` emits for a compiled CPU model, without compiling. Exact in the
@@ -27,11 +32,12 @@ import logging
 import torch
 from torch import nn
 
+from specdec.cpu_extension import linear_supports
 from specdec.errors import ConfigError
 
 logger = logging.getLogger(__name__)
 
-KERNELS = ("mkldnn", "int8")
+KERNELS = ("cpu", "mkldnn", "int8")
 # Row count oneDNN is told to expect when it picks the packed layout: decode and verify
 # steps are a handful of rows.
 PACK_BATCH_HINT = 4
@@ -61,7 +67,11 @@ class PackedLinear(nn.Module):
         self.bias = linear.bias
         # Kept only when something else (a tied embedding) owns the same storage.
         self.weight = linear.weight if keep_weight else None
-        if kernel == "mkldnn":
+        if kernel == "cpu":
+            if not linear_supports(weight.dtype):
+                raise ValueError(f"specdec's cpu linear kernel has no {weight.dtype} path on this machine")
+            self.packed = weight  # used as it is
+        elif kernel == "mkldnn":
             self.packed = torch.ops.mkldnn._reorder_linear_weight(weight, PACK_BATCH_HINT)
         else:
             weight32 = weight.float()
@@ -73,7 +83,9 @@ class PackedLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [..., in] -> [..., out]
         rows = x.reshape(-1, self.in_features)
-        if self.kernel == "mkldnn":
+        if self.kernel == "cpu":
+            out = torch.ops.specdec_cpu.linear(rows, self.packed, self.bias)
+        elif self.kernel == "mkldnn":
             num_rows = rows.shape[0]
             if num_rows == 1:
                 # oneDNN's one-row kernel sums in another order than its multi-row one: a
@@ -120,8 +132,9 @@ def _is_linear_weight(model: nn.Module, param_name: str) -> bool:
 def choose_kernel(device: torch.device, dtype: torch.dtype, quantization: str | None) -> str | None:
     """The packed kernel for a model on `device` in `dtype`; None keeps `nn.Linear` as is.
 
-    Measured on this project's CPU machine (see the README's performance section): bf16 via
-    oneDNN beats stock bf16 `F.linear`; fp32 keeps `specdec.models.linear`'s few-row path.
+    Measured on this project's CPU machine (see the README's performance section): specdec's
+    own kernel where it is built for the dtype; else bf16 via oneDNN beats stock bf16
+    `F.linear`, and fp32 keeps `specdec.models.linear`'s few-row path.
     """
     if quantization is not None:
         if quantization != "int8":
@@ -131,7 +144,11 @@ def choose_kernel(device: torch.device, dtype: torch.dtype, quantization: str | 
             raise ConfigError("--quantization int8 runs on the cpu only (torch's int8 weight-only "
                               f"kernel); got --device {device.type}", param="quantization")
         return "int8"
-    if device.type == "cpu" and dtype in (torch.bfloat16, torch.float16) and mkldnn_supported(dtype):
+    if device.type != "cpu":
+        return None
+    if linear_supports(dtype):
+        return "cpu"
+    if dtype in (torch.bfloat16, torch.float16) and mkldnn_supported(dtype):
         return "mkldnn"
     return None
 

@@ -1,0 +1,140 @@
+"""`torch.ops.specdec_cpu.linear` (specdec/csrc/linear_cpu.cpp) against float64 arithmetic.
+
+Shapes cover what the kernel splits on: weight rows in groups of four and a remainder,
+input widths that are and are not a multiple of a register (16 fp32 / 32 bf16), row counts
+in blocks of four with a remainder, up to the largest it takes (64) and one past it (handed
+to `F.linear`). Each output is checked against the float64 product, its bit-identity with the
+same row computed alone (row invariance), and the layer wrapping it (`PackedLinear`'s `cpu`
+kernel) for the weight it must not copy and under torch.compile.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from specdec.cpu_extension import linear_supports
+from specdec.models.packed_linear import PackedLinear
+
+MAX_ROWS = 64  # kMaxRows in linear_cpu.cpp
+# Relative error of one product against float64: fp32 summation, plus the output's rounding.
+TOLERANCES = {torch.float32: 2e-5, torch.bfloat16: 8e-3}
+
+DTYPES = [pytest.param(dtype, id=str(dtype).removeprefix("torch."),
+                       marks=pytest.mark.skipif(not linear_supports(dtype),
+                                                reason=f"no {dtype} kernel without AVX-512 (BF16)"))
+          for dtype in (torch.float32, torch.bfloat16)]
+
+
+def _operands(num_rows: int, in_features: int, out_features: int, dtype: torch.dtype, bias: bool,
+              seed: int = 0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    generator = torch.Generator().manual_seed(seed)
+    x = torch.randn(num_rows, in_features, generator=generator).to(dtype)
+    weight = (torch.randn(out_features, in_features, generator=generator) / in_features**0.5).to(dtype)
+    b = torch.randn(out_features, generator=generator).to(dtype) if bias else None
+    return x, weight, b
+
+
+def _assert_close_to_exact(out: torch.Tensor, x: torch.Tensor, weight: torch.Tensor,
+                           bias: torch.Tensor | None) -> None:
+    exact = x.double() @ weight.double().T + (0 if bias is None else bias.double())
+    tolerance = TOLERANCES[x.dtype]
+    # Against the scale of each output row, so near-zero outputs of large sums are fair.
+    scale = exact.abs().amax(dim=1, keepdim=True).clamp(min=1e-3)
+    assert out.dtype == x.dtype and out.shape == exact.shape
+    assert ((out.double() - exact).abs() / scale).max().item() <= tolerance
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("in_features,out_features", [(576, 960), (1536, 576), (48, 80), (33, 13), (100, 7), (16, 3)])
+@pytest.mark.parametrize("num_rows", [1, 2, 3, 4, 5, 8, 13, MAX_ROWS, MAX_ROWS + 1])
+@pytest.mark.parametrize("bias", [False, True], ids=["no_bias", "bias"])
+def test_matches_float64(dtype: torch.dtype, in_features: int, out_features: int, num_rows: int,
+                         bias: bool) -> None:
+    x, weight, b = _operands(num_rows, in_features, out_features, dtype, bias)
+    out = torch.ops.specdec_cpu.linear(x, weight, b)
+    _assert_close_to_exact(out, x, weight, b)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("num_rows", [2, 4, 7, 32, MAX_ROWS])
+def test_a_row_is_bit_identical_alone_and_in_a_batch(dtype: torch.dtype, num_rows: int) -> None:
+    # What makes a decode token's projections equal to the same token's in a verify window.
+    x, weight, bias = _operands(num_rows, 576, 962, dtype, bias=True, seed=1)
+    together = torch.ops.specdec_cpu.linear(x, weight, bias)
+    for row in range(num_rows):
+        alone = torch.ops.specdec_cpu.linear(x[row:row + 1], weight, bias)
+        assert torch.equal(alone[0], together[row]), f"row {row} of {num_rows} differs"
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_multithreaded_split_matches_one_thread(dtype: torch.dtype) -> None:
+    x, weight, bias = _operands(3, 576, 4099, dtype, bias=True, seed=2)
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        single = torch.ops.specdec_cpu.linear(x, weight, bias)
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(torch.ops.specdec_cpu.linear(x, weight, bias), single)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_strided_input_and_weight_views(dtype: torch.dtype) -> None:
+    x, weight, bias = _operands(6, 96, 40, dtype, bias=True, seed=3)
+    wide = torch.cat((x, x), dim=1)[:, ::2]  # non-contiguous rows
+    out = torch.ops.specdec_cpu.linear(wide, weight.t().contiguous().t(), bias)
+    _assert_close_to_exact(out, wide, weight, bias)
+
+
+@pytest.mark.parametrize(("x_shape", "weight_shape", "bias_shape", "words"), [
+    ((2, 8), (4, 9), None, "expects x"),
+    ((2, 3, 8), (4, 8), None, "expects x"),
+    ((2, 8), (4, 8), (5,), "bias must be"),
+])
+def test_bad_shapes_are_refused(x_shape: tuple[int, ...], weight_shape: tuple[int, ...],
+                                bias_shape: tuple[int, ...] | None, words: str) -> None:
+    bias = None if bias_shape is None else torch.zeros(bias_shape)
+    with pytest.raises(RuntimeError, match=words):
+        torch.ops.specdec_cpu.linear(torch.zeros(x_shape), torch.zeros(weight_shape), bias)
+
+
+def test_mixed_dtypes_are_refused() -> None:
+    with pytest.raises(RuntimeError, match="but the weight is"):
+        torch.ops.specdec_cpu.linear(torch.zeros(2, 8), torch.zeros(4, 8, dtype=torch.bfloat16), None)
+
+
+def test_a_dtype_without_a_kernel_goes_to_f_linear() -> None:
+    x, weight, bias = _operands(3, 40, 24, torch.float16, bias=True)
+    torch.testing.assert_close(torch.ops.specdec_cpu.linear(x, weight, bias), F.linear(x, weight, bias))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_packed_layer_uses_the_weight_in_place_and_matches(dtype: torch.dtype) -> None:
+    torch.manual_seed(4)
+    layer = nn.Linear(64, 40, bias=True).to(dtype)
+    packed = PackedLinear(layer, "cpu", keep_weight=False)
+    assert packed.packed.data_ptr() == layer.weight.data_ptr()  # no copy
+    x = torch.randn(2, 3, 64).to(dtype)
+    with torch.inference_mode():
+        out = packed(x)
+    assert out.shape == (2, 3, 40)
+    _assert_close_to_exact(out.reshape(6, 40), x.reshape(6, 64), layer.weight.detach(), layer.bias.detach())
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_compiled_layer_calls_the_operator(dtype: torch.dtype) -> None:
+    torch.manual_seed(5)
+    packed = PackedLinear(nn.Linear(64, 40, bias=False).to(dtype), "cpu", keep_weight=False)
+    compiled = torch.compile(packed, dynamic=True)
+    with torch.inference_mode():
+        for num_rows in (1, 3, 9, 70):
+            x = torch.randn(num_rows, 64).to(dtype)
+            assert torch.equal(compiled(x), packed(x)), f"{num_rows} rows"
+
+
+def test_a_dtype_without_a_kernel_is_refused_by_the_layer() -> None:
+    with pytest.raises(ValueError, match="no torch.float16 path"):
+        PackedLinear(nn.Linear(8, 4).to(torch.float16), "cpu", keep_weight=False)
