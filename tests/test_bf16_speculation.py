@@ -14,7 +14,12 @@ import pytest
 import torch
 
 from specdec.attention import AttentionMetadata
-from specdec.models.packed_linear import mkldnn_supported
+from specdec.kv_cache import KVCache
+from specdec.models.compiled_forward import CompiledForward, linears_to_pack, warm_up
+from specdec.models.loader import load_model
+from specdec.models.model_files import DEFAULT_MODEL, resolve_model
+from specdec.cpu_extension import linear_supports
+from specdec.models.packed_linear import PackedLinear, choose_kernel, mkldnn_supported, pack_linears
 from tests.engine_driver import generate
 from tests.test_engine import PROMPTS, EngineHarness, greedy
 from tests.tiny_models import make_tiny_llama
@@ -59,3 +64,58 @@ async def test_bf16_divergences_are_near_ties_only(tiny_model: Path, device) -> 
     for index, gap, magnitude in divergences:
         # Two bf16 ulps at the logit's magnitude (8 significant bits).
         assert gap <= 2 * magnitude * 2.0**-7, f"token {index}: gap {gap} is no near-tie"
+
+
+needs_bf16_kernel = pytest.mark.skipif(not linear_supports(torch.bfloat16),
+                                       reason="no AVX512-BF16 linear kernel on this CPU")
+
+
+def _logits(forward, kv_cache: KVCache, token_ids: list[int], start: int) -> torch.Tensor:
+    """One step over `token_ids` at positions start.. of one sequence (blocks 0..)."""
+    positions = torch.arange(start, start + len(token_ids))
+    block_table = torch.arange(-(-(start + len(token_ids)) // kv_cache.block_size))
+    metadata = AttentionMetadata(slot_mapping=positions.clone(), query_start_locs=[0, len(token_ids)],
+                                 context_lens=[start + len(token_ids)], block_tables=[block_table])
+    return forward.compute_logits(forward(torch.tensor(token_ids), positions, kv_cache, metadata))
+
+
+@needs_bf16_kernel
+@pytest.mark.parametrize("compile", [False, True], ids=["eager", "compiled"])
+@pytest.mark.parametrize("model_name", ["tiny", "default"])
+def test_a_verify_window_computes_each_token_as_a_decode_does(tmp_path: Path, compile: bool, model_name: str) -> None:
+    # The default model too: on it (not on the tiny one) inductor's one-token and
+    # many-token bf16 graphs rounded differently before `emulate_precision_casts`.
+    if model_name == "tiny":
+        model_dir = make_tiny_llama(tmp_path / "wide", hidden_size=128)
+    else:
+        model_dir = resolve_model(DEFAULT_MODEL)
+    model = load_model(model_dir, torch.bfloat16, torch.device("cpu"))
+    del model.model.layers[6:]  # enough layers to show the difference (three did not), compiled in ~15 s
+    kernel = choose_kernel(torch.device("cpu"), torch.bfloat16, None)
+    pack_linears(model, kernel, only=linears_to_pack(kernel) if compile else None)
+    kv_cache = KVCache.allocate(model.config, 8, 16, torch.bfloat16, torch.device("cpu"))
+    forward = model
+    if compile:
+        forward = CompiledForward(model)
+        warm_up(forward, kv_cache, block_ids=[7])
+    token_ids = torch.randint(3, model.config.vocab_size, (25,), generator=torch.Generator().manual_seed(0)).tolist()
+    with torch.inference_mode():
+        _logits(forward, kv_cache, token_ids[:20], 0)
+        decoded = torch.cat([_logits(forward, kv_cache, [token], 20 + i) for i, token in enumerate(token_ids[20:])])
+        _logits(forward, kv_cache, token_ids[:20], 0)
+        verified = _logits(forward, kv_cache, token_ids[20:], 20)
+    assert torch.equal(decoded, verified), f"max difference {(decoded - verified).abs().max().item()}"
+
+
+@needs_bf16_kernel
+@pytest.mark.parametrize("compile", [False, True], ids=["eager", "compiled"])
+async def test_bf16_speculation_is_exact_with_the_cpu_kernels(tiny_model: Path, compile: bool) -> None:
+    """On the CPU specdec's linear and attention kernels are row-invariant and the compiled
+    graphs round as eager does, so a verify window computes each of its tokens bit for bit
+    as a one-token decode would: no near-tie is left to flip."""
+    async with EngineHarness(tiny_model, "cpu", k=3, dtype="bfloat16", compile=compile) as engine:
+        assert isinstance(engine.runner.model.lm_head, PackedLinear) and engine.runner.model.lm_head.kernel == "cpu"
+        for prompt in PROMPTS:
+            plain = await generate(engine, prompt, greedy(), num_speculative_tokens=0)
+            assert await generate(engine, prompt, greedy()) == plain
+        assert engine.spec.num_accepted_tokens > 0, "ngram never helped"

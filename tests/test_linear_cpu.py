@@ -2,10 +2,11 @@
 
 Shapes cover what the kernel splits on: weight rows in groups of four and a remainder,
 input widths that are and are not a multiple of a register (16 fp32 / 32 bf16), row counts
-in blocks of four with a remainder, up to the largest it takes (64) and one past it (handed
-to `F.linear`). Each output is checked against the float64 product, its bit-identity with the
-same row computed alone (row invariance), and the layer wrapping it (`PackedLinear`'s `cpu`
-kernel) for the weight it must not copy and under torch.compile.
+in blocks of four with a remainder, up to the most bf16 takes (128) and one past it (handed
+to `F.linear` in bf16, still the kernel in fp32). Each output is checked against the
+float64 product, its bit-identity with the same row computed alone (row invariance), and
+the layer wrapping it (`PackedLinear`'s `cpu` kernel) for the weight it must not copy and
+under torch.compile.
 """
 
 from __future__ import annotations
@@ -18,14 +19,19 @@ from torch import nn
 from specdec.cpu_extension import linear_supports
 from specdec.models.packed_linear import PackedLinear
 
-MAX_ROWS = 64  # kMaxRows in linear_cpu.cpp
+MAX_ROWS_BF16 = 128  # kMaxRowsBf16 in linear_cpu.cpp
 # Relative error of one product against float64: fp32 summation, plus the output's rounding.
 TOLERANCES = {torch.float32: 2e-5, torch.bfloat16: 8e-3}
 
-DTYPES = [pytest.param(dtype, id=str(dtype).removeprefix("torch."),
-                       marks=pytest.mark.skipif(not linear_supports(dtype),
-                                                reason=f"no {dtype} kernel without AVX-512 (BF16)"))
-          for dtype in (torch.float32, torch.bfloat16)]
+
+def _with_kernel(dtype: torch.dtype, *values: object) -> object:
+    """A parameter set that needs this machine's kernel for `dtype`."""
+    return pytest.param(dtype, *values, id="-".join(str(v).removeprefix("torch.") for v in (dtype, *values)),
+                        marks=pytest.mark.skipif(not linear_supports(dtype),
+                                                 reason=f"no {dtype} kernel without AVX-512 (BF16)"))
+
+
+DTYPES = [_with_kernel(dtype) for dtype in (torch.float32, torch.bfloat16)]
 
 
 def _operands(num_rows: int, in_features: int, out_features: int, dtype: torch.dtype, bias: bool,
@@ -49,7 +55,7 @@ def _assert_close_to_exact(out: torch.Tensor, x: torch.Tensor, weight: torch.Ten
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("in_features,out_features", [(576, 960), (1536, 576), (48, 80), (33, 13), (100, 7), (16, 3)])
-@pytest.mark.parametrize("num_rows", [1, 2, 3, 4, 5, 8, 13, MAX_ROWS, MAX_ROWS + 1])
+@pytest.mark.parametrize("num_rows", [1, 2, 3, 4, 5, 8, 13, MAX_ROWS_BF16, MAX_ROWS_BF16 + 1])
 @pytest.mark.parametrize("bias", [False, True], ids=["no_bias", "bias"])
 def test_matches_float64(dtype: torch.dtype, in_features: int, out_features: int, num_rows: int,
                          bias: bool) -> None:
@@ -58,15 +64,17 @@ def test_matches_float64(dtype: torch.dtype, in_features: int, out_features: int
     _assert_close_to_exact(out, x, weight, b)
 
 
-@pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("num_rows", [2, 4, 7, 32, MAX_ROWS])
+@pytest.mark.parametrize(("dtype", "num_rows"), [
+    *[_with_kernel(dtype, n) for dtype in (torch.float32, torch.bfloat16) for n in (2, 4, 7, 32, MAX_ROWS_BF16)],
+    _with_kernel(torch.float32, 300),  # fp32 has no limit
+])
 def test_a_row_is_bit_identical_alone_and_in_a_batch(dtype: torch.dtype, num_rows: int) -> None:
     # What makes a decode token's projections equal to the same token's in a verify window.
     x, weight, bias = _operands(num_rows, 576, 962, dtype, bias=True, seed=1)
     together = torch.ops.specdec_cpu.linear(x, weight, bias)
-    for row in range(num_rows):
-        alone = torch.ops.specdec_cpu.linear(x[row:row + 1], weight, bias)
-        assert torch.equal(alone[0], together[row]), f"row {row} of {num_rows} differs"
+    alone = torch.cat([torch.ops.specdec_cpu.linear(x[row:row + 1], weight, bias) for row in range(num_rows)])
+    differing = (alone != together).any(dim=1).nonzero().flatten().tolist()
+    assert not differing, f"rows {differing} of {num_rows} differ"
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -130,7 +138,7 @@ def test_compiled_layer_calls_the_operator(dtype: torch.dtype) -> None:
     packed = PackedLinear(nn.Linear(64, 40, bias=False).to(dtype), "cpu", keep_weight=False)
     compiled = torch.compile(packed, dynamic=True)
     with torch.inference_mode():
-        for num_rows in (1, 3, 9, 70):
+        for num_rows in (1, 3, 9, MAX_ROWS_BF16 + 2):
             x = torch.randn(num_rows, 64).to(dtype)
             assert torch.equal(compiled(x), packed(x)), f"{num_rows} rows"
 

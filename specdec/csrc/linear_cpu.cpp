@@ -15,12 +15,12 @@
 // [out, in], no repacking, no copy). Threads split the output columns.
 //
 // Row invariance: an output element's arithmetic depends only on its weight row and its
-// input row, never on how many other rows the call has (up to kMaxRows), so a token's
-// projections are bit-identical in a one-token decode and in a verify window (the stock kernels pick
-// different summation orders for different row counts).
+// input row, never on how many other rows the call has (in bf16 up to kMaxRowsBf16), so a
+// token's projections are bit-identical in a one-token decode and in a verify window (the
+// stock kernels pick different summation orders for different row counts).
 //
-// Rows beyond kMaxRows (prefill chunks, large batches) are compute-bound work for oneDNN or
-// MKL: they go to at::linear, as do dtypes this build has no kernel for.
+// bf16 calls beyond kMaxRowsBf16 rows (long prefill chunks) are compute-bound work that
+// oneDNN does better: they go to at::linear, as do dtypes this build has no kernel for.
 
 #include <torch/library.h>
 #include <ATen/ATen.h>
@@ -36,11 +36,12 @@
 
 namespace {
 
-// Calls with more rows than this go to at::linear. Measured on the default model's layers
-// (weights streamed from DRAM, 2 cores), this kernel against oneDNN's bf16 on prepacked
-// weights: 1.24x at 1 row, 1.0-1.2x from 2 to 32, equal at 64; against torch's fp32 path
-// (MKL): 1.26x at 1 row, 2.3-2.8x from 5 to 64 rows.
-constexpr int64_t kMaxRows = 64;
+// bf16 calls with more rows than this go to at::linear (oneDNN). Measured on the default
+// model's 30 layers and LM head (2 cores), this kernel against oneDNN's bf16 on prepacked
+// weights: 1.24x at 1 row, 1.0-1.2x from 2 to 64, 0.96x at 128, 0.70x at 512. In fp32 it
+// beats torch's path (MKL) at every row count measured (1.26x at 1 row, 2.3-2.8x from 5 to
+// 128, 1.75x at 512, 1.15-1.5x per layer at 2048), so fp32 takes every call.
+constexpr int64_t kMaxRowsBf16 = 128;
 // Output rows a thread takes at least: forking for less costs more than it saves.
 constexpr int64_t kMinRowsPerThread = 256;
 
@@ -61,10 +62,16 @@ struct Fp32Ops {
   static constexpr int64_t kStep = 16;  // elements of a row per register
   using Vec = __m512;
   static Vec load(const T* p) { return _mm512_loadu_ps(p); }
-  static Vec load_first(const T* p, int64_t n) { return _mm512_maskz_loadu_ps(static_cast<__mmask16>((1u << n) - 1), p); }
+  static Vec load_first(const T* p, int64_t n) {
+    return _mm512_maskz_loadu_ps(static_cast<__mmask16>((1u << n) - 1), p);
+  }
   static __m512 dot(__m512 acc, Vec w, Vec x) { return _mm512_fmadd_ps(w, x, acc); }
-  static __m128 load_bias(const T* b, int64_t n) { return _mm_maskz_loadu_ps(static_cast<__mmask8>((1u << n) - 1), b); }
-  static void store(T* out, __m128 sums, int64_t n) { _mm_mask_storeu_ps(out, static_cast<__mmask8>((1u << n) - 1), sums); }
+  static __m128 load_bias(const T* b, int64_t n) {
+    return _mm_maskz_loadu_ps(static_cast<__mmask8>((1u << n) - 1), b);
+  }
+  static void store(T* out, __m128 sums, int64_t n) {
+    _mm_mask_storeu_ps(out, static_cast<__mmask8>((1u << n) - 1), sums);
+  }
 };
 
 #if defined(__AVX512BF16__) && defined(__AVX512VL__)
@@ -190,7 +197,9 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& weight, const c10::opti
                 "specdec_cpu::linear: the bias must be [out] in the weight's dtype");
   }
   const int64_t M = x.size(0);
-  if (M == 0 || M > kMaxRows || !supports(x.scalar_type())) return at::linear(x, weight, bias);
+  if (M == 0 || !supports(x.scalar_type()) || (x.scalar_type() == at::kBFloat16 && M > kMaxRowsBf16)) {
+    return at::linear(x, weight, bias);
+  }
   const at::Tensor rows = x.contiguous();
   const at::Tensor w = weight.contiguous();
   const c10::optional<at::Tensor> b = bias.has_value() ? c10::optional<at::Tensor>(bias->contiguous()) : c10::nullopt;

@@ -9,8 +9,9 @@ in oneDNN's blocked layout reads several times faster for 1..8 rows). So after l
 - `cpu`: specdec's own few-row kernel (`torch.ops.specdec_cpu.linear`, built by
   `specdec.cpu_extension`; AVX-512 machines, fp32 and, with AVX512-BF16, bf16), on the
   weight as it is: nothing is repacked or copied. It reads the weights faster than oneDNN or
-  MKL for up to 64 rows and hands larger calls (prefill) to `F.linear`'s kernels. Row-
-  invariant: a token's outputs do not depend on how many rows share the call.
+  MKL for few rows, and in fp32 for any number; bf16 calls over 128 rows (long prefill
+  chunks) go to `F.linear`'s oneDNN. Row-invariant: a token's outputs do not depend on how
+  many rows share the call.
 - `mkldnn`: the weight reordered once into oneDNN's layout
   (`torch.ops.mkldnn._reorder_linear_weight`), multiplied by `_linear_pointwise`: what
   inductor's `freezing` emits for a compiled CPU model, without compiling. Exact in the
