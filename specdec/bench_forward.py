@@ -23,7 +23,9 @@ from specdec.models.loader import load_model
 from specdec.models.model_files import DEFAULT_MODEL, resolve_model
 from specdec.models.packed_linear import pack_linears
 
-# name -> (dtype, packed kernel or None, compiled)
+# name -> (dtype, packed kernel or None, compiled). The verifier's CPU default is
+# bf16-cpu-compiled (fp32-cpu-compiled with --dtype float32) where specdec's kernel builds,
+# bf16-compiled (oneDNN) where it does not.
 PATHS: dict[str, tuple[torch.dtype, str | None, bool]] = {
     "fp32": (torch.float32, None, False),
     "fp32-onednn": (torch.float32, "mkldnn", False),
@@ -89,7 +91,7 @@ def read_bandwidth_gbps(num_bytes: int = 512 << 20, repeats: int = 5) -> float:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m specdec bench forward", description=__doc__)
     parser.add_argument("--model", default=DEFAULT_MODEL)
-    parser.add_argument("--paths", default="fp32,bf16,bf16-onednn,bf16-int8",
+    parser.add_argument("--paths", default="fp32,fp32-cpu,bf16-onednn,bf16-cpu,bf16-int8",
                         help=f"comma-separated, of: {', '.join(PATHS)}")
     parser.add_argument("--num-speculative-tokens", type=int, default=4,
                         help="the second shape is 1 + k tokens")
