@@ -37,7 +37,7 @@ def _vector_flags() -> list[str]:
         cpu_flags = set(Path("/proc/cpuinfo").read_text().split())
     except OSError:
         return []
-    if {"avx512f", "avx512bw", "avx512vl"} <= cpu_flags:
+    if {"avx512f", "avx512bw", "avx512vl", "avx512dq"} <= cpu_flags:
         flags = ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx2", "-mfma", "-mf16c"]
         return flags + (["-mavx512bf16"] if "avx512_bf16" in cpu_flags else [])
     if {"avx2", "fma", "f16c"} <= cpu_flags:

@@ -123,6 +123,49 @@ def test_warm_up_compiles_every_graph_steps_need(tiny_model: Path, dtype: torch.
     assert counters["stats"]["unique_graphs"] == before, "a step recompiled after warm-up"
 
 
+def test_warm_forwards_of_two_models_keep_to_their_own_graphs(tmp_path: Path,
+                                                             monkeypatch: pytest.MonkeyPatch) -> None:
+    """Once warm, a forward checks only the guards that tell cached graphs apart. Two models
+    of the same shapes (the same code object, so one cache of graphs) called in turn with
+    every kind of step must each still compute its own logits."""
+    skipping = []
+    set_stance = torch.compiler.set_stance
+
+    def spy(*args: object, **kwargs: object) -> object:
+        skipping.append(kwargs.get("skip_guard_eval_unsafe", False))
+        return set_stance(*args, **kwargs)
+
+    monkeypatch.setattr(torch.compiler, "set_stance", spy)
+    runs = []
+    for seed in (1, 2):
+        model_dir = make_tiny_llama(tmp_path / f"seed{seed}", seed=seed)
+        model = load_model(model_dir, torch.float32, torch.device("cpu"))
+        kernel = choose_kernel(torch.device("cpu"), torch.float32, None)
+        if kernel is not None:
+            pack_linears(model, kernel, only=linears_to_pack(kernel))
+        eager = load_model(model_dir, torch.float32, torch.device("cpu"))
+        caches = [KVCache.allocate(model.config, 16, BLOCK_SIZE, torch.float32, torch.device("cpu"))
+                  for _ in range(2)]
+        compiled = CompiledForward(model)
+        warm_up(compiled, caches[0], block_ids=[12, 13, 14, 15])
+        runs.append((compiled, eager, caches))
+    # A prefill, a verify window, a decode row, a batch of both; inputs made outside inference
+    # mode as the engine's runner makes them.
+    steps = [[(list(range(3, 14)), 0, [0, 1, 2])], [([20, 21, 22, 23], 11, [0, 1, 2, 3])],
+             [([30], 15, [0, 1, 2, 3])], [([31], 16, [0, 1, 2, 3, 4]), (list(range(40, 47)), 0, [5, 6])]]
+    for step in steps:
+        input_ids, positions, metadata = _step(step)
+        logits = []
+        for compiled, eager, caches in runs:
+            with torch.inference_mode():
+                got = compiled.compute_logits(compiled(input_ids, positions, caches[0], metadata))
+                expected = eager.compute_logits(eager(input_ids, positions, caches[1], metadata))
+            torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-4)
+            logits.append(got)
+        assert not torch.allclose(logits[0], logits[1], atol=1e-2), "the two models agree: nothing tested"
+    assert skipping and all(skipping), "warm steps did not skip the full guard check"
+
+
 async def test_compiled_speculation_is_plain_decoding(tiny_model: Path) -> None:
     plain = await plain_outputs(tiny_model, "cpu")
     async with EngineHarness(tiny_model, "cpu", k=3, compile=True) as engine:
