@@ -18,7 +18,7 @@ from torch import nn
 
 from specdec.attention import AttentionMetadata
 from specdec.kv_cache import KVCache
-from specdec.models.compiled_forward import CompiledForward, linears_to_pack
+from specdec.models.compiled_forward import CompiledForward, linears_to_pack, warm_up
 from specdec.models.loader import load_model
 from specdec.models.model_files import DEFAULT_MODEL, resolve_model
 from specdec.models.packed_linear import pack_linears
@@ -60,17 +60,21 @@ def _load(model_dir, name: str, num_blocks: int) -> Path:
     kv_cache = KVCache.allocate(model.config, num_blocks, BLOCK_SIZE, dtype, torch.device("cpu"))
     for cache in kv_cache.key_caches + kv_cache.value_caches:
         cache.zero_()
-    forward = CompiledForward(model) if compiled else model
+    forward = model
+    if compiled:  # as the verifier builds it: warmed up in the last block, which no step uses
+        forward = CompiledForward(model)
+        warm_up(forward, kv_cache, block_ids=[num_blocks - 1])
     return Path(name, model, forward, kv_cache, weight_bytes)
 
 
 def _forward(path: Path, num_tokens: int, context_len: int) -> float:
-    positions = torch.arange(context_len - num_tokens, context_len)
-    metadata = AttentionMetadata(slot_mapping=positions.clone(), query_start_locs=[0, num_tokens],
-                                 context_lens=[context_len],
-                                 block_tables=[torch.arange(-(-context_len // BLOCK_SIZE))])
+    with torch.inference_mode(False):  # the step's inputs, made as the verifier's runner makes them
+        positions = torch.arange(context_len - num_tokens, context_len)
+        metadata = AttentionMetadata(slot_mapping=positions.clone(), query_start_locs=[0, num_tokens],
+                                     context_lens=[context_len],
+                                     block_tables=[torch.arange(-(-context_len // BLOCK_SIZE))])
+        input_ids = positions % path.model.config.vocab_size
     started = time.perf_counter()
-    input_ids = positions % path.model.config.vocab_size
     hidden = path.forward(input_ids, positions, path.kv_cache, metadata)
     path.forward.compute_logits(hidden)
     return time.perf_counter() - started

@@ -166,6 +166,29 @@ def test_warm_forwards_of_two_models_keep_to_their_own_graphs(tmp_path: Path,
     assert skipping and all(skipping), "warm steps did not skip the full guard check"
 
 
+def test_a_warm_step_that_needs_a_new_graph_compiles_it(tiny_model: Path, caplog: pytest.LogCaptureFixture) -> None:
+    model = load_model(tiny_model, torch.float32, torch.device("cpu"))
+    kv_cache = KVCache.allocate(model.config, 16, BLOCK_SIZE, torch.float32, torch.device("cpu"))
+    compiled = CompiledForward(model)
+    warm_up(compiled, kv_cache, block_ids=[12, 13, 14, 15])
+    compiled_graphs = compiled._compiled
+    refusals = []
+
+    def refuse_once(*args: object) -> torch.Tensor:
+        # What dynamo raises when, checking only the telling guards, no graph is the step's.
+        if not refusals:
+            refusals.append(args)
+            raise RuntimeError("Recompilation triggered with skip_guard_eval_unsafe stance.")
+        return compiled_graphs(*args)
+
+    compiled._compiled = refuse_once
+    input_ids, positions, metadata = _step([(list(range(3, 9)), 0, [0, 1])])
+    with torch.inference_mode(), caplog.at_level("WARNING"):
+        hidden = compiled(input_ids, positions, kv_cache, metadata)
+    assert refusals and hidden.shape == (6, model.config.hidden_size)
+    assert "did not compile; compiling it" in caplog.text
+
+
 async def test_compiled_speculation_is_plain_decoding(tiny_model: Path) -> None:
     plain = await plain_outputs(tiny_model, "cpu")
     async with EngineHarness(tiny_model, "cpu", k=3, compile=True) as engine:
