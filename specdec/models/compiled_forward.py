@@ -46,6 +46,8 @@ class _ForwardContext:
 
 # The forward in progress on this thread: set by `CompiledForward.__call__` only.
 _forward_context = threading.local()
+# Held around every compiled forward (see CompiledForward.__call__).
+_stance_lock = threading.Lock()
 
 
 @torch.library.custom_op("specdec::paged_attention", mutates_args=())
@@ -142,6 +144,14 @@ class CompiledForward:
         if input_ids.shape[0] > 1:  # one token is its own graph
             torch._dynamo.mark_dynamic(input_ids, 0)
             torch._dynamo.mark_dynamic(positions, 0)
+        # Dynamo's stance is process-wide: forwards of several instances (engines) on other
+        # threads run one at a time, so none compiles under another's guard-skipping stance.
+        with _stance_lock:
+            return self._call(input_ids, positions, kv_cache, attn_metadata, aux_layer_ids)
+
+    def _call(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_cache: KVCache,
+              attn_metadata: AttentionMetadata, aux_layer_ids: tuple[int, ...],
+              ) -> torch.Tensor | tuple[torch.Tensor, list[torch.Tensor]]:
         _forward_context.current = _ForwardContext(self.backend, attn_metadata)
         try:
             if aux_layer_ids not in self.warmed_aux_layer_ids or input_ids.is_inference():
