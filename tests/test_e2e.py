@@ -22,9 +22,11 @@ from pathlib import Path
 import httpx
 import openai
 import pytest
+import torch
 
 from drafter_svc.server import start_drafter_server, stop_drafter_server
 from specdec.config import SpeculativeConfig
+from specdec.cpu_extension import linear_supports
 from specdec.models.model_files import DEFAULT_MODEL, load_tokenizer, resolve_model
 from specdec.sampling_params import SamplingParams
 from tests.engine_driver import generate
@@ -47,11 +49,14 @@ def model_dir() -> Path:
     return resolve_model(DEFAULT_MODEL)
 
 
-async def run_invariance(model_dir: Path, device: str) -> tuple[dict[int, list[list[int]]], Engine]:
+async def run_invariance(model_dir: Path, device: str, dtype: str,
+                         ) -> tuple[dict[int, list[list[int]]], Engine]:
     spec = SpeculativeConfig.parse({"method": "ngram", "num_speculative_tokens": 5,
                                     "prompt_lookup_min": 1, "prompt_lookup_max": 4})
     drafter, port = await start_drafter_server(spec, "127.0.0.1", 0)
-    config = VerifierConfig(model=str(model_dir), device=device, dtype="float32",
+    # bf16 runs compiled, as the CPU default serves it (fp32 runs eagerly).
+    config = VerifierConfig(model=str(model_dir), device=device, dtype=dtype,
+                            compile=dtype == "bfloat16" and device == "cpu",
                             max_model_len=1024, max_num_seqs=4, num_gpu_blocks_override=256,
                             speculative_config=spec, drafter_targets=(f"127.0.0.1:{port}",),
                             draft_timeout_s=1.0)
@@ -73,8 +78,16 @@ async def run_invariance(model_dir: Path, device: str) -> tuple[dict[int, list[l
     return outputs, engine
 
 
-def test_greedy_invariance_default_model(model_dir: Path, device) -> None:
-    outputs, engine = asyncio.run(run_invariance(model_dir, str(device)))
+# bf16 too where specdec's row-invariant CPU kernels serve it (README, "Row invariance").
+BF16_EXACT = pytest.mark.skipif(not linear_supports(torch.bfloat16),
+                                reason="bf16 is exact only with the AVX512-BF16 CPU kernels")
+
+
+@pytest.mark.parametrize("dtype", ["float32", pytest.param("bfloat16", marks=BF16_EXACT)])
+def test_greedy_invariance_default_model(model_dir: Path, device, dtype: str) -> None:
+    if dtype == "bfloat16" and device.type != "cpu":
+        pytest.skip("bf16 exactness is a property of the CPU kernels")
+    outputs, engine = asyncio.run(run_invariance(model_dir, str(device), dtype))
     for k in (1, 3, 5):
         for index, (plain, speculative) in enumerate(zip(outputs[0], outputs[k])):
             assert speculative == plain, f"k={k}, prompt {index}: {speculative} != {plain}"
@@ -135,15 +148,18 @@ def test_users_guide_request(served) -> None:
     client = openai.OpenAI(base_url=f"{base}/v1", api_key="unused")
     assert [m.id for m in client.models.list().data] == [DEFAULT_MODEL]
     # The same request over raw HTTP, the client and a stream must give the same text. With
-    # speculation on, bf16 greedy text may differ between two identical requests at a
-    # near-tie (the adaptive policy's windows depend on earlier requests; DESIGN.md), so the
-    # three are compared with speculation off, which is deterministic.
+    # speculation on, bf16 greedy text can differ from plain decoding's at a near-tie where
+    # the CPU kernels are missing (DESIGN.md), so the three are compared with speculation
+    # off, which is deterministic; with the kernels speculation must not change the text.
+    speculative_text = choice["message"]["content"]
     body = {**body, "speculation": False}
     response = httpx.post(f"{base}/v1/chat/completions", content=json.dumps(body),
                           headers={"content-type": "application/json"}, timeout=120)
     assert response.status_code == 200, response.text
     answer = response.json()
     choice = answer["choices"][0]
+    if linear_supports(torch.bfloat16):
+        assert speculative_text == choice["message"]["content"]
     extra = {"top_k": -1, "repetition_penalty": 1.0, "speculation": False}
     message = body["messages"]
     completion = client.chat.completions.create(model=DEFAULT_MODEL, messages=message,
