@@ -120,8 +120,9 @@ def build_engine(config: VerifierConfig) -> tuple[Engine, ServedModel]:
     if config.compile and device.type not in ("cpu", "cuda"):
         raise ConfigError(f"a compiled forward runs on cpu or cuda, not {device.type}; set "
                           "compile=False (--enforce-eager)", param="compile")
-    # After the KV budget, which counts the checkpoint's weights. A compiled forward has
-    # inductor prepack the layers' weights; only the LM head, run eagerly, is packed here.
+    # After the KV budget, which counts the checkpoint's weights. For a compiled forward
+    # `linears_to_pack` says which are packed here (with oneDNN only the LM head, which runs
+    # eagerly: inductor prepacks the layers itself).
     linear_kernel = choose_kernel(device, dtype, config.quantization)
     if linear_kernel is not None:
         pack_linears(model, linear_kernel,

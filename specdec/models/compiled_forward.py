@@ -153,9 +153,10 @@ class CompiledForward:
               attn_metadata: AttentionMetadata, aux_layer_ids: tuple[int, ...],
               ) -> torch.Tensor | tuple[torch.Tensor, list[torch.Tensor]]:
         _forward_context.current = _ForwardContext(self.backend, attn_metadata)
+        args = (input_ids, positions, kv_cache, attn_metadata, aux_layer_ids)
         try:
             if aux_layer_ids not in self.warmed_aux_layer_ids or input_ids.is_inference():
-                return self._compiled(input_ids, positions, kv_cache, attn_metadata, aux_layer_ids)
+                return self._compiled(*args)
             # A step like those warm-up ran: dynamo checks only the guards that tell its
             # cached graphs apart (the token count; which instance's graph, when a process
             # holds several), not all (every KV cache tensor and weight, on each call: 0.5-1
@@ -165,14 +166,14 @@ class CompiledForward:
             # call (other aux layers, inference tensors from a tool) keeps the full guards.
             try:
                 with torch.compiler.set_stance("default", skip_guard_eval_unsafe=True):
-                    return self._compiled(input_ids, positions, kv_cache, attn_metadata, aux_layer_ids)
+                    return self._compiled(*args)
             except RuntimeError as error:
                 # Dynamo refuses, before running anything, a step none of its graphs tells
                 # apart as its own: then the full check finds or compiles the right one.
                 if "skip_guard_eval_unsafe" not in str(error):
                     raise
                 logger.warning("a step needed a graph warm-up did not compile; compiling it")
-                return self._compiled(input_ids, positions, kv_cache, attn_metadata, aux_layer_ids)
+                return self._compiled(*args)
         finally:
             _forward_context.current = None
 
@@ -189,17 +190,18 @@ def warm_up(forward: CompiledForward, kv_cache: KVCache, block_ids: list[int],
     them: dynamo's guards tell the two kinds of tensor apart."""
     started = time.perf_counter()
     block_size = kv_cache.block_size
-    with torch.inference_mode(False):
+    steps = []
+    with torch.inference_mode(False):  # even when the caller is in inference mode
         block_table = torch.tensor(block_ids, dtype=torch.long)
-    # (tokens, context length): the first attends to itself, the others to the cache too.
-    for num_tokens, context_len in ((16, 16), (2, 3), (1, 4)):
-        with torch.inference_mode(False):  # even when the caller is in inference mode
+        # (tokens, context length): the first attends to itself, the others to the cache too.
+        for num_tokens, context_len in ((16, 16), (2, 3), (1, 4)):
             positions = torch.arange(context_len - num_tokens, context_len)
             slots = block_table[positions // block_size] * block_size + positions % block_size
             metadata = AttentionMetadata(slot_mapping=slots, query_start_locs=[0, num_tokens],
                                          context_lens=[context_len], block_tables=[block_table])
-            input_ids = positions % 8
-        with torch.inference_mode():
+            steps.append((positions % 8, positions, metadata))
+    with torch.inference_mode():
+        for input_ids, positions, metadata in steps:
             forward(input_ids, positions, kv_cache, metadata, aux_layer_ids)
     forward.warmed_aux_layer_ids.add(aux_layer_ids)
     seconds = time.perf_counter() - started
