@@ -19,25 +19,28 @@ from torch import nn
 from specdec.attention import AttentionMetadata
 from specdec.kv_cache import KVCache
 from specdec.models.compiled_forward import CompiledForward, linears_to_pack, warm_up
+from specdec.models.cpu_stack import CpuDecoderStack
 from specdec.models.loader import load_model
 from specdec.models.model_files import DEFAULT_MODEL, resolve_model
 from specdec.models.packed_linear import pack_linears
 
-# name -> (dtype, packed kernel or None, compiled). The verifier's CPU default is
-# bf16-cpu-compiled (fp32-cpu-compiled with --dtype float32) where specdec's kernel builds,
-# bf16-compiled (oneDNN) where it does not.
-PATHS: dict[str, tuple[torch.dtype, str | None, bool]] = {
-    "fp32": (torch.float32, None, False),
-    "fp32-onednn": (torch.float32, "mkldnn", False),
-    "fp32-compiled": (torch.float32, None, True),
-    "fp32-cpu": (torch.float32, "cpu", False),
-    "fp32-cpu-compiled": (torch.float32, "cpu", True),
-    "bf16": (torch.bfloat16, None, False),
-    "bf16-onednn": (torch.bfloat16, "mkldnn", False),
-    "bf16-compiled": (torch.bfloat16, "mkldnn", True),
-    "bf16-cpu": (torch.bfloat16, "cpu", False),
-    "bf16-cpu-compiled": (torch.bfloat16, "cpu", True),
-    "bf16-int8": (torch.bfloat16, "int8", False),
+# name -> (dtype, packed kernel or None, forward: eager, compiled or the C++ stack). The
+# verifier's CPU default is bf16-stack (fp32-stack with --dtype float32) where specdec's
+# kernels build, bf16-compiled (oneDNN) where they do not.
+PATHS: dict[str, tuple[torch.dtype, str | None, str]] = {
+    "fp32": (torch.float32, None, "eager"),
+    "fp32-onednn": (torch.float32, "mkldnn", "eager"),
+    "fp32-compiled": (torch.float32, None, "compiled"),
+    "fp32-cpu": (torch.float32, "cpu", "eager"),
+    "fp32-cpu-compiled": (torch.float32, "cpu", "compiled"),
+    "fp32-stack": (torch.float32, "cpu", "stack"),
+    "bf16": (torch.bfloat16, None, "eager"),
+    "bf16-onednn": (torch.bfloat16, "mkldnn", "eager"),
+    "bf16-compiled": (torch.bfloat16, "mkldnn", "compiled"),
+    "bf16-cpu": (torch.bfloat16, "cpu", "eager"),
+    "bf16-cpu-compiled": (torch.bfloat16, "cpu", "compiled"),
+    "bf16-stack": (torch.bfloat16, "cpu", "stack"),
+    "bf16-int8": (torch.bfloat16, "int8", "eager"),
 }
 BLOCK_SIZE = 16
 
@@ -46,13 +49,14 @@ BLOCK_SIZE = 16
 class Path:
     name: str
     model: nn.Module
-    forward: nn.Module | CompiledForward  # the model itself, or its compiled forward
+    forward: nn.Module | CompiledForward | CpuDecoderStack  # the model, or a faster forward of it
     kv_cache: KVCache
     weight_bytes: int
 
 
 def _load(model_dir, name: str, num_blocks: int) -> Path:
-    dtype, kernel, compiled = PATHS[name]
+    dtype, kernel, kind = PATHS[name]
+    compiled = kind == "compiled"
     model = load_model(model_dir, dtype, torch.device("cpu"))
     weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
     if kernel is not None:
@@ -61,6 +65,8 @@ def _load(model_dir, name: str, num_blocks: int) -> Path:
     for cache in kv_cache.key_caches + kv_cache.value_caches:
         cache.zero_()
     forward = model
+    if kind == "stack":
+        forward = CpuDecoderStack(model)
     if compiled:  # as the verifier builds it: warmed up in the last block, which no step uses
         forward = CompiledForward(model)
         warm_up(forward, kv_cache, block_ids=[num_blocks - 1])
@@ -95,7 +101,7 @@ def read_bandwidth_gbps(num_bytes: int = 512 << 20, repeats: int = 5) -> float:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m specdec bench forward", description=__doc__)
     parser.add_argument("--model", default=DEFAULT_MODEL)
-    parser.add_argument("--paths", default="fp32,fp32-cpu,bf16-onednn,bf16-cpu,bf16-int8",
+    parser.add_argument("--paths", default="fp32,fp32-cpu,fp32-stack,bf16-onednn,bf16-cpu,bf16-stack,bf16-int8",
                         help=f"comma-separated, of: {', '.join(PATHS)}")
     parser.add_argument("--num-speculative-tokens", type=int, default=4,
                         help="the second shape is 1 + k tokens")

@@ -4,6 +4,9 @@
 - `csrc/linear_cpu.cpp`: the few-row linear `torch.ops.specdec_cpu.linear`, a torch operator
   (so a compiled graph calls it without Python in between), used by `PackedLinear`'s `cpu`
   kernel.
+- `csrc/decoder_cpu.cpp`: every decoder layer of a Llama-family model in one call, built on
+  the two above (`specdec.models.cpu_stack`). `csrc/cpu_kernels.h` declares what the files
+  share.
 
 They are built with torch's C++ extension loader (g++ and ninja; cached under
 `TORCH_EXTENSIONS_DIR`, by default `~/.cache/torch_extensions`, with the sources and the
@@ -25,7 +28,9 @@ import torch
 
 logger = logging.getLogger(__name__)
 
-SOURCES = tuple(Path(__file__).parent / "csrc" / name for name in ("paged_attention_cpu.cpp", "linear_cpu.cpp"))
+CSRC = Path(__file__).parent / "csrc"
+SOURCES = tuple(CSRC / name for name in ("paged_attention_cpu.cpp", "linear_cpu.cpp", "decoder_cpu.cpp"))
+HEADERS = (CSRC / "cpu_kernels.h",)
 
 
 def _vector_flags() -> list[str]:
@@ -52,7 +57,7 @@ def load_extension() -> ModuleType | None:
     from torch.utils import cpp_extension
 
     flags = ["-O3", "-fopenmp", *_vector_flags()]
-    text = "".join(source.read_text() for source in SOURCES) + " ".join(flags)
+    text = "".join(source.read_text() for source in SOURCES + HEADERS) + " ".join(flags)
     digest = hashlib.sha256(text.encode()).hexdigest()[:12]
     try:
         module = cpp_extension.load(name=f"specdec_cpu_{digest}", sources=[str(s) for s in SOURCES],

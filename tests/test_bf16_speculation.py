@@ -8,6 +8,7 @@ that logit's magnitude is a bug.
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 import pytest
@@ -16,6 +17,7 @@ import torch
 from specdec.attention import AttentionMetadata
 from specdec.kv_cache import KVCache
 from specdec.models.compiled_forward import CompiledForward, linears_to_pack, warm_up
+from specdec.models.cpu_stack import CPU_STACK_ENV, CpuDecoderStack
 from specdec.models.loader import load_model
 from specdec.models.model_files import DEFAULT_MODEL, resolve_model
 from specdec.cpu_extension import linear_supports
@@ -80,9 +82,9 @@ def _logits(forward, kv_cache: KVCache, token_ids: list[int], start: int) -> tor
 
 
 @needs_bf16_kernel
-@pytest.mark.parametrize("compile", [False, True], ids=["eager", "compiled"])
+@pytest.mark.parametrize("kind", ["eager", "compiled", "stack"])
 @pytest.mark.parametrize("model_name", ["tiny", "default"])
-def test_a_verify_window_computes_each_token_as_a_decode_does(tmp_path: Path, compile: bool, model_name: str) -> None:
+def test_a_verify_window_computes_each_token_as_a_decode_does(tmp_path: Path, kind: str, model_name: str) -> None:
     # The default model too: on it (not on the tiny one) inductor's one-token and
     # many-token bf16 graphs rounded differently before `emulate_precision_casts`.
     if model_name == "tiny":
@@ -91,13 +93,16 @@ def test_a_verify_window_computes_each_token_as_a_decode_does(tmp_path: Path, co
         model_dir = resolve_model(DEFAULT_MODEL)
     model = load_model(model_dir, torch.bfloat16, torch.device("cpu"))
     del model.model.layers[6:]  # enough layers to show the difference (three did not), compiled in ~15 s
+    model.config = dataclasses.replace(model.config, num_hidden_layers=len(model.model.layers))
     kernel = choose_kernel(torch.device("cpu"), torch.bfloat16, None)
-    pack_linears(model, kernel, only=linears_to_pack(kernel) if compile else None)
+    pack_linears(model, kernel, only=linears_to_pack(kernel) if kind == "compiled" else None)
     kv_cache = KVCache.allocate(model.config, 8, 16, torch.bfloat16, torch.device("cpu"))
     forward = model
-    if compile:
+    if kind == "compiled":
         forward = CompiledForward(model)
         warm_up(forward, kv_cache, block_ids=[7])
+    elif kind == "stack":
+        forward = CpuDecoderStack(model)
     token_ids = torch.randint(3, model.config.vocab_size, (25,), generator=torch.Generator().manual_seed(0)).tolist()
     with torch.inference_mode():
         _logits(forward, kv_cache, token_ids[:20], 0)
@@ -108,12 +113,17 @@ def test_a_verify_window_computes_each_token_as_a_decode_does(tmp_path: Path, co
 
 
 @needs_bf16_kernel
-@pytest.mark.parametrize("compile", [False, True], ids=["eager", "compiled"])
-async def test_bf16_speculation_is_exact_with_the_cpu_kernels(tiny_model: Path, compile: bool) -> None:
-    """On the CPU specdec's linear and attention kernels are row-invariant and the compiled
-    graphs round as eager does, so a verify window computes each of its tokens bit for bit
-    as a one-token decode would: no near-tie is left to flip."""
-    async with EngineHarness(tiny_model, "cpu", k=3, dtype="bfloat16", compile=compile) as engine:
+@pytest.mark.parametrize("kind", ["eager", "compiled", "stack"])
+async def test_bf16_speculation_is_exact_with_the_cpu_kernels(tiny_model: Path, kind: str,
+                                                              monkeypatch: pytest.MonkeyPatch) -> None:
+    """On the CPU specdec's linear and attention kernels are row-invariant, the C++ decoder
+    stack computes each row alone and the compiled graphs round as eager does, so a verify
+    window computes each of its tokens bit for bit as a one-token decode would: no near-tie
+    is left to flip."""
+    if kind != "stack":
+        monkeypatch.setenv(CPU_STACK_ENV, "0")
+    async with EngineHarness(tiny_model, "cpu", k=3, dtype="bfloat16", compile=kind == "compiled") as engine:
+        assert isinstance(engine.runner.forward, CpuDecoderStack) == (kind == "stack")
         assert isinstance(engine.runner.model.lm_head, PackedLinear) and engine.runner.model.lm_head.kernel == "cpu"
         for prompt in PROMPTS:
             plain = await generate(engine, prompt, greedy(), num_speculative_tokens=0)

@@ -14,6 +14,7 @@ from specdec.attention import AttentionMetadata
 from specdec.errors import ConfigError
 from specdec.kv_cache import KVCache
 from specdec.models.compiled_forward import CompiledForward, linears_to_pack, warm_up
+from specdec.models.cpu_stack import CPU_STACK_ENV
 from specdec.models.loader import load_model
 from specdec.models.packed_linear import choose_kernel, mkldnn_supported, pack_linears
 from tests.engine_driver import generate
@@ -23,6 +24,13 @@ from verifier_svc import builder
 from verifier_svc.builder import VerifierConfig, compile_by_default
 
 BLOCK_SIZE = 4
+
+
+@pytest.fixture(autouse=True)
+def no_cpu_stack(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The verifier's CPU forward is the C++ decoder stack where it runs; these tests are
+    about the compiled forward it falls back to."""
+    monkeypatch.setenv(CPU_STACK_ENV, "0")
 
 
 @pytest.fixture(scope="module")

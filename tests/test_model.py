@@ -17,7 +17,9 @@ import transformers
 
 from specdec.attention import AttentionMetadata
 from specdec.kv_cache import KVCache
+from specdec.cpu_extension import load_extension
 from specdec.models import DEFAULT_MODEL, LlamaForCausalLM, load_model, load_tokenizer, resolve_model
+from specdec.models.cpu_stack import CpuDecoderStack, unsupported_reason
 
 BLOCK_SIZE = 4
 NUM_BLOCKS = 64
@@ -120,11 +122,23 @@ def prompt(length: int, seed: int, vocab_size: int = 97) -> list[int]:
     return torch.randint(0, vocab_size, (length,), generator=torch.Generator().manual_seed(seed)).tolist()
 
 
-@pytest.fixture(scope="module")
-def loaded(tiny_checkpoint: tuple[Path, torch.nn.Module], device: torch.device
-           ) -> tuple[LlamaForCausalLM, torch.nn.Module]:
+@pytest.fixture(scope="module", params=["model", "cpu_stack"])
+def loaded(request: pytest.FixtureRequest, tiny_checkpoint: tuple[Path, torch.nn.Module], device: torch.device
+           ) -> tuple[LlamaForCausalLM | CpuDecoderStack, torch.nn.Module]:
+    """Our model, or (on the CPU) the C++ decoder stack over it: both must match transformers."""
     model_dir, hf_model = tiny_checkpoint
-    return load_model(model_dir, torch.float32, device), hf_model
+    model = load_model(model_dir, torch.float32, device)
+    if request.param == "model":
+        return model, hf_model
+    if device.type != "cpu":
+        pytest.skip("the C++ decoder stack runs on the CPU only")
+    reason = unsupported_reason(model)
+    if model.config.qk_norm:  # the one flavour it leaves to the model (tests/test_cpu_stack.py)
+        assert reason == "q/k norms are not implemented in the stack"
+        pytest.skip(reason)
+    if reason is not None and load_extension() is None:
+        pytest.skip("specdec's C++ kernels cannot be built here")
+    return CpuDecoderStack(model), hf_model
 
 
 def fresh_cache(model: LlamaForCausalLM, device: torch.device) -> KVCache:

@@ -19,6 +19,7 @@ import torch
 from drafter_svc.proposer import ModelOptions
 from drafter_svc.server import start_drafter_server, stop_drafter_server
 from specdec.config import SpeculativeConfig
+from specdec.models.cpu_stack import CPU_STACK_ENV
 from specdec.sampling_params import SamplingParams
 from tests.draft_checkpoints import make_draft_model, make_eagle3_head, make_eagle_head
 from tests.engine_driver import generate
@@ -152,6 +153,7 @@ async def test_eagle3_with_a_compiled_verifier(target, device, plain, tmp_path, 
     compile nothing, and the output is still the target's."""
     if str(device) != "cpu":
         pytest.skip("--compile is tested on the cpu")
+    monkeypatch.setenv(CPU_STACK_ENV, "0")  # the CPU verifier would run the C++ decoder stack
     head = tmp_path / "eagle3"
     make_eagle3_head(head, target, draft_vocab_size=40, layer_ids=[1, 3, 6])
     counters = torch._dynamo.utils.counters

@@ -17,6 +17,7 @@ from specdec.device import device_memory_bytes, resolve_device, resolve_dtype
 from specdec.errors import ConfigError
 from specdec.kv_cache import KVCache
 from specdec.models.compiled_forward import CompiledForward, linears_to_pack, warm_up
+from specdec.models.cpu_stack import CpuDecoderStack, make_cpu_stack
 from specdec.models.loader import load_model, load_model_config
 from specdec.models.model_files import load_tokenizer, resolve_model, tokenizer_fingerprint
 from specdec.models.packed_linear import choose_kernel, pack_linears
@@ -155,8 +156,12 @@ def build_engine(config: VerifierConfig) -> tuple[Engine, ServedModel]:
                                                     device=device, num_blocks=num_blocks,
                                                     block_size=config.block_size,
                                                     linear_kernel=linear_kernel)
-    forward = None
-    if config.compile:
+    # On the CPU the C++ decoder stack where it runs the model (fastest measured, nothing to
+    # compile), else the compiled forward when asked, else the model eagerly.
+    forward: CpuDecoderStack | CompiledForward | None = None
+    if device.type == "cpu" and parallel is None:
+        forward = make_cpu_stack(model)
+    if forward is None and config.compile:
         try:
             forward = CompiledForward(model)
             # Before the first request; the blocks it writes hold no sequence yet.
@@ -177,9 +182,9 @@ def build_engine(config: VerifierConfig) -> tuple[Engine, ServedModel]:
                     eos_token_ids=eos_token_ids,
                     num_speculative_tokens=spec.num_speculative_tokens if spec else 0,
                     drafter_pool=pool)
-    logger.info("verifier: model %s on %s in %s, tensor parallel %d, max_model_len %d, %d KV "
+    logger.info("verifier: model %s on %s in %s (%s), tensor parallel %d, max_model_len %d, %d KV "
                 "blocks of %d tokens (%d tokens), speculation %s", model_dir, device, dtype,
-                config.tensor_parallel_size, max_model_len,
+                _forward_name(runner.forward), config.tensor_parallel_size, max_model_len,
                 num_blocks, config.block_size, num_blocks * config.block_size,
                 f"{spec.method} k={spec.num_speculative_tokens} via {', '.join(config.drafter_targets)}"
                 if spec else "off")
@@ -193,6 +198,14 @@ def build_engine(config: VerifierConfig) -> tuple[Engine, ServedModel]:
                          num_speculative_tokens=spec.num_speculative_tokens if spec else 0,
                          tokenizer_fingerprint=fingerprint)
     return engine, served
+
+
+def _forward_name(forward: object) -> str:
+    if isinstance(forward, CpuDecoderStack):
+        return "C++ decoder stack"
+    if isinstance(forward, CompiledForward):
+        return "compiled forward"
+    return "eager forward"
 
 
 def compile_by_default(device: str, tensor_parallel_size: int, enforce_eager: bool) -> bool:

@@ -20,6 +20,7 @@ from specdec.models.llama import LlamaForCausalLM
 
 if TYPE_CHECKING:
     from specdec.models.compiled_forward import CompiledForward
+    from specdec.models.cpu_stack import CpuDecoderStack
     from verifier_svc.tp_worker import TensorParallelGroup
 
 
@@ -48,10 +49,10 @@ class ModelRunner:
 
     def __init__(self, model: LlamaForCausalLM, kv_cache: KVCache, block_size: int,
                  device: torch.device, tensor_parallel: TensorParallelGroup | None = None,
-                 forward: CompiledForward | None = None) -> None:
+                 forward: CompiledForward | CpuDecoderStack | None = None) -> None:
         self.model = model
-        # The forward each step runs: the model's compiled forward when built with one.
-        self.forward: LlamaForCausalLM | CompiledForward = forward or model
+        # The forward each step runs: a faster forward of the model when built with one.
+        self.forward: LlamaForCausalLM | CompiledForward | CpuDecoderStack = forward or model
         self.kv_cache = kv_cache
         self.block_size = block_size
         self.device = device

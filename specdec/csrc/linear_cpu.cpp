@@ -22,6 +22,8 @@
 // bf16 calls beyond kMaxRowsBf16 rows (long prefill chunks) are compute-bound work that
 // oneDNN does better: they go to at::linear, as do dtypes this build has no kernel for.
 
+#include "cpu_kernels.h"
+
 #include <torch/library.h>
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -34,6 +36,7 @@
 #include <cstdint>
 #include <cstring>
 
+namespace specdec_cpu {
 namespace {
 
 // bf16 calls with more rows than this go to at::linear (oneDNN). Measured on the default
@@ -175,7 +178,9 @@ void linear_rows(const at::Tensor& x, const at::Tensor& weight, const c10::optio
 
 #endif  // __AVX512F__
 
-bool supports(at::ScalarType dtype) {
+}  // namespace
+
+bool linear_supports(at::ScalarType dtype) {
 #if defined(__AVX512F__)
   if (dtype == at::kFloat) return true;
 #endif
@@ -197,7 +202,7 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& weight, const c10::opti
                 "specdec_cpu::linear: the bias must be [out] in the weight's dtype");
   }
   const int64_t M = x.size(0);
-  if (M == 0 || !supports(x.scalar_type()) || (x.scalar_type() == at::kBFloat16 && M > kMaxRowsBf16)) {
+  if (M == 0 || !linear_supports(x.scalar_type()) || (x.scalar_type() == at::kBFloat16 && M > kMaxRowsBf16)) {
     return at::linear(x, weight, bias);
   }
   const at::Tensor rows = x.contiguous();
@@ -213,11 +218,12 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& weight, const c10::opti
   return out;
 }
 
-}  // namespace
+}  // namespace specdec_cpu
 
 TORCH_LIBRARY(specdec_cpu, m) {
   m.def("linear(Tensor x, Tensor weight, Tensor? bias) -> Tensor");
-  m.def("linear_supports(ScalarType dtype) -> bool", [](at::ScalarType dtype) { return supports(dtype); });
+  m.def("linear_supports(ScalarType dtype) -> bool",
+        [](at::ScalarType dtype) { return specdec_cpu::linear_supports(dtype); });
 }
 
-TORCH_LIBRARY_IMPL(specdec_cpu, CPU, m) { m.impl("linear", &linear); }
+TORCH_LIBRARY_IMPL(specdec_cpu, CPU, m) { m.impl("linear", &specdec_cpu::linear); }

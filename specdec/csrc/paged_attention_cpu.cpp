@@ -15,6 +15,8 @@
 // contiguous (any other strides); caches [num_blocks, block_size, KVH, D] contiguous;
 // block tables int32 or int64. Output [T, H, D] contiguous, the query's dtype.
 
+#include "cpu_kernels.h"
+
 #include <torch/extension.h>
 
 #include <ATen/Parallel.h>
@@ -27,6 +29,7 @@
 #include <type_traits>
 #include <vector>
 
+namespace specdec_cpu {
 namespace {
 
 // Query segments up to this length use the kernel below; longer ones use SDPA.
@@ -39,29 +42,6 @@ template <typename T>
 inline void to_float_row(const T* src, float* dst, int64_t n) {
 #pragma omp simd
   for (int64_t i = 0; i < n; ++i) dst[i] = static_cast<float>(src[i]);
-}
-
-// e^x for x <= 0 (softmax arguments after subtracting the maximum) in plain arithmetic the
-// compiler vectorises, unlike std::exp: x = n ln2 + r with |r| <= ln2 / 2, e^r by its
-// degree-7 Taylor polynomial (relative error below 2e-7, about fp32's rounding), 2^n by
-// building the exponent bits. Arguments below -87 are clamped there (e^-87 ~ 1.6e-38, nothing
-// beside the row maximum's weight of 1).
-inline float exp_nonpositive(float x) {
-  x = std::max(x, -87.f);
-  const float n = std::nearbyint(x * 1.44269504088896341f);
-  const float r = std::fma(n, -0.693145751953125f, std::fma(n, -1.428606765330187e-06f, x));
-  float p = 1.f / 5040.f;
-  p = std::fma(p, r, 1.f / 720.f);
-  p = std::fma(p, r, 1.f / 120.f);
-  p = std::fma(p, r, 1.f / 24.f);
-  p = std::fma(p, r, 1.f / 6.f);
-  p = std::fma(p, r, 0.5f);
-  p = std::fma(p, r, 1.f);
-  p = std::fma(p, r, 1.f);
-  const int32_t bits = (static_cast<int32_t>(n) + 127) << 23;
-  float scale;
-  std::memcpy(&scale, &bits, sizeof(scale));
-  return p * scale;
 }
 
 // Sixteen floats in one value, for the loops over head_dim when it is a multiple of 16: GCC
@@ -190,7 +170,7 @@ void attend_segment(const T* query, int64_t query_token_stride, int64_t query_he
       float total = 0.f;
 #pragma omp simd reduction(+ : total)
       for (int64_t p = 0; p < row_visible; ++p) {
-        row[p] = exp_nonpositive(row[p] - max_score);
+        row[p] = exp_clamped(row[p] - max_score);
         total += row[p];
       }
       const float inverse = row_visible > 0 ? 1.f / total : 0.f;
@@ -285,6 +265,8 @@ at::Tensor attend_long_segment(const at::Tensor& query, const at::Tensor& key, c
   return out.squeeze(0).transpose(0, 1);
 }
 
+}  // namespace
+
 at::Tensor paged_attention(const at::Tensor& query, const at::Tensor& key, const at::Tensor& value,
                            at::Tensor key_cache, at::Tensor value_cache, const at::Tensor& slot_mapping,
                            const std::vector<int64_t>& query_start_locs,
@@ -370,9 +352,4 @@ at::Tensor paged_attention(const at::Tensor& query, const at::Tensor& key, const
   return out;
 }
 
-}  // namespace
-
-PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("paged_attention", &paged_attention,
-        "Write this step's K/V into the paged cache, then attend every query token");
-}
+}  // namespace specdec_cpu

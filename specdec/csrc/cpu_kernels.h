@@ -1,0 +1,48 @@
+// The entry points specdec's CPU kernels share across their source files (one extension
+// module, built by specdec/cpu_extension.py).
+#pragma once
+
+#include <ATen/ATen.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+namespace specdec_cpu {
+
+// e^x in plain arithmetic the compiler vectorises, unlike std::exp: x = n ln2 + r with
+// |r| <= ln2 / 2, e^r by its degree-7 Taylor polynomial (relative error below 2e-7, about
+// fp32's rounding), 2^n by building the exponent bits. x is clamped to [-87, 88] (e^-87 ~
+// 1.6e-38: a softmax weight of nothing, a SiLU of -0; e^88 ~ 1.7e38 stays finite).
+inline float exp_clamped(float x) {
+  x = std::min(std::max(x, -87.f), 88.f);
+  const float n = std::nearbyint(x * 1.44269504088896341f);
+  const float r = std::fma(n, -0.693145751953125f, std::fma(n, -1.428606765330187e-06f, x));
+  float p = 1.f / 5040.f;
+  p = std::fma(p, r, 1.f / 720.f);
+  p = std::fma(p, r, 1.f / 120.f);
+  p = std::fma(p, r, 1.f / 24.f);
+  p = std::fma(p, r, 1.f / 6.f);
+  p = std::fma(p, r, 0.5f);
+  p = std::fma(p, r, 1.f);
+  p = std::fma(p, r, 1.f);
+  const int32_t bits = (static_cast<int32_t>(n) + 127) << 23;
+  float scale;
+  std::memcpy(&scale, &bits, sizeof(scale));
+  return p * scale;
+}
+
+// linear_cpu.cpp: y = x W^T + b, row-invariant (see there); also torch.ops.specdec_cpu.linear.
+at::Tensor linear(const at::Tensor& x, const at::Tensor& weight, const c10::optional<at::Tensor>& bias);
+bool linear_supports(at::ScalarType dtype);
+
+// paged_attention_cpu.cpp: writes the step's K/V into the paged cache, attends every query token.
+at::Tensor paged_attention(const at::Tensor& query, const at::Tensor& key, const at::Tensor& value,
+                           at::Tensor key_cache, at::Tensor value_cache, const at::Tensor& slot_mapping,
+                           const std::vector<int64_t>& query_start_locs,
+                           const std::vector<int64_t>& context_lens,
+                           const std::vector<at::Tensor>& block_tables, double scale);
+
+}  // namespace specdec_cpu

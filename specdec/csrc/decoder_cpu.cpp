@@ -1,0 +1,226 @@
+// Every decoder layer of a Llama-family model in one call, on the CPU (see
+// specdec/models/cpu_stack.py for where it is used and what it accepts).
+//
+// Why: with the linears and the attention in C++ (linear_cpu.cpp, paged_attention_cpu.cpp),
+// a decode step of the default model spent ~2 ms of its ~7.4 (bf16, 2 cores) between them:
+// the norms, RoPE, SiLU and residual adds as inductor's small fused kernels, each called
+// from its Python wrapper, ~8 calls a layer, plus dynamo's guards. Here one call runs the
+// embedding lookup, the 30 layers and the final norm; the elementwise work is a few plain
+// loops over rows, and nothing is compiled at start-up.
+//
+// Numerics follow transformers' LlamaForCausalLM in the model's dtype, as the eager model
+// does: RMSNorm's statistic in fp32, the normed row rounded to the dtype before the weight
+// multiplies it; each RoPE product and sum, SiLU, the gate product and each residual add
+// rounded to the dtype. The row statistic and e^x are not computed as ATen does, so results
+// may differ from the eager model's in the last bit (tests hold them to rounding).
+//
+// Row invariance: every elementwise step computes a row from that row alone in a fixed
+// order, the linears are row-invariant (in bf16 up to 128 rows) and so is the attention, so
+// a token's outputs are bit-identical in a one-token decode and in a verify window. That is
+// what makes greedy speculation reproduce plain decoding in 16 bits.
+
+#include "cpu_kernels.h"
+
+#include <torch/extension.h>
+
+#include <ATen/Parallel.h>
+
+namespace specdec_cpu {
+namespace {
+
+// Elementwise work is split over threads by rows, at least this many a task (a decode step's
+// few rows are cheaper than forking).
+constexpr int64_t kRowsPerTask = 16;
+
+template <typename F>
+void for_rows(int64_t rows, const F& body) {
+  if (rows <= kRowsPerTask) {
+    body(0, rows);
+  } else {
+    at::parallel_for(0, rows, kRowsPerTask, body);
+  }
+}
+
+template <typename T>
+inline float f32(T v) {
+  return static_cast<float>(v);
+}
+
+// out = weight * (x / rms(x)): the statistic in fp32, the normed row rounded to T.
+template <typename T>
+void rms_norm(const T* x, const T* weight, T* out, int64_t rows, int64_t width, float eps) {
+  for_rows(rows, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      const T* xr = x + r * width;
+      T* o = out + r * width;
+      float sum_sq = 0.f;
+#pragma omp simd reduction(+ : sum_sq)
+      for (int64_t i = 0; i < width; ++i) sum_sq += f32(xr[i]) * f32(xr[i]);
+      const float inv_rms = 1.f / std::sqrt(sum_sq / static_cast<float>(width) + eps);
+#pragma omp simd
+      for (int64_t i = 0; i < width; ++i) {
+        const T normed = static_cast<T>(f32(xr[i]) * inv_rms);
+        o[i] = static_cast<T>(f32(weight[i]) * f32(normed));
+      }
+    }
+  });
+}
+
+// RoPE in place on the first `num_heads` heads of each row (the query and key heads of a
+// fused qkv row): x * cos + rotate_half(x) * sin, each product and the sum rounded to T.
+template <typename T>
+void rotate(T* rows_data, int64_t row_stride, const int64_t* positions, const T* cos, const T* sin,
+            int64_t rows, int64_t num_heads, int64_t head_dim) {
+  const int64_t half = head_dim / 2;
+  for_rows(rows, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      const T* c = cos + positions[r] * head_dim;
+      const T* s = sin + positions[r] * head_dim;
+      for (int64_t h = 0; h < num_heads; ++h) {
+        T* x = rows_data + r * row_stride + h * head_dim;
+#pragma omp simd
+        for (int64_t i = 0; i < half; ++i) {
+          const float x1 = f32(x[i]), x2 = f32(x[i + half]);
+          const T first = static_cast<T>(f32(static_cast<T>(x1 * f32(c[i]))) +
+                                         f32(static_cast<T>(-x2 * f32(s[i]))));
+          const T second = static_cast<T>(f32(static_cast<T>(x2 * f32(c[i + half]))) +
+                                          f32(static_cast<T>(x1 * f32(s[i + half]))));
+          x[i] = first;
+          x[i + half] = second;
+        }
+      }
+    }
+  });
+}
+
+// out = silu(gate) * up for rows [gate | up] of width 2 * size; silu rounded to T first.
+template <typename T>
+void silu_mul(const T* gate_up, T* out, int64_t rows, int64_t size) {
+  for_rows(rows, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      const T* gate = gate_up + r * 2 * size;
+      const T* up = gate + size;
+      T* o = out + r * size;
+#pragma omp simd
+      for (int64_t i = 0; i < size; ++i) {
+        const float g = f32(gate[i]);
+        const T activated = static_cast<T>(g / (1.f + exp_clamped(-g)));
+        o[i] = static_cast<T>(f32(activated) * f32(up[i]));
+      }
+    }
+  });
+}
+
+template <typename T>
+void add(const T* a, const T* b, T* out, int64_t rows, int64_t width) {
+  for_rows(rows, [&](int64_t begin, int64_t end) {
+#pragma omp simd
+    for (int64_t i = begin * width; i < end * width; ++i) out[i] = static_cast<T>(f32(a[i]) + f32(b[i]));
+  });
+}
+
+// A layer's tensors in `layer_tensors`, in this order; a bias of no elements means none.
+enum LayerTensor : int64_t {
+  kInputNorm, kQkvWeight, kQkvBias, kOWeight, kOBias, kPostNorm, kGateUpWeight, kGateUpBias,
+  kDownWeight, kDownBias, kTensorsPerLayer
+};
+
+c10::optional<at::Tensor> bias_of(const at::Tensor& bias) {
+  return bias.numel() ? c10::optional<at::Tensor>(bias) : c10::nullopt;
+}
+
+}  // namespace
+
+// Returns {final normed hidden [T, H], then the residual entering each of aux_layer_ids}.
+std::vector<at::Tensor> decoder_stack(
+    const at::Tensor& input_ids, const at::Tensor& positions, const at::Tensor& embed_weight,
+    const at::Tensor& cos, const at::Tensor& sin, const std::vector<at::Tensor>& layer_tensors,
+    const at::Tensor& final_norm, const std::vector<at::Tensor>& key_caches,
+    const std::vector<at::Tensor>& value_caches, const at::Tensor& slot_mapping,
+    const std::vector<int64_t>& query_start_locs, const std::vector<int64_t>& context_lens,
+    const std::vector<at::Tensor>& block_tables, const std::vector<int64_t>& aux_layer_ids,
+    int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, int64_t intermediate_size, double eps,
+    double scale) {
+  const int64_t num_layers = static_cast<int64_t>(key_caches.size());
+  TORCH_CHECK(static_cast<int64_t>(layer_tensors.size()) == num_layers * kTensorsPerLayer &&
+                  static_cast<int64_t>(value_caches.size()) == num_layers,
+              "decoder_stack: ", kTensorsPerLayer, " tensors and one K and V cache per layer expected");
+  TORCH_CHECK(input_ids.dim() == 1 && positions.dim() == 1 && positions.size(0) == input_ids.size(0),
+              "decoder_stack: input_ids and positions must be [num_tokens]");
+  const at::ScalarType dtype = embed_weight.scalar_type();
+  TORCH_CHECK(dtype == at::kFloat || dtype == at::kBFloat16, "decoder_stack runs fp32 or bf16 models, not ",
+              dtype);
+  for (const at::Tensor& t : layer_tensors) {
+    TORCH_CHECK(!t.numel() || (t.scalar_type() == dtype && t.is_contiguous()),
+                "decoder_stack: every layer tensor must be contiguous ", dtype);
+  }
+  TORCH_CHECK(cos.scalar_type() == dtype && sin.scalar_type() == dtype && final_norm.scalar_type() == dtype &&
+                  cos.is_contiguous() && sin.is_contiguous() && cos.size(1) == head_dim,
+              "decoder_stack: the RoPE tables and the final norm must be contiguous ", dtype);
+  const int64_t hidden_size = embed_weight.size(1);
+  const int64_t q_size = num_heads * head_dim, kv_size = num_kv_heads * head_dim;
+  const int64_t num_tokens = input_ids.size(0);
+  const at::Tensor position_rows = positions.to(at::kLong).contiguous();
+  const int64_t* position_data = position_rows.data_ptr<int64_t>();
+  for (int64_t t = 0; t < num_tokens; ++t) {
+    TORCH_CHECK(position_data[t] >= 0 && position_data[t] < cos.size(0), "decoder_stack: position ",
+                position_data[t], " is outside the RoPE table (", cos.size(0), " positions)");
+  }
+  const float norm_eps = static_cast<float>(eps);
+
+  std::vector<at::Tensor> aux(aux_layer_ids.size());
+  at::Tensor hidden = at::index_select(embed_weight, 0, input_ids.to(at::kLong));  // [T, H]
+  AT_DISPATCH_FLOATING_TYPES_AND(at::kBFloat16, dtype, "decoder_stack", [&] {
+    using T = scalar_t;
+    for (int64_t layer = 0; layer < num_layers; ++layer) {
+      for (size_t j = 0; j < aux_layer_ids.size(); ++j) {
+        if (aux_layer_ids[j] == layer) aux[j] = hidden;
+      }
+      const at::Tensor* w = layer_tensors.data() + layer * kTensorsPerLayer;
+      at::Tensor normed = at::empty_like(hidden);
+      rms_norm<T>(hidden.data_ptr<T>(), w[kInputNorm].data_ptr<T>(), normed.data_ptr<T>(), num_tokens,
+                  hidden_size, norm_eps);
+      at::Tensor qkv = specdec_cpu::linear(normed, w[kQkvWeight], bias_of(w[kQkvBias]));  // [T, q + 2 kv]
+      TORCH_CHECK(qkv.size(1) == q_size + 2 * kv_size, "decoder_stack: layer ", layer,
+                  "'s qkv projection does not fit the heads");
+      rotate<T>(qkv.data_ptr<T>(), qkv.size(1), position_data, cos.data_ptr<T>(),
+                sin.data_ptr<T>(), num_tokens, num_heads + num_kv_heads, head_dim);
+      const at::Tensor query = qkv.narrow(1, 0, q_size).view({num_tokens, num_heads, head_dim});
+      const at::Tensor key = qkv.narrow(1, q_size, kv_size).view({num_tokens, num_kv_heads, head_dim});
+      const at::Tensor value = qkv.narrow(1, q_size + kv_size, kv_size).view({num_tokens, num_kv_heads, head_dim});
+      const at::Tensor attended = specdec_cpu::paged_attention(query, key, value, key_caches[layer], value_caches[layer],
+                                                  slot_mapping, query_start_locs, context_lens, block_tables,
+                                                  scale);  // [T, heads, head_dim]
+      const at::Tensor projected = specdec_cpu::linear(attended.view({num_tokens, q_size}), w[kOWeight], bias_of(w[kOBias]));
+      at::Tensor residual = at::empty_like(hidden);
+      add<T>(hidden.data_ptr<T>(), projected.data_ptr<T>(), residual.data_ptr<T>(), num_tokens, hidden_size);
+      rms_norm<T>(residual.data_ptr<T>(), w[kPostNorm].data_ptr<T>(), normed.data_ptr<T>(), num_tokens,
+                  hidden_size, norm_eps);
+      const at::Tensor gate_up = specdec_cpu::linear(normed, w[kGateUpWeight], bias_of(w[kGateUpBias]));
+      TORCH_CHECK(gate_up.size(1) == 2 * intermediate_size, "decoder_stack: layer ", layer,
+                  "'s gate_up projection is not 2 x intermediate_size wide");
+      at::Tensor activated = at::empty({num_tokens, intermediate_size}, hidden.options());
+      silu_mul<T>(gate_up.data_ptr<T>(), activated.data_ptr<T>(), num_tokens, intermediate_size);
+      const at::Tensor down = specdec_cpu::linear(activated, w[kDownWeight], bias_of(w[kDownBias]));
+      at::Tensor next = at::empty_like(hidden);
+      add<T>(residual.data_ptr<T>(), down.data_ptr<T>(), next.data_ptr<T>(), num_tokens, hidden_size);
+      hidden = next;
+    }
+    at::Tensor out = at::empty_like(hidden);
+    rms_norm<T>(hidden.data_ptr<T>(), final_norm.data_ptr<T>(), out.data_ptr<T>(), num_tokens, hidden_size,
+                norm_eps);
+    hidden = out;
+  });
+  std::vector<at::Tensor> result{hidden};
+  result.insert(result.end(), aux.begin(), aux.end());
+  return result;
+}
+
+}  // namespace specdec_cpu
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("paged_attention", &specdec_cpu::paged_attention,
+        "Write this step's K/V into the paged cache, then attend every query token");
+  m.def("decoder_stack", &specdec_cpu::decoder_stack,
+        "Embedding, every decoder layer and the final norm of a Llama-family model in one call");
+}

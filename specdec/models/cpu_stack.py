@@ -1,0 +1,142 @@
+"""`CpuDecoderStack`: a Llama-family model's forward (embedding, layers, final norm) in one
+C++ call on the CPU (`specdec/csrc/decoder_cpu.cpp`).
+
+Why: once the linears and the attention ran in C++, what was left of a decode step's time
+outside them (about a quarter, bf16, default model, 2 cores) was the glue: norms, RoPE,
+SiLU and residual adds as inductor's small kernels called from Python, and dynamo's guards.
+The stack does that glue in C++ loops around the same linear and attention kernels, and
+needs no compilation at start-up. The LM head stays with the model (`compute_logits`).
+
+It takes the model as loaded and packed (`PackedLinear` with the `cpu` kernel, or plain
+linears), reads the weights in place, and has the model's forward contract, so the
+`ModelRunner` calls it as it calls the model. It runs fp32 and bf16 models without q/k norms
+(Llama, SmolLM2, Mistral, Qwen2) where the C++ linear has the dtype; `make_cpu_stack` says
+why not otherwise and the caller keeps the compiled or eager forward. Numerics and row
+invariance: see the C++ file (each step rounded as the eager model rounds it; a token's
+result does not depend on the other tokens of its step).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+
+import torch
+from torch import nn
+
+from specdec.attention import AttentionMetadata
+from specdec.cpu_extension import linear_supports, load_extension
+from specdec.kv_cache import KVCache
+from specdec.models.llama import LlamaForCausalLM
+from specdec.models.packed_linear import PackedLinear
+
+logger = logging.getLogger(__name__)
+
+# Set to 0 to keep the compiled or eager forward on the CPU (for comparisons).
+CPU_STACK_ENV = "SPECDEC_CPU_STACK"
+
+
+def _weight_and_bias(linear: nn.Module) -> tuple[torch.Tensor, torch.Tensor | None] | None:
+    """The [out, in] weight and bias a linear multiplies by, if the C++ linear can use them."""
+    if isinstance(linear, PackedLinear):
+        if linear.kernel != "cpu":
+            return None
+        weight, bias = linear.packed, linear.bias
+    elif isinstance(linear, nn.Linear):
+        weight, bias = linear.weight, linear.bias
+    else:
+        return None
+    if not weight.is_contiguous() or (bias is not None and not bias.is_contiguous()):
+        return None
+    return weight.detach(), None if bias is None else bias.detach()
+
+
+def unsupported_reason(model: nn.Module) -> str | None:
+    """Why `model` cannot run as a `CpuDecoderStack` here, or None if it can."""
+    if os.environ.get(CPU_STACK_ENV, "1").strip() == "0":
+        return f"{CPU_STACK_ENV}=0"
+    if not isinstance(model, LlamaForCausalLM):
+        return f"{type(model).__name__} is not a LlamaForCausalLM"
+    embed = model.model.embed_tokens.weight
+    if embed.device.type != "cpu":
+        return f"the model is on {embed.device.type}"
+    if embed.dtype not in (torch.float32, torch.bfloat16) or not linear_supports(embed.dtype):
+        return f"no C++ linear for {embed.dtype} on this machine"
+    if model.config.qk_norm:
+        return "q/k norms are not implemented in the stack"
+    for layer in model.model.layers:
+        attn, mlp = layer.self_attn, layer.mlp
+        if attn.num_heads != model.config.num_attention_heads:
+            return "a tensor-parallel shard"
+        for linear in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj):
+            parts = _weight_and_bias(linear)
+            if parts is None or parts[0].dtype != embed.dtype:
+                return f"a linear the C++ kernel cannot use ({linear})"
+    return None
+
+
+class CpuDecoderStack:
+    """The model's forward through `decoder_stack`; see the module docstring."""
+
+    def __init__(self, model: LlamaForCausalLM) -> None:
+        reason = unsupported_reason(model)
+        if reason is not None:
+            raise ValueError(f"the C++ decoder stack cannot run this model: {reason}")
+        kernel = load_extension()
+        assert kernel is not None, "unsupported_reason checked the extension"
+        self._kernel = kernel
+        self.model = model
+        self.config = config = model.config
+        self._num_layers = config.num_hidden_layers
+        empty = model.model.embed_tokens.weight.new_empty(0)
+        tensors: list[torch.Tensor] = []
+        for layer in model.model.layers:
+            attn, mlp = layer.self_attn, layer.mlp
+            tensors.append(layer.input_layernorm.weight.detach())
+            for linear in (attn.qkv_proj, attn.o_proj):
+                weight, bias = _weight_and_bias(linear)  # type: ignore[misc]
+                tensors += [weight, empty if bias is None else bias]
+            tensors.append(layer.post_attention_layernorm.weight.detach())
+            for linear in (mlp.gate_up_proj, mlp.down_proj):
+                weight, bias = _weight_and_bias(linear)  # type: ignore[misc]
+                tensors += [weight, empty if bias is None else bias]
+        self._layer_tensors = [tensor.contiguous() for tensor in tensors]
+        self._embed = model.model.embed_tokens.weight.detach()
+        self._final_norm = model.model.norm.weight.detach()
+        self._rotary = model.model.rotary_emb
+        self._shape = (config.num_attention_heads, config.num_key_value_heads, config.head_dim,
+                       config.intermediate_size, float(config.rms_norm_eps), config.head_dim**-0.5)
+
+    def __call__(
+        self,
+        input_ids: torch.Tensor,  # [num_tokens] int64
+        positions: torch.Tensor,  # [num_tokens] int64
+        kv_cache: KVCache,
+        attn_metadata: AttentionMetadata,
+        aux_layer_ids: tuple[int, ...] = (),
+    ) -> torch.Tensor | tuple[torch.Tensor, list[torch.Tensor]]:
+        """As `LlamaForCausalLM.forward`: the final normed hidden states, with the residual
+        streams entering `aux_layer_ids` when asked."""
+        outside = [i for i in aux_layer_ids if not 0 <= i < self._num_layers]
+        if outside:
+            raise ValueError(f"aux_layer_ids {outside} outside [0, {self._num_layers})")
+        outputs = self._kernel.decoder_stack(
+            input_ids, positions, self._embed, self._rotary.cos_cache, self._rotary.sin_cache,
+            self._layer_tensors, self._final_norm, kv_cache.key_caches, kv_cache.value_caches,
+            attn_metadata.slot_mapping, attn_metadata.query_start_locs, attn_metadata.context_lens,
+            attn_metadata.block_tables, list(aux_layer_ids), *self._shape)
+        if not aux_layer_ids:
+            return outputs[0]
+        return outputs[0], list(outputs[1:])
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.model.compute_logits(hidden)
+
+
+def make_cpu_stack(model: nn.Module) -> CpuDecoderStack | None:
+    """A `CpuDecoderStack` over `model`, or None (logged) where it cannot run it."""
+    reason = unsupported_reason(model)
+    if reason is not None:
+        logger.info("C++ decoder stack not used: %s", reason)
+        return None
+    return CpuDecoderStack(model)  # type: ignore[arg-type]

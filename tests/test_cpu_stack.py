@@ -1,0 +1,163 @@
+"""The C++ decoder stack (`specdec.models.cpu_stack`): what it runs, its numerics, and where
+the verifier uses it. Its logits against transformers' are in tests/test_model.py (every
+flavour it runs), its bf16 verify windows against one-token decodes and exact bf16
+speculation in tests/test_bf16_speculation.py."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from specdec.attention import AttentionMetadata
+from specdec.cpu_extension import linear_supports
+from specdec.kv_cache import KVCache
+from specdec.models.compiled_forward import CompiledForward
+from specdec.models.cpu_stack import CPU_STACK_ENV, CpuDecoderStack, make_cpu_stack, unsupported_reason
+from specdec.models.loader import load_model
+from specdec.models.packed_linear import pack_linears
+from tests.engine_driver import generate
+from tests.test_engine import PROMPTS, EngineHarness, greedy
+from tests.tiny_models import make_tiny_llama
+
+pytestmark = pytest.mark.skipif(not linear_supports(torch.float32),
+                                reason="specdec's C++ linear is not built for this CPU")
+
+BLOCK_SIZE = 4
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return make_tiny_llama(tmp_path_factory.mktemp("tiny-stack"), hidden_size=64, num_layers=3)
+
+
+def _step(work: list[tuple[list[int], int, list[int]]]) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
+    """(input_ids, positions, metadata) for sequences (token ids, start position, block table)."""
+    input_ids, positions, slots, starts, context_lens = [], [], [], [0], []
+    for token_ids, start, table in work:
+        for offset, token_id in enumerate(token_ids):
+            position = start + offset
+            input_ids.append(token_id)
+            positions.append(position)
+            slots.append(table[position // BLOCK_SIZE] * BLOCK_SIZE + position % BLOCK_SIZE)
+        starts.append(starts[-1] + len(token_ids))
+        context_lens.append(start + len(token_ids))
+    return (torch.tensor(input_ids), torch.tensor(positions),
+            AttentionMetadata(slot_mapping=torch.tensor(slots), query_start_locs=starts, context_lens=context_lens,
+                              block_tables=[torch.tensor(table) for _, _, table in work]))
+
+
+def _run(forward: CpuDecoderStack, work: list[tuple[list[int], int, list[int]]], cache: KVCache) -> torch.Tensor:
+    input_ids, positions, metadata = _step(work)
+    return forward(input_ids, positions, cache, metadata)  # type: ignore[return-value]
+
+
+def _tokens(count: int, seed: int, vocab_size: int = 96) -> list[int]:
+    return torch.randint(3, vocab_size, (count,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_the_stack_computes_the_models_forward(model_dir: Path, dtype: torch.dtype) -> None:
+    """Prefill, decode, a verify window and a mixed step, with the aux states and the KV cache
+    written: the stack equals the model to its dtype's rounding."""
+    if not linear_supports(dtype):
+        pytest.skip(f"no C++ linear for {dtype} here")
+    model = load_model(model_dir, dtype, torch.device("cpu"))
+    pack_linears(model, "cpu")
+    stack = CpuDecoderStack(model)
+    caches = [KVCache.allocate(model.config, 32, BLOCK_SIZE, dtype, torch.device("cpu")) for _ in range(2)]
+    for cache in caches:
+        for tensor in cache.key_caches + cache.value_caches:
+            tensor.zero_()  # allocated uninitialised
+    first, second = _tokens(30, seed=1), _tokens(12, seed=2)
+    table_a, table_b = [9, 3, 14, 0, 7, 21, 2, 11, 5, 30], [17, 1, 25, 8]
+    steps = [[(first[:17], 0, table_a)], [(first[17:18], 17, table_a)], [(first[18:23], 18, table_a)],
+             [(second[:9], 0, table_b), (first[23:24], 23, table_a)], [(first[24:30], 24, table_a),
+                                                                     (second[9:12], 9, table_b)]]
+    tolerance = {"atol": 1e-4, "rtol": 0} if dtype == torch.float32 else {"atol": 0.1, "rtol": 0.02}
+    with torch.inference_mode():
+        for work in steps:
+            input_ids, positions, metadata = _step(work)
+            expected, expected_aux = model(input_ids, positions, caches[0], metadata, aux_layer_ids=(0, 2))
+            hidden, aux = stack(input_ids, positions, caches[1], metadata, aux_layer_ids=(0, 2))
+            torch.testing.assert_close(hidden.float(), expected.float(), **tolerance)
+            for got, want in zip(aux, expected_aux):
+                torch.testing.assert_close(got.float(), want.float(), **tolerance)
+            assert hidden.dtype == dtype and hidden.shape == expected.shape
+    for cache in ("key_caches", "value_caches"):
+        for got, want in zip(getattr(caches[1], cache), getattr(caches[0], cache)):
+            torch.testing.assert_close(got.float(), want.float(), **tolerance)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_a_sequence_computes_the_same_alone_and_batched(model_dir: Path, dtype: torch.dtype) -> None:
+    """Batch invariance: a sequence's rows are bit-identical whether its step holds other
+    sequences (a prefill chunk, another verify window) or not."""
+    if not linear_supports(dtype):
+        pytest.skip(f"no C++ linear for {dtype} here")
+    model = load_model(model_dir, dtype, torch.device("cpu"))
+    pack_linears(model, "cpu")
+    stack = CpuDecoderStack(model)
+    cache = KVCache.allocate(model.config, 32, BLOCK_SIZE, dtype, torch.device("cpu"))
+    tokens, other = _tokens(14, seed=3), _tokens(20, seed=4)
+    table, other_table = [4, 12, 6, 1], [2, 9, 10, 15, 3, 18]
+    with torch.inference_mode():
+        _run(stack, [(tokens[:10], 0, table)], cache)
+        alone = _run(stack, [(tokens[10:14], 10, table)], cache)
+        batched = _run(stack, [(other[:16], 0, other_table), (tokens[10:14], 10, table),
+                               (other[16:20], 16, other_table)], cache)
+    assert torch.equal(batched[16:20], alone)
+
+
+def test_what_the_stack_leaves_to_the_model(model_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    model = load_model(model_dir, torch.float32, torch.device("cpu"))
+    assert unsupported_reason(model) is None
+    pack_linears(model, "int8")  # weight-only int8: a kernel the C++ linear is not
+    assert "a linear the C++ kernel cannot use" in unsupported_reason(model)
+    assert make_cpu_stack(model) is None
+    with pytest.raises(ValueError, match="cannot run this model"):
+        CpuDecoderStack(model)
+    assert "is not a LlamaForCausalLM" in unsupported_reason(torch.nn.Linear(2, 2))
+    monkeypatch.setenv(CPU_STACK_ENV, "0")
+    assert unsupported_reason(load_model(model_dir, torch.float32, torch.device("cpu"))) == f"{CPU_STACK_ENV}=0"
+
+
+def test_bad_steps_are_refused(model_dir: Path) -> None:
+    model = load_model(model_dir, torch.float32, torch.device("cpu"))
+    stack = CpuDecoderStack(model)
+    cache = KVCache.allocate(model.config, 32, BLOCK_SIZE, torch.float32, torch.device("cpu"))
+    input_ids, positions, metadata = _step([([5, 6], 0, [0])])
+    with torch.inference_mode():
+        with pytest.raises(RuntimeError, match="outside the RoPE table"):
+            stack(input_ids, torch.tensor([0, 10**6]), cache, metadata)
+        with pytest.raises(ValueError, match="aux_layer_ids"):
+            stack(input_ids, positions, cache, metadata, aux_layer_ids=(3,))
+        with pytest.raises(RuntimeError, match="one K and V cache per layer"):
+            short = KVCache.allocate(model.config, 32, BLOCK_SIZE, torch.float32, torch.device("cpu"))
+            short.key_caches = short.key_caches[:1]
+            stack(input_ids, positions, short, metadata)
+        assert stack(input_ids, positions, cache, metadata).shape == (2, model.config.hidden_size)
+
+
+async def test_the_verifier_runs_the_stack_on_the_cpu(model_dir: Path, monkeypatch: pytest.MonkeyPatch,
+                                                      caplog: pytest.LogCaptureFixture) -> None:
+    """The stack is the CPU verifier's forward, compiling or not; with it turned off, the
+    compiled forward; quantised int8, the model; every one answers the same greedy tokens."""
+    outputs = {}
+    with caplog.at_level("INFO"):
+        async with EngineHarness(model_dir, "cpu", k=3, compile=True) as engine:
+            assert isinstance(engine.runner.forward, CpuDecoderStack)
+            outputs["stack"] = [await generate(engine, prompt, greedy()) for prompt in PROMPTS]
+            assert engine.spec.num_accepted_tokens > 0
+    assert "(C++ decoder stack)" in caplog.text
+    async with EngineHarness(model_dir, "cpu", quantization="int8") as engine:
+        assert engine.runner.forward is engine.runner.model
+    monkeypatch.setenv(CPU_STACK_ENV, "0")
+    async with EngineHarness(model_dir, "cpu", compile=True) as engine:
+        assert isinstance(engine.runner.forward, CompiledForward)
+        outputs["compiled"] = [await generate(engine, prompt, greedy()) for prompt in PROMPTS]
+    async with EngineHarness(model_dir, "cpu") as engine:
+        assert engine.runner.forward is engine.runner.model
+        outputs["eager"] = [await generate(engine, prompt, greedy()) for prompt in PROMPTS]
+    assert outputs["stack"] == outputs["compiled"] == outputs["eager"]
