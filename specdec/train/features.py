@@ -62,7 +62,9 @@ class FeatureSet:
 
     @classmethod
     def load(cls, path: Path) -> FeatureSet:
-        return cls(**torch.load(path, map_location="cpu", weights_only=True))
+        # Memory-mapped: trainers of several drafts running at once share one copy in the
+        # page cache (a million tokens of features is a few GiB).
+        return cls(**torch.load(path, map_location="cpu", weights_only=True, mmap=True))
 
 
 def _prefill(model: LlamaForCausalLM, sequences: list[list[int]], aux_layer_ids: tuple[int, ...],

@@ -129,19 +129,51 @@ _SENTENCES: tuple[str, ...] = (
 )
 
 
+_HOWTO_TEMPLATES: tuple[str, ...] = (
+    "How do I {h}?",
+    "Give me some tips to {h}.",
+    "What is the best way to {h}?",
+    "What mistakes should I avoid when I try to {h}?",
+    "I want to {h}. Where should I start?",
+    "Write a short checklist for anyone who wants to {h}.",
+    "My friend wants to {h}. What advice would you give?",
+    "Explain, in numbered steps, how to {h}.",
+)
+
+_ACTIVITIES: tuple[str, ...] = (
+    "learn to swim as an adult", "plan a family road trip", "write a cover letter",
+    "save money for a new bicycle", "organise a small kitchen", "start jogging",
+    "cook fluffy rice", "prepare for a history exam", "make friends in a new city",
+    "fix a flat bicycle tyre", "grow herbs on a windowsill", "clean a laptop keyboard",
+    "choose a novel to read", "write a good summary of an article", "give constructive feedback",
+    "keep a daily journal", "reduce my screen time", "improve my handwriting",
+    "bake chocolate chip cookies", "brew a good cup of tea", "set up a home office",
+    "host a dinner party", "learn to draw faces", "take better photos with a phone",
+    "memorise a short speech", "back up my computer files", "paint a bedroom wall",
+    "learn the guitar", "write a short mystery story", "train for a five kilometre race",
+    "keep houseplants alive", "negotiate a higher salary", "prepare a healthy lunch box",
+    "run an efficient team meeting", "learn basic sign language", "start a vegetable garden",
+    "write clean Python code", "debug a program that crashes", "choose a laptop for college",
+    "declutter a wardrobe", "make a monthly budget", "care for a pet goldfish",
+    "improve my chess game", "teach a child to ride a bike", "write a good essay introduction",
+    "speak more confidently in class", "organise a neighbourhood clean-up", "make homemade soup",
+)
+
+
 def _subject_prompts(rng: random.Random) -> list[str]:
     prompts = []
     for subject in _SUBJECTS:
-        for template in rng.sample(_TEMPLATES, 6):
+        for template in _TEMPLATES:
             other = rng.choice([s for s in _SUBJECTS if s != subject])
             prompts.append(template.format(s=subject, t=other))
     return prompts
 
 
 def training_prompts(seed: int = 0) -> list[str]:
-    """Every training instruction, deduplicated, shuffled with `seed` (a few thousand)."""
+    """Every training instruction, deduplicated, shuffled with `seed` (about five thousand)."""
     rng = random.Random(seed)
     prompts = _subject_prompts(rng)
+    prompts += [template.format(h=activity) for activity in _ACTIVITIES for template in _HOWTO_TEMPLATES]
     prompts += [template.format(c=task) for task in _CODE_TASKS for template in _CODE_TEMPLATES]
     for _ in range(120):
         a, b = rng.randint(3, 999), rng.randint(2, 99)
