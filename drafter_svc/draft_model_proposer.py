@@ -23,6 +23,7 @@ from specdec.config import SpeculativeConfig
 from specdec.device import resolve_device, resolve_dtype
 from specdec.errors import ConfigError
 from specdec.models import LlamaForCausalLM, load_model, load_tokenizer, resolve_model, tokenizer_fingerprint
+from specdec.models.cpu_stack import CpuDecoderStack, make_cpu_stack
 from specdec.models.packed_linear import pack_for_device
 
 logger = logging.getLogger(__name__)
@@ -35,15 +36,17 @@ class DraftModelProposer(ModelProposer):
     reuses_draft_kv = True
 
     def __init__(self, model: LlamaForCausalLM, info: ProposerInfo, pool: DraftKVPool,
-                 device: torch.device, options: ModelOptions) -> None:
+                 device: torch.device, options: ModelOptions,
+                 forward: CpuDecoderStack | None = None) -> None:
         super().__init__(info, pool, device, feature_dtype=torch.float32,
                          max_positions=model.max_positions, draft_sampling=options.draft_sampling,
                          seed=options.seed)
         self.model = model
+        self.forward: LlamaForCausalLM | CpuDecoderStack = forward or model
 
     def _forward(self, input_ids: torch.Tensor, positions: torch.Tensor, features: torch.Tensor | None,
                  from_target: bool, attn_metadata: AttentionMetadata) -> torch.Tensor:
-        hidden = self.model(input_ids, positions, self._pool.kv_cache, attn_metadata)
+        hidden = self.forward(input_ids, positions, self._pool.kv_cache, attn_metadata)
         assert isinstance(hidden, torch.Tensor)
         return hidden
 
@@ -73,6 +76,8 @@ def build_draft_model_method(config: SpeculativeConfig, options: ModelOptions
     target_dir = resolve_model(options.target_model) if borrowed else None
     model = load_model(model_dir, dtype, device, max_positions=options.max_model_len, borrow_from=target_dir)
     pack_for_device(model, device, dtype)
+    # On the CPU its layers run as the verifier's do, in one C++ call where that runs them.
+    forward = make_cpu_stack(model) if device.type == "cpu" else None
     has_tokenizer = any((model_dir / name).is_file() for name in ("tokenizer.json", "tokenizer_config.json"))
     tokenizer = load_tokenizer(model_dir if has_tokenizer or target_dir is None else target_dir)
     info = ProposerInfo(method="draft_model",
@@ -80,7 +85,7 @@ def build_draft_model_method(config: SpeculativeConfig, options: ModelOptions
                         vocab_size=model.config.vocab_size,
                         tokenizer_fingerprint=tokenizer_fingerprint(tokenizer))
     pool = DraftKVPool(model.config, options.num_blocks, options.block_size, dtype, device)
-    logger.info("draft_model %s: %d layers, vocab %d, k=%d, %s on %s", model_dir,
+    logger.info("draft_model %s: %d layers, vocab %d, k=%d, %s on %s%s", model_dir,
                 model.config.num_hidden_layers, model.config.vocab_size,
-                config.num_speculative_tokens, dtype, device)
-    return lambda: DraftModelProposer(model, info, pool, device, options)
+                config.num_speculative_tokens, dtype, device, " (C++ decoder stack)" if forward else "")
+    return lambda: DraftModelProposer(model, info, pool, device, options, forward)

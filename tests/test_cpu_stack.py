@@ -161,3 +161,14 @@ async def test_the_verifier_runs_the_stack_on_the_cpu(model_dir: Path, monkeypat
         assert engine.runner.forward is engine.runner.model
         outputs["eager"] = [await generate(engine, prompt, greedy()) for prompt in PROMPTS]
     assert outputs["stack"] == outputs["compiled"] == outputs["eager"]
+
+
+def test_a_draft_model_drafts_through_the_stack(model_dir: Path) -> None:
+    from drafter_svc.draft_model_proposer import build_draft_model_method
+    from drafter_svc.proposer import ModelOptions
+    from specdec.config import SpeculativeConfig
+
+    config = SpeculativeConfig(method="draft_model", model=str(model_dir), num_speculative_tokens=3)
+    proposer = build_draft_model_method(config, ModelOptions(target_model=str(model_dir), dtype="float32",
+                                                             device="cpu", num_blocks=16))()
+    assert isinstance(proposer.forward, CpuDecoderStack)
