@@ -164,3 +164,21 @@ def test_training_prompts_are_disjoint_from_the_measuring_prompts() -> None:
     for prompt in measuring:
         key = prompt.lower()
         assert not any(key in text or text in key for text in lowered), prompt
+
+
+def test_the_card_gives_the_runs_own_data_command(tmp_path: Path) -> None:
+    """`train data` records its flags (data.json -> features.json -> training.json); the card's
+    reproduce block shows them, and the first shipped drafts' flags where none were recorded."""
+    from specdec.train.card import render_card
+
+    generation = {"num_prompts": 4904, "sampled_fraction": 0.25, "temperature": 0.7, "max_tokens": 256,
+                  "batch_size": 96, "max_minutes": 40, "num_answers": 2649}
+    training = {"method": "eagle3", "data": {"num_sequences": 2749, "generation": generation},
+                "options": {"max_minutes": 60, "lr": 0.002}}
+    (tmp_path / "training.json").write_text(json.dumps(training))
+    card = render_card(tmp_path)
+    assert ("python -m specdec train data --work-dir W --num-prompts 4904 --batch-size 96 --max-tokens 256 "
+            "--max-minutes 40\n") in card
+    del training["data"]["generation"]
+    (tmp_path / "training.json").write_text(json.dumps(training))
+    assert "--num-prompts 1200 --batch-size 64 --max-tokens 128 --max-minutes 6\n" in render_card(tmp_path)

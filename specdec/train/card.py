@@ -30,6 +30,13 @@ def _read(path: Path) -> dict[str, Any] | None:
     return json.loads(path.read_text()) if path.is_file() else None
 
 
+def _data_flags(generation: dict[str, Any] | None) -> str:
+    """The `train data` flags of the run (`data.json`); the first shipped drafts' otherwise."""
+    generation = generation or {"num_prompts": 1200, "batch_size": 64, "max_tokens": 128, "max_minutes": 6}
+    return " ".join(f"--{key.replace('_', '-')} {generation[key]}"
+                    for key in ("num_prompts", "batch_size", "max_tokens", "max_minutes") if key in generation)
+
+
 def render_card(draft_dir: Path) -> str:
     draft_dir = Path(draft_dir)
     training = _read(draft_dir / "training.json") or {}
@@ -64,8 +71,7 @@ def render_card(draft_dir: Path) -> str:
         f"- Weights: {training.get('weight_bytes', 0) / 2**20:.1f} MiB, bfloat16.",
         *([f"- {training['notes']}"] if training.get("notes") else []),
         "", "Reproduce (each phase resumes; `--max-minutes` is each phase's budget):", "", "```bash",
-        "python -m specdec train data --work-dir W --num-prompts 1200 --batch-size 64 --max-tokens 128 "
-        "--max-minutes 6",
+        "python -m specdec train data --work-dir W " + _data_flags(data.get("generation")),
         f"python -m specdec train features --work-dir W --text-records {data.get('num_text', 0)}",
         f"python -m specdec train {method} --work-dir W --max-minutes "
         f"{training.get('options', {}).get('max_minutes', '?')} --lr {training.get('options', {}).get('lr', '?')} "

@@ -74,7 +74,7 @@ def _work_dir(args: argparse.Namespace) -> Path:
 
 
 def run_data(args: argparse.Namespace) -> None:
-    from specdec.train.data import GenerateOptions, generate
+    from specdec.train.data import GenerateOptions, generate, read_records
     from specdec.train.prompts import training_prompts
 
     options = GenerateOptions(model=args.model, output=_work_dir(args) / "distill.jsonl",
@@ -83,6 +83,12 @@ def run_data(args: argparse.Namespace) -> None:
                               batch_size=args.batch_size, max_minutes=args.max_minutes, seed=args.seed)
     written = generate(options, training_prompts(args.seed))
     logger.info("wrote %d answers to %s", written, options.output)
+    # How the answers were made, for the cards (`features` copies it into features.json).
+    (options.output.parent / "data.json").write_text(json.dumps({
+        "num_prompts": options.num_prompts, "sampled_fraction": options.sampled_fraction,
+        "temperature": options.temperature, "max_tokens": options.max_tokens,
+        "batch_size": options.batch_size, "max_minutes": options.max_minutes,
+        "num_answers": len(read_records(options.output))}, indent=2) + "\n")
 
 
 def _load_target(args: argparse.Namespace) -> tuple[Any, dict[str, Any]]:
@@ -114,7 +120,9 @@ def run_features(args: argparse.Namespace) -> None:
         "num_greedy": sum(1 for r in records if r["temperature"] == 0),
         "num_sampled": sum(1 for r in records if r["temperature"]),
         "num_text": sum(1 for r in records if r["temperature"] is None),
-        "sampled_temperature": max((r["temperature"] or 0.0 for r in records), default=0.0)}, indent=2))
+        "sampled_temperature": max((r["temperature"] or 0.0 for r in records), default=0.0),
+        **({"generation": json.loads((work_dir / "data.json").read_text())}
+           if (work_dir / "data.json").is_file() else {})}, indent=2))
     features.save(work_dir / "features.pt")
     logger.info("features of %d conversations, %d tokens -> %s", features.num_sequences,
                 features.num_tokens, work_dir / "features.pt")
