@@ -86,12 +86,15 @@ def render_card(draft_dir: Path) -> str:
                   f"{bench.get('dtype', 'float32')} on {bench.get('device', 'cpu')}; speedup is against "
                   "plain decoding measured in the same run.", "",
                   "| temperature | acceptance rate | mean acceptance length | per-position acceptance "
-                  "| tokens/s | plain tokens/s | speedup |",
-                  "|---|---|---|---|---|---|---|"]
+                  "| tokens/s | plain tokens/s | speedup | output identical to plain |",
+                  "|---|---|---|---|---|---|---|---|"]
         for row in bench.get("rows", []):
+            identical = {True: "yes", False: "no"}.get(row.get("identical_output"), "?")
+            if float(row["temperature"]) > 0:
+                identical = "n/a (sampled: same distribution, other draws)"
             lines.append(f"| {row['temperature']} | {row['acceptance_rate']} | {row['mean_acceptance_length']} "
                          f"| {row['per_position_acceptance']} | {row['spec_tokens_per_s']} "
-                         f"| {row['plain_tokens_per_s']} | {row['speedup']}x |")
+                         f"| {row['plain_tokens_per_s']} | {row['speedup']}x | {identical} |")
         if bench.get("note"):
             lines += ["", bench["note"]]
     return "\n".join(lines) + "\n"
