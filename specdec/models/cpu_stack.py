@@ -27,7 +27,7 @@ from torch import nn
 from specdec.attention import AttentionMetadata
 from specdec.cpu_extension import linear_supports, load_extension
 from specdec.kv_cache import KVCache
-from specdec.models.llama import LlamaForCausalLM
+from specdec.models.llama import LlamaForCausalLM, check_aux_layer_ids
 from specdec.models.packed_linear import PackedLinear
 
 logger = logging.getLogger(__name__)
@@ -117,9 +117,7 @@ class CpuDecoderStack:
     ) -> torch.Tensor | tuple[torch.Tensor, list[torch.Tensor]]:
         """As `LlamaForCausalLM.forward`: the final normed hidden states, with the residual
         streams entering `aux_layer_ids` when asked."""
-        outside = [i for i in aux_layer_ids if not 0 <= i < self._num_layers]
-        if outside:
-            raise ValueError(f"aux_layer_ids {outside} outside [0, {self._num_layers})")
+        check_aux_layer_ids(aux_layer_ids, self._num_layers)
         outputs = self._kernel.decoder_stack(
             input_ids, positions, self._embed, self._rotary.cos_cache, self._rotary.sin_cache,
             self._layer_tensors, self._final_norm, kv_cache.key_caches, kv_cache.value_caches,

@@ -190,6 +190,13 @@ class LlamaModel(nn.Module):
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
 
+def check_aux_layer_ids(aux_layer_ids: tuple[int, ...], num_layers: int) -> None:
+    """Refuses layer ids a forward of `num_layers` layers has no residual stream for."""
+    outside = [i for i in aux_layer_ids if not 0 <= i < num_layers]
+    if outside:
+        raise ValueError(f"aux_layer_ids {outside} outside [0, {num_layers})")
+
+
 class LlamaForCausalLM(nn.Module):
     """The Llama family on flat batches and a paged KV cache. See the module docstring.
 
@@ -244,10 +251,7 @@ class LlamaForCausalLM(nn.Module):
         With `aux_layer_ids`, returns `(hidden, aux)` where `aux[j]` is the residual stream
         entering layer `aux_layer_ids[j]` (`[num_tokens, hidden]`, before that layer's norm).
         """
-        num_layers = len(self.model.layers)
-        outside = [i for i in aux_layer_ids if not 0 <= i < num_layers]
-        if outside:
-            raise ValueError(f"aux_layer_ids {outside} outside [0, {num_layers})")
+        check_aux_layer_ids(aux_layer_ids, len(self.model.layers))
         hidden = self.model.embed_tokens(input_ids)  # [num_tokens, hidden]
         # Filled by plain int comparisons, which dynamo traces (a dict keyed by layer id was not).
         aux: list[torch.Tensor] = [hidden] * len(aux_layer_ids)
