@@ -3,9 +3,10 @@
 The launcher resolves the model once (downloading and converting the default model on
 first use), then starts each service with the flags that concern it. The served name
 defaults to `--model` as given, so a client can send back exactly what the operator typed.
-Ctrl-C or SIGTERM stops all three. A drafter that dies is restarted with backoff: it
-costs speed only (the verifier decodes without drafts and reconnects); if the verifier
-or the gateway dies, the others are stopped too.
+The verifier waits for the drafter before it serves, so the first requests are already
+speculated. Ctrl-C or SIGTERM stops all three. A drafter that dies is restarted with
+backoff: it costs speed only (the verifier decodes without drafts and reconnects); if the
+verifier or the gateway dies, the others are stopped too.
 """
 
 from __future__ import annotations
@@ -32,6 +33,9 @@ logger = logging.getLogger(__name__)
 # How long a child may take to stop beyond the verifier's --shutdown-grace-s.
 STOP_MARGIN_S = 5.0
 READY_TIMEOUT_S = 600.0
+# How long the verifier waits for its drafter before serving, so that "ready" means
+# speculating; a drafter that cannot start costs speed only after this.
+DRAFTER_WAIT_S = 120.0
 # A dead drafter's restart delay (first, most) and the run time that resets it.
 RESTART_BACKOFF_S = (0.5, 30.0)
 RESTART_RESET_S = 60.0
@@ -102,7 +106,8 @@ def _child_commands(args: argparse.Namespace, model_path: str) -> list[tuple[str
         if args.drafter_metrics_port is not None:
             commands[-1][1].extend(["--metrics-port", str(args.drafter_metrics_port)])
         verifier += ["--speculative-config", spec.to_json(),
-                     "--drafter", f"127.0.0.1:{drafter_port}"]
+                     "--drafter", f"127.0.0.1:{drafter_port}",
+                     "--drafter-wait-s", str(DRAFTER_WAIT_S)]
     commands.append(("verifier", verifier))
     gateway = [python, "-m", "gateway", "--model", model_path, "--served-model-name", served_name,
                "--verifier", f"127.0.0.1:{verifier_port}", "--host", args.host,

@@ -72,8 +72,9 @@ def stop_process(process: subprocess.Popen[bytes]) -> None:
     process.wait(timeout=10)
 
 
-async def start(model: Path, device: object, *drafter_ports: int) -> RunningVerifier:
-    config = VerifierConfig(model=str(model), device=str(device), dtype="float32",
+async def start(model: Path, device: object, *drafter_ports: int,
+                drafter_wait_s: float = 0.0) -> RunningVerifier:
+    config = VerifierConfig(drafter_wait_s=drafter_wait_s, model=str(model), device=str(device), dtype="float32",
                             max_model_len=512, num_gpu_blocks_override=256,
                             speculative_config=SPEC, draft_timeout_s=DRAFT_TIMEOUT_S,
                             drafter_targets=tuple(f"127.0.0.1:{port}" for port in drafter_ports),
@@ -144,6 +145,31 @@ async def test_killed_drafter_loses_no_request_and_is_used_again_after_restart(
     finally:
         await verifier.stop()
         stop_process(drafter)
+
+
+async def test_the_verifier_waits_for_a_drafter_before_serving(tiny_model: Path, device) -> None:
+    """With --drafter-wait-s (the launcher's setting) the verifier serves only once a replica
+    is connected, so the first request is speculated; with none, it serves plain after it."""
+    port = free_port()
+    drafter = start_drafter_process(port, tiny_model)  # still importing when the verifier starts
+    try:
+        verifier = await start(tiny_model, device, port, drafter_wait_s=60)
+        try:
+            assert verifier.engine.drafter_pool.num_healthy() == 1
+            await generate_all(verifier.engine, max_tokens=16)
+            assert verifier.engine.spec.num_draft_tokens > 0
+        finally:
+            await verifier.stop()
+    finally:
+        stop_process(drafter)
+    started = time.monotonic()
+    verifier = await start(tiny_model, device, free_port(), drafter_wait_s=0.5)  # nobody there
+    try:
+        assert time.monotonic() - started >= 0.5
+        assert verifier.engine.drafter_pool.num_healthy() == 0
+        assert await generate_all(verifier.engine, max_tokens=8)  # served, plain
+    finally:
+        await verifier.stop()
 
 
 async def test_hung_drafter_costs_at_most_the_draft_deadline_per_step(

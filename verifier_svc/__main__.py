@@ -30,6 +30,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--drafter", action="append", default=[],
                         help="drafter address host:port (repeatable; a name may resolve to "
                              "several replicas)")
+    parser.add_argument("--drafter-wait-s", type=float, default=0.0,
+                        help="at start-up, wait this long for a drafter replica before "
+                             "serving (default 0: serve at once, plain until one connects)")
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=50051)
     parser.add_argument("--metrics-port", type=int, default=None,
@@ -55,7 +58,8 @@ def config_from_args(args: argparse.Namespace) -> VerifierConfig:
         speculative_config=SpeculativeConfig.parse(args.speculative_config),
         grpc_tls=grpc_tls_from_args(args),
         max_waiting_requests=args.max_waiting_requests, request_timeout_s=args.request_timeout_s,
-        drafter_targets=tuple(args.drafter), draft_timeout_s=args.draft_timeout_ms / 1000 if args.draft_timeout_ms else None)
+        drafter_targets=tuple(args.drafter), drafter_wait_s=args.drafter_wait_s,
+        draft_timeout_s=args.draft_timeout_ms / 1000 if args.draft_timeout_ms else None)
 
 
 async def serve(args: argparse.Namespace) -> int:

@@ -55,6 +55,9 @@ class VerifierConfig:
     drafter_targets: tuple[str, ...] = ()
     # None: the method's default (config.default_draft_timeout_s).
     draft_timeout_s: float | None = None
+    # Seconds the verifier waits at start-up for a drafter replica before it serves (0: it
+    # serves at once and drafting starts when a replica connects).
+    drafter_wait_s: float = 0.0
     # None: DEFAULT_WAITING_PER_SEQ x max_num_seqs (see EngineConfig); always bounded.
     max_waiting_requests: int | None = None
     # None: no server-wide limit; a client's gRPC deadline applies either way.

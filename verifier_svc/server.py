@@ -85,8 +85,22 @@ async def _serve(engine: Engine, served: ServedModel, config: VerifierConfig, ho
         engine.metrics = VerifierMetrics(engine, config.model)
         engine.metrics.serve(host, metrics_port)
     await engine.start()
+    await _wait_for_a_drafter(engine, config.drafter_wait_s)
     server = GrpcServer([SERVICE_NAME])
     specdec_pb2_grpc.add_VerifierServicer_to_server(VerifierServicer(engine, served), server.server)
     tls = config.grpc_tls
     bound = await server.start(host, port, tls.server_credentials() if tls is not None else None)
     return RunningVerifier(server, engine, served, bound)
+
+
+async def _wait_for_a_drafter(engine: Engine, wait_s: float) -> None:
+    """Holds start-up until one drafter replica is connected, so that the first requests
+    are speculated; after `wait_s` the verifier serves plain until a replica connects."""
+    pool = engine.drafter_pool
+    if pool is None or wait_s <= 0:
+        return
+    if await pool.wait_for_healthy(1, timeout_s=wait_s):
+        logger.info("a drafter replica is connected")
+    else:
+        logger.warning("no drafter replica connected in %.0f s; serving without drafts until "
+                       "one does", wait_s)
