@@ -165,6 +165,27 @@ def test_a_sequence_that_stopped_drafting_is_probed() -> None:
     assert policy.plan([Candidate(1, 4)])[1] > 0
 
 
+def test_idle_sequences_probe_together() -> None:
+    """Sixteen sequences that stopped drafting, started at different steps: their probes
+    share steps, so the drafter is asked once per interval, and each is still probed."""
+    policy = policy_with_cost(1 * MS, 1 * MS)
+    candidates = [Candidate(seq_id, 4) for seq_id in range(16)]
+    for candidate in candidates:
+        teach(policy, candidate.seq_id, num_drafts=30, k=4, num_accepted=0)
+    num_steps = 4 * PROBE_INTERVAL
+    probed: dict[int, int] = {candidate.seq_id: 0 for candidate in candidates}
+    steps_asking = 0
+    for step in range(num_steps):
+        # Sequence i joins at step i: staggered, as requests arrive.
+        plan = policy.plan([c for c in candidates if c.seq_id <= step])
+        steps_asking += any(plan.values())
+        for seq_id, k in plan.items():
+            assert k in (0, 1)
+            probed[seq_id] += k
+    assert steps_asking <= num_steps // PROBE_INTERVAL
+    assert min(probed.values()) >= 2
+
+
 def test_a_drafter_that_proposes_nothing_stops_being_asked() -> None:
     """ngram finding no match returns no tokens: each ask cost a round trip for nothing."""
     policy = policy_with_cost(10 * MS, 0.2 * MS, draft_s=1.5 * MS)

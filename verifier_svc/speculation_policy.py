@@ -25,7 +25,10 @@ What is measured, not assumed:
   sequences with drafts S: a sequence's first draft costs more than its later ones;
 - drafting time against the longest draft asked, fit the same way.
 A sequence planned at k = 0 for `PROBE_INTERVAL` steps verifies one draft token, so its
-acceptance keeps being measured (a passage can become predictable again).
+acceptance keeps being measured (a passage can become predictable again). Probes wait for
+a step that asks the drafter anyway, or for every `PROBE_INTERVAL`-th step: sequences
+that started at different times then probe together, and a batch where nobody drafts pays
+one drafter round trip per interval, not one per sequence per interval.
 """
 
 from __future__ import annotations
@@ -179,6 +182,7 @@ class SpeculationPolicy:
         self.engine_stats = AcceptanceStats(ENGINE_DECAY)
         self._stats: dict[int, AcceptanceStats] = {}
         self._idle_steps: dict[int, int] = {}
+        self._num_plans = 0
         self.verify_cost = VerifyCostModel()
         self.draft_cost = LinearCostModel()   # x: longest draft asked
 
@@ -229,6 +233,7 @@ class SpeculationPolicy:
         """
         if not self.verify_cost.has_data:
             return {c.seq_id: c.max_tokens for c in candidates}  # nothing measured yet
+        self._num_plans += 1
         plan = {candidate.seq_id: 0 for candidate in candidates}
         if not candidates:
             return plan
@@ -262,17 +267,20 @@ class SpeculationPolicy:
             longest = max(longest, position + 1)
             if position + 1 < candidate.max_tokens:
                 heapq.heappush(heap, (-gain * rates[index][position + 1], index, position + 1))
-        for candidate in candidates:
-            self._probe_if_idle(candidate, plan)
+        self._probe_idle(candidates, plan)
         return plan
 
-    def _probe_if_idle(self, candidate: Candidate, plan: dict[int, int]) -> None:
-        seq_id = candidate.seq_id
-        if plan[seq_id] > 0 or candidate.max_tokens == 0:
-            self._idle_steps[seq_id] = 0
-            return
-        idle = self._idle_steps.get(seq_id, 0) + 1
-        if idle >= PROBE_INTERVAL:
-            plan[seq_id] = 1
-            idle = 0
-        self._idle_steps[seq_id] = idle
+    def _probe_idle(self, candidates: list[Candidate], plan: dict[int, int]) -> None:
+        """Plans one draft token for each sequence undrafted for `PROBE_INTERVAL` steps, on
+        a step that asks the drafter anyway or on every `PROBE_INTERVAL`-th step."""
+        probe_now = (any(plan.values()) or self._num_plans % PROBE_INTERVAL == 0)
+        for candidate in candidates:
+            seq_id = candidate.seq_id
+            if plan[seq_id] > 0 or candidate.max_tokens == 0:
+                self._idle_steps[seq_id] = 0
+                continue
+            idle = self._idle_steps.get(seq_id, 0) + 1
+            if idle >= PROBE_INTERVAL and probe_now:
+                plan[seq_id] = 1
+                idle = 0
+            self._idle_steps[seq_id] = idle
