@@ -201,7 +201,7 @@ async def test_slow_drafter_yields_no_drafts_within_the_deadline(pool_for):
         drafts = await pool.propose(requests_for({1: [1, 2, 1]}), [], timeout_s=0.1)
         elapsed = time.perf_counter() - start
         assert drafts == {}
-        assert 0.09 <= elapsed < 0.5
+        assert 0.09 <= elapsed < 0.9  # well before the 1 s answer, with room for a loaded CI
         assert pool.num_healthy() == 1  # slow is not down
     finally:
         await server.stop(0)
