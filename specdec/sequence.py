@@ -68,6 +68,8 @@ class Sequence:
     block_table: list[int] = field(default_factory=list)
     # Accepted tokens of the last draft, reported to the drafter so it can roll back.
     num_last_accepted: int = 0
+    # Times the drafter was asked for this sequence (its first ask carries the whole context).
+    num_drafter_calls: int = 0
     # Output tokens that ended the sequence but are not streamed (EOS, stop ids).
     num_hidden_output_tokens: int = 0
     spec: SpeculationCounters = field(default_factory=SpeculationCounters)

@@ -112,6 +112,33 @@ async def test_adaptive_speculation_keeps_outputs(tiny_model: Path, device, expe
     assert list(outputs) == expected
 
 
+async def test_a_sequences_first_drafter_ask_is_not_timed(tiny_model: Path, device) -> None:
+    """The first ask for a sequence carries its whole context: a one-time cost that the
+    policy's per-step drafting cost leaves out (one request at a time: each first ask is
+    alone in its step)."""
+    async with EngineHarness(tiny_model, str(device), k=3, adaptive_speculation=True) as engine:
+        policy, pool = engine.policy, engine.drafter_pool
+        assert policy is not None and pool is not None
+        timed: list[float] = []
+        observe, propose = policy.observe_drafting, pool.propose
+        asks = 0
+
+        def observe_and_note(max_draft_tokens: int, seconds: float) -> None:
+            timed.append(seconds)
+            observe(max_draft_tokens, seconds)
+
+        async def counted_propose(*args: object, **kwargs: object) -> object:
+            nonlocal asks
+            asks += 1
+            return await propose(*args, **kwargs)
+
+        policy.observe_drafting = observe_and_note  # type: ignore[method-assign]
+        pool.propose = counted_propose  # type: ignore[method-assign]
+        for prompt in PROMPTS[:2]:
+            await generate(engine, prompt, greedy())
+    assert asks > 2 and len(timed) == asks - 2
+
+
 async def test_concurrent_batch_equals_one_at_a_time(tiny_model: Path, device, expected) -> None:
     async with EngineHarness(tiny_model, str(device), k=3, max_num_batched_tokens=16) as engine:
         outputs = await asyncio.gather(*(generate(engine, p, greedy()) for p in PROMPTS))

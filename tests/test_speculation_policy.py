@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from verifier_svc.speculation_policy import (PROBE_INTERVAL, AcceptanceStats, Candidate,
+from verifier_svc.speculation_policy import (FIRST_PROBE_INTERVAL, PROBE_INTERVAL,
+                                             AcceptanceStats, Candidate,
                                              LinearCostModel, SpeculationPolicy,
                                              VerifyCostModel)
 
@@ -47,18 +48,18 @@ def test_acceptance_is_conditional_per_position() -> None:
 
 
 def test_cost_model_fits_base_and_slope() -> None:
-    model = LinearCostModel()
+    model = LinearCostModel(prior_slope_fraction=0.5)
     for num_tokens in (1, 2, 3, 5, 8, 13):
         model.observe(num_tokens, 0.010 + 0.002 * num_tokens)
-    base, slope = model.fit(prior_slope_fraction=0.5)
+    base, slope = model.fit()
     assert base == pytest.approx(0.010) and slope == pytest.approx(0.002)
 
 
 def test_cost_model_uses_the_prior_slope_until_sizes_vary() -> None:
-    model = LinearCostModel()
+    model = LinearCostModel(prior_slope_fraction=1 / 32)
     for _ in range(5):
         model.observe(1, 0.030)
-    base, slope = model.fit(prior_slope_fraction=1 / 32)
+    base, slope = model.fit()
     assert base + slope == pytest.approx(0.030) and slope == pytest.approx(base / 32)
 
 
@@ -79,6 +80,36 @@ def test_verify_cost_falls_back_on_its_prior() -> None:
     base, per_token, per_seq = model.fit()
     assert base + per_token == pytest.approx(0.030, rel=0.05)
     assert per_token == pytest.approx(base / 32, rel=0.2) and per_seq == pytest.approx(0.0, abs=1e-3)
+
+
+def test_a_timing_spike_counts_as_a_bounded_slowdown() -> None:
+    """One 100x round trip (a first call, a pause) after steady 1 ms ones moves the drafting
+    cost by at most SPIKE_FACTOR's worth; steady timings then bring it back."""
+    drafting = LinearCostModel(prior_slope_fraction=0.0)
+    verify = VerifyCostModel()
+    for _ in range(20):
+        drafting.observe(2, 1 * MS)
+        verify.observe(1, 0, 10 * MS)
+    drafting.observe(2, 100 * MS)
+    verify.observe(1, 0, 1000 * MS)
+    base, slope = drafting.fit()
+    assert base + 2 * slope < 1.3 * MS
+    base, per_token, per_seq = verify.fit()
+    assert base + per_token < 13 * MS
+    # A lasting slowdown is learnt all the same.
+    for _ in range(60):
+        drafting.observe(2, 5 * MS)
+    base, slope = drafting.fit()
+    assert base + 2 * slope == pytest.approx(5 * MS, rel=0.2)
+
+
+def test_one_slow_round_trip_does_not_stop_drafting() -> None:
+    """Drafting stays on after one slow drafter call: were the spike believed, the policy
+    would stop asking and never time the drafter again."""
+    policy = policy_with_cost(10 * MS, 0.1 * MS, draft_s=0.5 * MS)
+    teach(policy, 1, num_drafts=30, k=4, num_accepted=MIXED)
+    policy.observe_drafting(4, 200 * MS)
+    assert policy.plan([Candidate(1, 4)])[1] > 0
 
 
 def test_a_costly_first_draft_needs_a_sequence_worth_it() -> None:
@@ -158,8 +189,14 @@ def test_a_new_sequence_starts_from_the_engine_wide_rates() -> None:
 def test_a_sequence_that_stopped_drafting_is_probed() -> None:
     policy = policy_with_cost(1 * MS, 1 * MS)
     teach(policy, 1, num_drafts=30, k=4, num_accepted=0)
-    plans = [policy.plan([Candidate(1, 4)])[1] for _ in range(2 * PROBE_INTERVAL)]
-    assert plans.count(1) == 2 and set(plans) == {0, 1}
+    plans = [policy.plan([Candidate(1, 4)])[1] for _ in range(6 * PROBE_INTERVAL)]
+    assert set(plans) == {0, 1}
+    # The wait backs off: the first probe soon after drafting stopped, then sparser, then
+    # one per PROBE_INTERVAL steps.
+    probes = [step for step, k in enumerate(plans) if k]
+    gaps = [later - earlier for earlier, later in zip(probes, probes[1:])]
+    assert probes[0] < FIRST_PROBE_INTERVAL
+    assert gaps == sorted(gaps) and gaps[0] < PROBE_INTERVAL and gaps[-3:] == [PROBE_INTERVAL] * 3
     # A probe that is accepted again brings drafting back.
     teach(policy, 1, num_drafts=20, k=1, num_accepted=1)
     assert policy.plan([Candidate(1, 4)])[1] > 0
@@ -167,23 +204,28 @@ def test_a_sequence_that_stopped_drafting_is_probed() -> None:
 
 def test_idle_sequences_probe_together() -> None:
     """Sixteen sequences that stopped drafting, started at different steps: their probes
-    share steps, so the drafter is asked once per interval, and each is still probed."""
+    share steps, so the drafter is asked once per wait (FIRST_PROBE_INTERVAL while they
+    arrive, then PROBE_INTERVAL), and each is still probed."""
     policy = policy_with_cost(1 * MS, 1 * MS)
     candidates = [Candidate(seq_id, 4) for seq_id in range(16)]
     for candidate in candidates:
         teach(policy, candidate.seq_id, num_drafts=30, k=4, num_accepted=0)
     num_steps = 4 * PROBE_INTERVAL
     probed: dict[int, int] = {candidate.seq_id: 0 for candidate in candidates}
-    steps_asking = 0
+    steps_asking = []
     for step in range(num_steps):
         # Sequence i joins at step i: staggered, as requests arrive.
         plan = policy.plan([c for c in candidates if c.seq_id <= step])
-        steps_asking += any(plan.values())
+        if any(plan.values()):
+            steps_asking.append(step)
         for seq_id, k in plan.items():
             assert k in (0, 1)
             probed[seq_id] += k
-    assert steps_asking <= num_steps // PROBE_INTERVAL
-    assert min(probed.values()) >= 2
+    arriving = [step for step in steps_asking if step < 2 * PROBE_INTERVAL]
+    settled = [step for step in steps_asking if step >= 2 * PROBE_INTERVAL]
+    assert len(arriving) <= 2 * PROBE_INTERVAL // FIRST_PROBE_INTERVAL
+    assert len(settled) <= (num_steps - 2 * PROBE_INTERVAL) // PROBE_INTERVAL
+    assert min(probed.values()) >= 3
 
 
 def test_a_drafter_that_proposes_nothing_stops_being_asked() -> None:

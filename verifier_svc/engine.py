@@ -334,12 +334,19 @@ class Engine:
         if not requests:
             return {}
         finished, self._finished_for_drafter = self._finished_for_drafter, []
+        # A sequence's first ask sends its whole context (and an EAGLE drafter prefills it):
+        # a one-time cost, kept out of the per-step drafting cost the policy plans with.
+        steady = all(item.seq.num_drafter_calls > 0
+                     for item in scheduled if item.num_speculative_tokens > 0)
+        for item in scheduled:
+            if item.num_speculative_tokens > 0:
+                item.seq.num_drafter_calls += 1
         started = time.perf_counter()
         drafts = await self.drafter_pool.propose(requests, finished, self.config.draft_timeout_s)
         seconds = time.perf_counter() - started
         if self.metrics is not None:
             self.metrics.observe_round_trip(seconds)
-        if self.policy is not None:
+        if self.policy is not None and steady:
             self.policy.observe_drafting(max(request.num_speculative_tokens for request in requests),
                                          seconds)
         return drafts

@@ -24,11 +24,15 @@ What is measured, not assumed:
   (inputs, forward, logits, rejection sampling) against the tokens verified N and the
   sequences with drafts S: a sequence's first draft costs more than its later ones;
 - drafting time against the longest draft asked, fit the same way.
-A sequence planned at k = 0 for `PROBE_INTERVAL` steps verifies one draft token, so its
-acceptance keeps being measured (a passage can become predictable again). Probes wait for
-a step that asks the drafter anyway, or for every `PROBE_INTERVAL`-th step: sequences
-that started at different times then probe together, and a batch where nobody drafts pays
-one drafter round trip per interval, not one per sequence per interval.
+A sequence planned at k = 0 is probed: it verifies one draft token, so its acceptance
+keeps being measured (a passage can become predictable again). The wait before a probe
+backs off: FIRST_PROBE_INTERVAL steps after the sequence stops drafting, doubling after
+each probe that does not bring drafting back, up to PROBE_INTERVAL. A sequence stopped by
+a bad start (a repeat prompt whose first drafts miss) is back within a few steps; a hopeless
+one costs three extra probes in its life. Probes wait for a step that asks the drafter
+anyway, or for a step number divisible by the wait (a power of two): sequences that
+started at different times then probe together, and a batch where nobody drafts pays one
+drafter round trip per interval, not one per sequence per interval.
 """
 
 from __future__ import annotations
@@ -45,12 +49,19 @@ SEQUENCE_DECAY = 0.9
 ENGINE_DECAY = 0.995
 # The engine-wide rate before any draft was verified: optimistic, so drafting starts.
 INITIAL_RATE = 0.6
-# Steps a sequence may go undrafted before one draft token is verified to re-measure.
+# Steps a sequence may go undrafted before one draft token is verified to re-measure:
+# FIRST_PROBE_INTERVAL, doubling per fruitless probe up to PROBE_INTERVAL (powers of two).
+FIRST_PROBE_INTERVAL = 4
 PROBE_INTERVAL = 16
 # The cost model's prior: a forward over PRIOR_FLAT_TOKENS tokens costs twice a
 # one-token forward.
 PRIOR_FLAT_TOKENS = 32
 COST_DECAY = 0.98
+# A timing above SPIKE_FACTOR times the model's prediction is counted as that much: the
+# first call of a new shape, a garbage collection or a neighbour's burst is not what the
+# next step costs, and a mean that swallowed one would, for the drafter, stop the drafting
+# whose timings could correct it. A lasting slowdown still gets in, a factor per timing.
+SPIKE_FACTOR = 3.0
 
 
 @dataclass(slots=True)
@@ -89,14 +100,19 @@ class AcceptanceStats:
 class LinearCostModel:
     """seconds = base + slope * x, fit by exponentially weighted least squares.
 
-    While the observed x are too alike to give a slope, `prior_slope(base)` stands in.
+    While the observed x are too alike to give a slope, `prior_slope_fraction * base`
+    stands in.
     """
 
-    def __init__(self, decay: float = COST_DECAY) -> None:
+    def __init__(self, prior_slope_fraction: float, decay: float = COST_DECAY) -> None:
+        self.prior_slope_fraction = prior_slope_fraction
         self.decay = decay
         self._sums = [0.0] * 5  # weight, x, y, x*x, x*y
 
     def observe(self, x: float, seconds: float) -> None:
+        if self.has_data:
+            base, slope = self.fit()
+            seconds = min(seconds, SPIKE_FACTOR * (base + slope * x))
         decayed = [value * self.decay for value in self._sums]
         self._sums = [decayed[0] + 1.0, decayed[1] + x, decayed[2] + seconds,
                       decayed[3] + x * x, decayed[4] + x * seconds]
@@ -105,8 +121,9 @@ class LinearCostModel:
     def has_data(self) -> bool:
         return self._sums[0] > 0.0
 
-    def fit(self, prior_slope_fraction: float) -> tuple[float, float]:
+    def fit(self) -> tuple[float, float]:
         """(base, slope); with no data (0, 0)."""
+        prior_slope_fraction = self.prior_slope_fraction
         weight, sum_x, sum_y, sum_xx, sum_xy = self._sums
         if weight == 0.0:
             return 0.0, 0.0
@@ -139,6 +156,10 @@ class VerifyCostModel:
         self._moment = torch.zeros(3, dtype=torch.float64)   # sum of f * seconds
 
     def observe(self, num_tokens: int, num_drafting_seqs: int, seconds: float) -> None:
+        if self.has_data:
+            base, per_token, per_seq = self.fit()
+            seconds = min(seconds, SPIKE_FACTOR * (base + per_token * num_tokens
+                                                   + per_seq * num_drafting_seqs))
         features = torch.tensor([1.0, num_tokens, num_drafting_seqs], dtype=torch.float64)
         self._gram.mul_(self.decay).add_(torch.outer(features, features))
         self._moment.mul_(self.decay).add_(features * seconds)
@@ -182,9 +203,10 @@ class SpeculationPolicy:
         self.engine_stats = AcceptanceStats(ENGINE_DECAY)
         self._stats: dict[int, AcceptanceStats] = {}
         self._idle_steps: dict[int, int] = {}
+        self._probe_waits: dict[int, int] = {}
         self._num_plans = 0
         self.verify_cost = VerifyCostModel()
-        self.draft_cost = LinearCostModel()   # x: longest draft asked
+        self.draft_cost = LinearCostModel(0.0)   # x: longest draft asked
 
     # ------------------------------------------------------------ measurements
 
@@ -213,6 +235,7 @@ class SpeculationPolicy:
     def forget(self, seq_id: int) -> None:
         self._stats.pop(seq_id, None)
         self._idle_steps.pop(seq_id, None)
+        self._probe_waits.pop(seq_id, None)
 
     # ------------------------------------------------------------ planning
 
@@ -238,7 +261,7 @@ class SpeculationPolicy:
         if not candidates:
             return plan
         verify_base, verify_slope, verify_per_seq = self.verify_cost.fit()
-        draft_base, draft_per_token = self.draft_cost.fit(0.0)
+        draft_base, draft_per_token = self.draft_cost.fit()
         num_tokens = len(candidates) + num_other_tokens
         expected_tokens = float(len(candidates))
         seconds = verify_base + verify_slope * num_tokens
@@ -271,16 +294,20 @@ class SpeculationPolicy:
         return plan
 
     def _probe_idle(self, candidates: list[Candidate], plan: dict[int, int]) -> None:
-        """Plans one draft token for each sequence undrafted for `PROBE_INTERVAL` steps, on
-        a step that asks the drafter anyway or on every `PROBE_INTERVAL`-th step."""
-        probe_now = (any(plan.values()) or self._num_plans % PROBE_INTERVAL == 0)
+        """Plans one draft token for each sequence whose probe wait has passed, on a step
+        that asks the drafter anyway or whose number the wait divides."""
+        asking = any(plan.values())
         for candidate in candidates:
             seq_id = candidate.seq_id
             if plan[seq_id] > 0 or candidate.max_tokens == 0:
                 self._idle_steps[seq_id] = 0
+                if plan[seq_id] > 0:
+                    self._probe_waits[seq_id] = FIRST_PROBE_INTERVAL
                 continue
             idle = self._idle_steps.get(seq_id, 0) + 1
-            if idle >= PROBE_INTERVAL and probe_now:
+            wait = self._probe_waits.get(seq_id, FIRST_PROBE_INTERVAL)
+            if idle >= wait and (asking or self._num_plans % wait == 0):
                 plan[seq_id] = 1
                 idle = 0
+                self._probe_waits[seq_id] = min(2 * wait, PROBE_INTERVAL)
             self._idle_steps[seq_id] = idle
