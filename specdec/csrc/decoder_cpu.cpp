@@ -219,8 +219,12 @@ std::vector<at::Tensor> decoder_stack(
 }  // namespace specdec_cpu
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  // Without the GIL: the verifier runs the forward on its event loop's thread, and gRPC's
+  // completion-queue thread needs the GIL to hand the loop new calls and cancellations.
   m.def("paged_attention", &specdec_cpu::paged_attention,
-        "Write this step's K/V into the paged cache, then attend every query token");
+        "Write this step's K/V into the paged cache, then attend every query token",
+        pybind11::call_guard<pybind11::gil_scoped_release>());
   m.def("decoder_stack", &specdec_cpu::decoder_stack,
-        "Embedding, every decoder layer and the final norm of a Llama-family model in one call");
+        "Embedding, every decoder layer and the final norm of a Llama-family model in one call",
+        pybind11::call_guard<pybind11::gil_scoped_release>());
 }
