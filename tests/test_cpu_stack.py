@@ -90,6 +90,35 @@ def test_the_stack_computes_the_models_forward(model_dir: Path, dtype: torch.dty
             torch.testing.assert_close(got.float(), want.float(), **tolerance)
 
 
+def test_the_weights_move_into_one_buffer_in_reading_order(tmp_path: Path) -> None:
+    """The stack moves the matrices a step streams into one buffer, each layer's qkv, o,
+    gate_up and down then the LM head, without changing a value; a tied embedding stays the
+    LM head's own storage, and the model's eager forward reads the moved weights too."""
+    if not linear_supports(torch.float32):
+        pytest.skip("no C++ linear for fp32 here")
+    tied = make_tiny_llama(tmp_path / "tied", hidden_size=64, num_layers=2, tie_word_embeddings=True)
+    model = load_model(tied, torch.float32, torch.device("cpu"))
+    pack_linears(model, "cpu")
+    before = {name: tensor.clone() for name, tensor in model.state_dict().items()}
+    stack = CpuDecoderStack(model)
+    linears = [linear for layer in model.model.layers
+               for linear in (layer.self_attn.qkv_proj, layer.self_attn.o_proj,
+                              layer.mlp.gate_up_proj, layer.mlp.down_proj)] + [model.lm_head]
+    starts = [linear.packed.data_ptr() for linear in linears]
+    assert starts == sorted(starts)
+    for linear, start in zip(linears, starts):
+        assert linear.packed.untyped_storage().data_ptr() == linears[0].packed.untyped_storage().data_ptr()
+        assert start % 64 == 0
+    assert model.model.embed_tokens.weight.data_ptr() == model.lm_head.packed.data_ptr()
+    for name, tensor in model.state_dict().items():
+        torch.testing.assert_close(tensor, before[name], rtol=0, atol=0)
+    cache = KVCache.allocate(model.config, 8, BLOCK_SIZE, torch.float32, torch.device("cpu"))
+    input_ids, positions, metadata = _step([(_tokens(5, seed=3), 0, [0, 1])])
+    with torch.inference_mode():
+        hidden = stack(input_ids, positions, cache, metadata)
+        assert torch.isfinite(stack.compute_logits(hidden)).all()
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 def test_a_sequence_computes_the_same_alone_and_batched(model_dir: Path, dtype: torch.dtype) -> None:
     """Batch invariance: a sequence's rows are bit-identical whether its step holds other

@@ -29,6 +29,7 @@ from specdec.cpu_extension import linear_supports, load_extension
 from specdec.kv_cache import KVCache
 from specdec.models.llama import LlamaForCausalLM, check_aux_layer_ids
 from specdec.models.packed_linear import PackedLinear
+from specdec.models.weight_arena import move_into_arena
 
 logger = logging.getLogger(__name__)
 
@@ -49,6 +50,28 @@ def _weight_and_bias(linear: nn.Module) -> tuple[torch.Tensor, torch.Tensor | No
     if not weight.is_contiguous() or (bias is not None and not bias.is_contiguous()):
         return None
     return weight.detach(), None if bias is None else bias.detach()
+
+
+def _weight_tensors(linear: nn.Module) -> list[torch.Tensor]:
+    """Every tensor object holding a linear's [out, in] weight (a parameter, its packed alias)."""
+    if isinstance(linear, PackedLinear):
+        return [tensor for tensor in (linear.packed, linear.weight) if tensor is not None]
+    return [linear.weight]
+
+
+def _streamed_weights(model: LlamaForCausalLM) -> list[torch.Tensor]:
+    """The matrices a decode step reads, in the order it reads them: each layer's qkv, o,
+    gate_up and down projections, then the LM head (with the embedding when tied)."""
+    tensors: list[torch.Tensor] = []
+    for layer in model.model.layers:
+        attn, mlp = layer.self_attn, layer.mlp
+        for linear in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj):
+            tensors += _weight_tensors(linear)
+    tensors += _weight_tensors(model.lm_head)
+    embed = model.model.embed_tokens.weight
+    if any(tensor.data_ptr() == embed.data_ptr() for tensor in tensors):
+        tensors.append(embed)
+    return tensors
 
 
 def unsupported_reason(model: nn.Module) -> str | None:
@@ -88,6 +111,7 @@ class CpuDecoderStack:
         self.model = model
         self.config = config = model.config
         self._num_layers = config.num_hidden_layers
+        self._arena = move_into_arena(_streamed_weights(model))
         empty = model.model.embed_tokens.weight.new_empty(0)
         tensors: list[torch.Tensor] = []
         for layer in model.model.layers:
