@@ -242,6 +242,19 @@ def test_a_drafter_that_proposes_nothing_stops_being_asked() -> None:
     assert fresh.plan([Candidate(2, 4)])[2] > 0
 
 
+def test_a_drafter_that_rarely_proposes_but_is_right_keeps_being_asked() -> None:
+    """ngram on text that repeats now and then: three asks in four find no match, the
+    fourth proposes three tokens that are all accepted. An empty answer costs the round trip
+    but no verification, so asking still pays where a verified token is dear to start."""
+    policy = policy_with_cost(10 * MS, 0.2 * MS, draft_s=0.3 * MS, per_seq_s=3 * MS)
+    for _ in range(8):
+        for _ in range(3):
+            policy.record_draft(1, 0, 0, num_requested=3)
+        policy.record_draft(1, 3, 3, num_requested=3)
+    assert 0.2 < policy.proposal_rate(1) < 0.4
+    assert policy.plan([Candidate(1, 3)])[1] > 0
+
+
 def test_forget_drops_a_sequence() -> None:
     policy = policy_with_cost(1 * MS, 1 * MS)
     teach(policy, 1, num_drafts=30, k=4, num_accepted=4)

@@ -23,7 +23,11 @@ What is measured, not assumed:
 - T(N, S), fit by exponentially weighted least squares to decode steps' verify times
   (inputs, forward, logits, rejection sampling) against the tokens verified N and the
   sequences with drafts S: a sequence's first draft costs more than its later ones;
-- drafting time against the longest draft asked, fit the same way.
+- drafting time against the longest draft asked, fit the same way;
+- per sequence, how often an ask returns any tokens at all (ngram finds no match on new
+  text): an empty answer costs the round trip but no verification, so a draft's expected
+  gain and its verification cost both scale by that chance, and the acceptance counts
+  above are kept for proposals only.
 A sequence planned at k = 0 is probed: it verifies one draft token, so its acceptance
 keeps being measured (a passage can become predictable again). The wait before a probe
 backs off: FIRST_PROBE_INTERVAL steps after the sequence stops drafting, doubling after
@@ -95,6 +99,23 @@ class AcceptanceStats:
         reached = self.reached[position] if position < len(self.reached) else 0.0
         accepted = self.accepted[position] if position < len(self.accepted) else 0.0
         return (accepted + prior_weight * prior) / (reached + prior_weight)
+
+
+@dataclass(slots=True)
+class ProposalStats:
+    """How often the drafter, when asked, proposed anything (decayed counts): ngram finds
+    no match on new text, and an empty answer costs a round trip but no verification."""
+
+    decay: float
+    asked: float = 0.0
+    proposed: float = 0.0
+
+    def record(self, proposed: bool) -> None:
+        self.asked = self.asked * self.decay + 1.0
+        self.proposed = self.proposed * self.decay + (1.0 if proposed else 0.0)
+
+    def rate(self, prior: float, prior_weight: float) -> float:
+        return (self.proposed + prior_weight * prior) / (self.asked + prior_weight)
 
 
 class LinearCostModel:
@@ -202,6 +223,8 @@ class SpeculationPolicy:
         self.max_speculative_tokens = max_speculative_tokens
         self.engine_stats = AcceptanceStats(ENGINE_DECAY)
         self._stats: dict[int, AcceptanceStats] = {}
+        self.engine_proposals = ProposalStats(ENGINE_DECAY)
+        self._proposals: dict[int, ProposalStats] = {}
         self._idle_steps: dict[int, int] = {}
         self._probe_waits: dict[int, int] = {}
         self._num_plans = 0
@@ -213,11 +236,17 @@ class SpeculationPolicy:
     def record_draft(self, seq_id: int, num_draft_tokens: int, num_accepted: int,
                      num_requested: int = 0) -> None:
         """A verified draft of `num_draft_tokens` of which `num_accepted` were accepted.
-        `num_requested`: the tokens asked of the drafter. A drafter that was asked and
-        proposed nothing (ngram finding no match) counts as one draft token rejected: the
-        round trip was paid for nothing, and the next steps should not ask again."""
-        if num_draft_tokens == 0 and num_requested > 0:
-            num_draft_tokens = 1
+        `num_requested`: the tokens asked of the drafter (0: not asked this step). An empty
+        answer to an ask (ngram finding no match) says nothing about acceptance; it lowers
+        the sequence's chance of a proposal, which scales what asking is expected to gain."""
+        if num_requested > 0:
+            self.engine_proposals.record(num_draft_tokens > 0)
+            proposals = self._proposals.get(seq_id)
+            if proposals is None:
+                proposals = self._proposals[seq_id] = ProposalStats(SEQUENCE_DECAY)
+            proposals.record(num_draft_tokens > 0)
+        if num_draft_tokens == 0:
+            return
         self.engine_stats.record(num_draft_tokens, num_accepted)
         stats = self._stats.get(seq_id)
         if stats is None:
@@ -234,6 +263,7 @@ class SpeculationPolicy:
 
     def forget(self, seq_id: int) -> None:
         self._stats.pop(seq_id, None)
+        self._proposals.pop(seq_id, None)
         self._idle_steps.pop(seq_id, None)
         self._probe_waits.pop(seq_id, None)
 
@@ -247,6 +277,12 @@ class SpeculationPolicy:
             prior = self.engine_stats.rate(position, INITIAL_RATE, 1.0)
             rates.append(prior if stats is None else stats.rate(position, prior, PRIOR_WEIGHT))
         return rates
+
+    def proposal_rate(self, seq_id: int) -> float:
+        """Estimated chance that asking the drafter for this sequence returns any tokens."""
+        prior = self.engine_proposals.rate(1.0, 1.0)
+        proposals = self._proposals.get(seq_id)
+        return prior if proposals is None else proposals.rate(prior, PRIOR_WEIGHT)
 
     def plan(self, candidates: list[Candidate], num_other_tokens: int = 0) -> dict[int, int]:
         """Draft length per sequence id for one step.
@@ -269,16 +305,19 @@ class SpeculationPolicy:
         # Max-heap of (-expected tokens the next draft adds, candidate index, its position).
         heap: list[tuple[float, int, int]] = []
         rates: list[list[float]] = []
+        proposing: list[float] = []  # chance that an ask returns tokens to verify
         for index, candidate in enumerate(candidates):
             seq_rates = self.rates(candidate.seq_id, candidate.max_tokens)
             rates.append(seq_rates)
+            proposing.append(self.proposal_rate(candidate.seq_id))
             if candidate.max_tokens > 0:
-                heapq.heappush(heap, (-seq_rates[0], index, 0))
+                heapq.heappush(heap, (-proposing[index] * seq_rates[0], index, 0))
         longest = 0
         while heap:
             negative_gain, index, position = heapq.heappop(heap)
             gain = -negative_gain
-            cost = verify_slope + (verify_per_seq if position == 0 else 0.0)
+            # Verification is paid only when the drafter proposes; the ask itself always.
+            cost = proposing[index] * (verify_slope + (verify_per_seq if position == 0 else 0.0))
             if position + 1 > longest:
                 cost += draft_per_token + (draft_base if longest == 0 else 0.0)
             if gain * seconds <= cost * expected_tokens:
