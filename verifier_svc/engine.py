@@ -329,22 +329,21 @@ class Engine:
     async def _propose(self, scheduled: list[ScheduledSequence]) -> dict[int, Draft]:
         if self.drafter_pool is None:
             return {}
+        asked = [item for item in scheduled if item.num_speculative_tokens > 0]
+        if not asked:
+            return {}
         requests = [
             DraftRequest(item.seq.seq_id, item.seq.token_ids, item.seq.num_last_accepted,
                          item.num_speculative_tokens,
                          None if item.seq.hidden_states is None
                          else item.seq.hidden_states[:item.seq.num_computed_tokens])
-            for item in scheduled if item.num_speculative_tokens > 0]
-        if not requests:
-            return {}
+            for item in asked]
         finished, self._finished_for_drafter = self._finished_for_drafter, []
         # A sequence's first ask sends its whole context (and an EAGLE drafter prefills it):
         # a one-time cost, kept out of the per-step drafting cost the policy plans with.
-        steady = all(item.seq.num_drafter_calls > 0
-                     for item in scheduled if item.num_speculative_tokens > 0)
-        for item in scheduled:
-            if item.num_speculative_tokens > 0:
-                item.seq.num_drafter_calls += 1
+        steady = all(item.seq.num_drafter_calls > 0 for item in asked)
+        for item in asked:
+            item.seq.num_drafter_calls += 1
         started = time.perf_counter()
         drafts = await self.drafter_pool.propose(requests, finished, self.config.draft_timeout_s)
         seconds = time.perf_counter() - started

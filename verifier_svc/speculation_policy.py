@@ -129,6 +129,7 @@ class LinearCostModel:
         self.prior_slope_fraction = prior_slope_fraction
         self.decay = decay
         self._sums = [0.0] * 5  # weight, x, y, x*x, x*y
+        self._fitted: tuple[float, float] | None = None  # fit() until the next observe
 
     def observe(self, x: float, seconds: float) -> None:
         if self.has_data:
@@ -137,6 +138,7 @@ class LinearCostModel:
         decayed = [value * self.decay for value in self._sums]
         self._sums = [decayed[0] + 1.0, decayed[1] + x, decayed[2] + seconds,
                       decayed[3] + x * x, decayed[4] + x * seconds]
+        self._fitted = None
 
     @property
     def has_data(self) -> bool:
@@ -144,6 +146,11 @@ class LinearCostModel:
 
     def fit(self) -> tuple[float, float]:
         """(base, slope); with no data (0, 0)."""
+        if self._fitted is None:
+            self._fitted = self._solve()
+        return self._fitted
+
+    def _solve(self) -> tuple[float, float]:
         prior_slope_fraction = self.prior_slope_fraction
         weight, sum_x, sum_y, sum_xx, sum_xy = self._sums
         if weight == 0.0:
@@ -175,6 +182,7 @@ class VerifyCostModel:
         self.decay = decay
         self._gram = torch.zeros(3, 3, dtype=torch.float64)  # sum of f f^T, f = (1, N, S)
         self._moment = torch.zeros(3, dtype=torch.float64)   # sum of f * seconds
+        self._fitted: tuple[float, float, float] | None = None  # fit() until the next observe
 
     def observe(self, num_tokens: int, num_drafting_seqs: int, seconds: float) -> None:
         if self.has_data:
@@ -184,6 +192,7 @@ class VerifyCostModel:
         features = torch.tensor([1.0, num_tokens, num_drafting_seqs], dtype=torch.float64)
         self._gram.mul_(self.decay).add_(torch.outer(features, features))
         self._moment.mul_(self.decay).add_(features * seconds)
+        self._fitted = None
 
     @property
     def has_data(self) -> bool:
@@ -191,6 +200,11 @@ class VerifyCostModel:
 
     def fit(self) -> tuple[float, float, float]:
         """(base, per_token, per_drafting_seq), none negative; zeros with no data."""
+        if self._fitted is None:
+            self._fitted = self._solve()
+        return self._fitted
+
+    def _solve(self) -> tuple[float, float, float]:
         weight = float(self._gram[0, 0])
         if weight == 0.0:
             return 0.0, 0.0, 0.0

@@ -111,7 +111,7 @@ class CpuDecoderStack:
         self.model = model
         self.config = config = model.config
         self._num_layers = config.num_hidden_layers
-        self._arena = move_into_arena(_streamed_weights(model))
+        move_into_arena(_streamed_weights(model))  # the moved tensors keep its buffer alive
         empty = model.model.embed_tokens.weight.new_empty(0)
         tensors: list[torch.Tensor] = []
         for layer in model.model.layers:
