@@ -3,6 +3,7 @@
 #pragma once
 
 #include <ATen/ATen.h>
+#include <c10/util/BFloat16.h>
 
 #include <algorithm>
 #include <cmath>
@@ -11,6 +12,35 @@
 #include <vector>
 
 namespace specdec_cpu {
+
+// Conversions between fp32 and a kernel's storage dtype, as torch does them (bf16: round to
+// nearest even, NaN to the quiet NaN 0x7FC0), written on the bits without branches so that
+// GCC and Clang vectorise the loops that use them (c10::BFloat16's own conversions keep them
+// scalar: ~4 ns an element, which made a bf16 decode's norms cost more than their reads).
+template <typename T>
+inline float to_float(T v) {
+  return static_cast<float>(v);
+}
+inline float to_float(c10::BFloat16 v) {
+  const uint32_t bits = static_cast<uint32_t>(v.x) << 16;
+  float out;
+  std::memcpy(&out, &bits, sizeof(out));
+  return out;
+}
+template <typename T>
+inline T from_float(float v) {
+  return static_cast<T>(v);
+}
+template <>
+inline c10::BFloat16 from_float<c10::BFloat16>(float v) {
+  uint32_t bits;
+  std::memcpy(&bits, &v, sizeof(bits));
+  const uint32_t rounded = (bits + 0x7FFFu + ((bits >> 16) & 1u)) >> 16;
+  return c10::BFloat16(static_cast<uint16_t>(v != v ? 0x7FC0u : rounded), c10::BFloat16::from_bits());
+}
+// v rounded to T and back: the value a T holds.
+template <typename T>
+inline float round_to(float v) { return to_float(from_float<T>(v)); }
 
 // e^x in plain arithmetic the compiler vectorises, unlike std::exp: x = n ln2 + r with
 // |r| <= ln2 / 2, e^r by its degree-7 Taylor polynomial (relative error below 2e-7, about

@@ -41,11 +41,6 @@ void for_rows(int64_t rows, const F& body) {
   }
 }
 
-template <typename T>
-inline float f32(T v) {
-  return static_cast<float>(v);
-}
-
 // out = weight * (x / rms(x)): the statistic in fp32, the normed row rounded to T.
 template <typename T>
 void rms_norm(const T* x, const T* weight, T* out, int64_t rows, int64_t width, float eps) {
@@ -55,12 +50,12 @@ void rms_norm(const T* x, const T* weight, T* out, int64_t rows, int64_t width, 
       T* o = out + r * width;
       float sum_sq = 0.f;
 #pragma omp simd reduction(+ : sum_sq)
-      for (int64_t i = 0; i < width; ++i) sum_sq += f32(xr[i]) * f32(xr[i]);
+      for (int64_t i = 0; i < width; ++i) sum_sq += to_float(xr[i]) * to_float(xr[i]);
       const float inv_rms = 1.f / std::sqrt(sum_sq / static_cast<float>(width) + eps);
 #pragma omp simd
       for (int64_t i = 0; i < width; ++i) {
-        const T normed = static_cast<T>(f32(xr[i]) * inv_rms);
-        o[i] = static_cast<T>(f32(weight[i]) * f32(normed));
+        const float normed = round_to<T>(to_float(xr[i]) * inv_rms);
+        o[i] = from_float<T>(to_float(weight[i]) * normed);
       }
     }
   });
@@ -80,11 +75,10 @@ void rotate(T* rows_data, int64_t row_stride, const int64_t* positions, const T*
         T* x = rows_data + r * row_stride + h * head_dim;
 #pragma omp simd
         for (int64_t i = 0; i < half; ++i) {
-          const float x1 = f32(x[i]), x2 = f32(x[i + half]);
-          const T first = static_cast<T>(f32(static_cast<T>(x1 * f32(c[i]))) +
-                                         f32(static_cast<T>(-x2 * f32(s[i]))));
-          const T second = static_cast<T>(f32(static_cast<T>(x2 * f32(c[i + half]))) +
-                                          f32(static_cast<T>(x1 * f32(s[i + half]))));
+          const float x1 = to_float(x[i]), x2 = to_float(x[i + half]);
+          const T first = from_float<T>(round_to<T>(x1 * to_float(c[i])) + round_to<T>(-x2 * to_float(s[i])));
+          const T second =
+              from_float<T>(round_to<T>(x2 * to_float(c[i + half])) + round_to<T>(x1 * to_float(s[i + half])));
           x[i] = first;
           x[i + half] = second;
         }
@@ -103,9 +97,9 @@ void silu_mul(const T* gate_up, T* out, int64_t rows, int64_t size) {
       T* o = out + r * size;
 #pragma omp simd
       for (int64_t i = 0; i < size; ++i) {
-        const float g = f32(gate[i]);
-        const T activated = static_cast<T>(g / (1.f + exp_clamped(-g)));
-        o[i] = static_cast<T>(f32(activated) * f32(up[i]));
+        const float g = to_float(gate[i]);
+        const float activated = round_to<T>(g / (1.f + exp_clamped(-g)));
+        o[i] = from_float<T>(activated * to_float(up[i]));
       }
     }
   });
@@ -115,7 +109,7 @@ template <typename T>
 void add(const T* a, const T* b, T* out, int64_t rows, int64_t width) {
   for_rows(rows, [&](int64_t begin, int64_t end) {
 #pragma omp simd
-    for (int64_t i = begin * width; i < end * width; ++i) out[i] = static_cast<T>(f32(a[i]) + f32(b[i]));
+    for (int64_t i = begin * width; i < end * width; ++i) out[i] = from_float<T>(to_float(a[i]) + to_float(b[i]));
   });
 }
 

@@ -41,7 +41,7 @@ constexpr int64_t kMinParallelWork = 1 << 10;
 template <typename T>
 inline void to_float_row(const T* src, float* dst, int64_t n) {
 #pragma omp simd
-  for (int64_t i = 0; i < n; ++i) dst[i] = static_cast<float>(src[i]);
+  for (int64_t i = 0; i < n; ++i) dst[i] = to_float(src[i]);
 }
 
 // Sixteen floats in one value, for the loops over head_dim when it is a multiple of 16: GCC
@@ -201,7 +201,7 @@ void attend_segment(const T* query, int64_t query_token_stride, int64_t query_he
     for (int64_t r = r0; r < std::min(r0 + kRowBlock, rows); ++r) {
       T* dst = out + ((r / group) * num_heads + kv_head * group + r % group) * head_dim;
       const float* src = sums[r - r0];
-      for (int64_t d = 0; d < head_dim; ++d) dst[d] = static_cast<T>(src[d]);
+      for (int64_t d = 0; d < head_dim; ++d) dst[d] = from_float<T>(src[d]);
     }
   }
 }
