@@ -25,6 +25,7 @@ CASES = [
     (4, 4, 8, 4, [(0, 40), (23, 35), (5, 33)]),  # long segments: SDPA, with and without a cache
     (6, 2, 16, 8, [(17, 1), (0, 1), (8, 8), (3, 32)]),  # at the kernel's length limit
     (2, 1, 32, 16, [(0, 3), (15, 1), (16, 1)]),  # block boundaries
+    (9, 3, 64, 16, [(600, 5), (254, 3), (255, 1), (512, 1)]),  # contexts split into chunks across threads
 ]
 DTYPES = {torch.float32: 2e-5, torch.bfloat16: 2e-2, torch.float16: 2e-3}
 
@@ -94,6 +95,35 @@ def test_fp32_is_close_to_exact_on_a_long_decode() -> None:
     output = CpuPagedAttention(kernel, 9, 3, 64).forward(inputs["query"], inputs["key"], inputs["value"],
                                                         key_cache, value_cache, inputs["metadata"])
     assert (output - reference).abs().max().item() < 1e-5
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_a_verify_window_attends_as_one_token_decodes_would(dtype: torch.dtype) -> None:
+    """Row invariance over a long context: each token of a verify window whose context crosses
+    the kernel's chunk boundaries gets bit for bit what decoding it alone would, which is
+    what keeps greedy speculation identical to plain decoding."""
+    kernel = load_extension()
+    backend = CpuPagedAttention(kernel, 9, 3, 64)
+    cached_len, window = 509, 6  # the window's contexts end on both sides of position 512
+    inputs, key_cache, value_cache = build_batch(9, 3, 64, 16, [(cached_len, window)], dtype, torch.int64,
+                                                 seed=11)
+    metadata = inputs["metadata"]
+    together = backend.forward(inputs["query"], inputs["key"], inputs["value"], key_cache.clone(),
+                               value_cache.clone(), metadata)
+    for j in range(window):
+        # The window cut after token j, and token j decoded alone with the earlier ones cached.
+        prefix = AttentionMetadata(slot_mapping=metadata.slot_mapping[: j + 1], query_start_locs=[0, j + 1],
+                                   context_lens=[cached_len + j + 1], block_tables=metadata.block_tables)
+        shorter = backend.forward(inputs["query"][: j + 1], inputs["key"][: j + 1], inputs["value"][: j + 1],
+                                  key_cache.clone(), value_cache.clone(), prefix)
+        assert torch.equal(shorter[j], together[j]), f"token {j} differs in a shorter window"
+        cache = key_cache.clone(), value_cache.clone()
+        write_kv(inputs["key"][:j], inputs["value"][:j], *cache, metadata.slot_mapping[:j])
+        decode = AttentionMetadata(slot_mapping=metadata.slot_mapping[j : j + 1], query_start_locs=[0, 1],
+                                   context_lens=[cached_len + j + 1], block_tables=metadata.block_tables)
+        decoded = backend.forward(inputs["query"][j : j + 1], inputs["key"][j : j + 1],
+                                  inputs["value"][j : j + 1], *cache, decode)
+        assert torch.equal(decoded[0], together[j]), f"token {j} differs decoded alone"
 
 
 def test_bad_slots_and_short_tables_raise_instead_of_writing_out_of_bounds() -> None:

@@ -75,61 +75,80 @@ inline void sum_lanes4(Float16 a0, Float16 a1, Float16 a2, Float16 a3, float* su
 // Query rows handled together: each cached row loaded serves this many dot products or
 // updates, and their sums are independent chains the CPU overlaps.
 constexpr int64_t kRowBlock = 4;
+// Cached positions one unit of work attends over. Chunks start at multiples of this in every
+// call, so a token's sums depend on its own visible prefix only, never on how many tokens
+// share its step (row invariance) or on how chunks are spread over threads; a long context
+// is split across threads (one sequence's decode used to keep one thread per KV head).
+constexpr int64_t kChunk = 256;
 
-// One short query segment of one sequence, for one KV head: the `group` query heads that
-// share it, `query_len` tokens each. Query row r = j * group + i is token j, head
-// kv_head * group + i; token j attends to cache positions [0, context_len - query_len + j].
+// One chunk's softmax over part of a query row's context, kept unnormalised for the merge:
+// [max score, sum of e^(score - max), sum of e^(score - max) * value row (head_dim floats)].
+inline int64_t partial_width(int64_t head_dim) { return head_dim + 2; }
+
+// The chunk of cached positions [chunk_start, chunk_start + kChunk) of one short query
+// segment (query_len tokens), for the `group` query heads that share KV head `kv_head`
+// (loaded once for all of them): writes each query row's partial (token j, head h at row
+// j * num_heads + h of `partials`). Token j attends to positions
+// [0, context_len - query_len + j]; a row that sees none of the chunk gets a sum of 0.
 // kHeadDim: head_dim as a compile-time constant (the common sizes, so that the loops over it
 // unroll into a few vector instructions), or 0 for any other size.
 template <typename T, int64_t kHeadDim>
-void attend_segment(const T* query, int64_t query_token_stride, int64_t query_head_stride,
-                    const T* key_cache, const T* value_cache, const int64_t* block_table,
-                    int64_t block_size, int64_t num_kv_heads, int64_t runtime_head_dim, int64_t kv_head,
-                    int64_t group, int64_t query_len, int64_t context_len, float scale,
-                    T* out, int64_t num_heads) {
+void attend_chunk(const T* query, int64_t query_token_stride, int64_t query_head_stride,
+                  const T* key_cache, const T* value_cache, const int64_t* block_table,
+                  int64_t block_size, int64_t num_kv_heads, int64_t runtime_head_dim, int64_t num_heads,
+                  int64_t kv_head, int64_t query_len, int64_t context_len, int64_t chunk_start, float scale,
+                  float* partials) {
   const int64_t head_dim = kHeadDim > 0 ? kHeadDim : runtime_head_dim;
+  const int64_t width = partial_width(head_dim);
+  const int64_t group = num_heads / num_kv_heads;
   const int64_t rows = query_len * group;
   const int64_t padded_rows = (rows + kRowBlock - 1) / kRowBlock * kRowBlock;
+  const int64_t chunk_len = std::min(kChunk, context_len - chunk_start);
+  const int64_t first_query_position = context_len - query_len;
+  // Positions of the chunk row r may see (0 when it starts past the row's last one).
+  auto seen = [&](int64_t r) {
+    return std::max<int64_t>(0, std::min(chunk_len, first_query_position + r / group + 1 - chunk_start));
+  };
+  // This thread's scratch, kept across calls (warm in its caches, no allocation a chunk);
+  // every part is written before it is read.
+  thread_local std::vector<float> scratch;
+  const size_t needed = static_cast<size_t>(padded_rows * head_dim + 2 * chunk_len * head_dim + kRowBlock * chunk_len);
+  if (scratch.size() < needed) scratch.resize(needed);
   // Padding rows are zeros: they compute harmless sums that are never written out.
-  std::vector<float> queries(padded_rows * head_dim, 0.f);  // [padded_rows, D], scaled
-  // Written in full below before they are read, so left uninitialised (zeroing them was a
-  // memset of ~100 KB per KV head and layer at context 200).
-  std::unique_ptr<float[]> keys(new float[context_len * head_dim]);    // [context_len, D]: this KV head's rows in fp32
-  std::unique_ptr<float[]> values(new float[context_len * head_dim]);
-  std::unique_ptr<float[]> weights(new float[padded_rows * context_len]);  // [padded_rows, context_len]
+  float* const queries = scratch.data();            // [padded_rows, D], scaled
+  float* const keys = queries + padded_rows * head_dim;  // [chunk_len, D]: this KV head's rows in fp32
+  float* const values = keys + chunk_len * head_dim;
+  float* const weights = values + chunk_len * head_dim;  // [kRowBlock, chunk_len]
+  // Gather the chunk's cached rows in position order, walking the block table.
+  const int64_t row_stride = num_kv_heads * head_dim;
+  for (int64_t i = 0; i < chunk_len; ++i) {
+    const int64_t position = chunk_start + i;
+    const int64_t row = (block_table[position / block_size] * block_size + position % block_size) * row_stride +
+                        kv_head * head_dim;
+    to_float_row(key_cache + row, keys + i * head_dim, head_dim);
+    to_float_row(value_cache + row, values + i * head_dim, head_dim);
+  }
+  std::fill(queries + rows * head_dim, queries + padded_rows * head_dim, 0.f);
   for (int64_t j = 0; j < query_len; ++j) {
     for (int64_t i = 0; i < group; ++i) {
       const T* src = query + j * query_token_stride + (kv_head * group + i) * query_head_stride;
-      float* dst = queries.data() + (j * group + i) * head_dim;
+      float* dst = queries + (j * group + i) * head_dim;
       to_float_row(src, dst, head_dim);
       for (int64_t d = 0; d < head_dim; ++d) dst[d] *= scale;
     }
   }
-  // Gather this KV head's cached rows in position order, walking the block table.
-  const int64_t row_stride = num_kv_heads * head_dim;
-  for (int64_t block_start = 0, b = 0; block_start < context_len; block_start += block_size, ++b) {
-    const int64_t offset = block_table[b] * block_size * row_stride + kv_head * head_dim;
-    const int64_t block_end = std::min(block_start + block_size, context_len);
-    for (int64_t position = block_start; position < block_end; ++position) {
-      const int64_t row = offset + (position - block_start) * row_stride;
-      to_float_row(key_cache + row, keys.get() + position * head_dim, head_dim);
-      to_float_row(value_cache + row, values.get() + position * head_dim, head_dim);
-    }
-  }
-  const int64_t first_query_position = context_len - query_len;
-  auto visible = [&](int64_t r) { return std::min(context_len, first_query_position + r / group + 1); };
   for (int64_t r0 = 0; r0 < padded_rows; r0 += kRowBlock) {
-    const float* q0 = queries.data() + r0 * head_dim;
+    const float* q0 = queries + r0 * head_dim;
     const float* q1 = q0 + head_dim;
     const float* q2 = q1 + head_dim;
     const float* q3 = q2 + head_dim;
-    float* w0 = weights.get() + r0 * context_len;
-    float* w1 = w0 + context_len;
-    float* w2 = w1 + context_len;
-    float* w3 = w2 + context_len;
-    const int64_t block_visible = visible(std::min(r0 + kRowBlock, rows) - 1);  // the block's last row sees most
-    for (int64_t p = 0; p < block_visible; ++p) {
-      const float* k = keys.get() + p * head_dim;
+    float* w0 = weights;
+    float* w1 = w0 + chunk_len;
+    float* w2 = w1 + chunk_len;
+    float* w3 = w2 + chunk_len;
+    const int64_t block_seen = seen(std::min(r0 + kRowBlock, rows) - 1);  // the block's last row sees most
+    for (int64_t p = 0; p < block_seen; ++p) {
+      const float* k = keys + p * head_dim;
       if constexpr (kHeadDim > 0 && kHeadDim % 16 == 0) {
         Float16 s0{}, s1{}, s2{}, s3{};
         for (int64_t d = 0; d < kHeadDim; d += 16) {
@@ -160,23 +179,24 @@ void attend_segment(const T* query, int64_t query_token_stride, int64_t query_he
         w3[p] = s3;
       }
     }
-    // Softmax of each row over its visible prefix; what it may not see weighs zero.
-    for (int64_t r = r0; r < r0 + kRowBlock; ++r) {
-      float* row = weights.get() + r * context_len;
-      const int64_t row_visible = r < rows ? visible(r) : 0;
+    // e^(score - the row's max over what it sees); what it may not see weighs zero.
+    float maxima[kRowBlock], totals[kRowBlock];
+    for (int64_t b = 0; b < kRowBlock; ++b) {
+      const int64_t r = r0 + b;
+      float* row = weights + b * chunk_len;
+      const int64_t row_seen = r < rows ? seen(r) : 0;
       float max_score = -std::numeric_limits<float>::infinity();
 #pragma omp simd reduction(max : max_score)
-      for (int64_t p = 0; p < row_visible; ++p) max_score = std::max(max_score, row[p]);
+      for (int64_t p = 0; p < row_seen; ++p) max_score = std::max(max_score, row[p]);
       float total = 0.f;
 #pragma omp simd reduction(+ : total)
-      for (int64_t p = 0; p < row_visible; ++p) {
+      for (int64_t p = 0; p < row_seen; ++p) {
         row[p] = exp_clamped(row[p] - max_score);
         total += row[p];
       }
-      const float inverse = row_visible > 0 ? 1.f / total : 0.f;
-#pragma omp simd
-      for (int64_t p = 0; p < row_visible; ++p) row[p] *= inverse;
-      for (int64_t p = row_visible; p < block_visible; ++p) row[p] = 0.f;
+      for (int64_t p = row_seen; p < block_seen; ++p) row[p] = 0.f;
+      maxima[b] = max_score;
+      totals[b] = total;
     }
     // Weighted sum of the value rows, the block's accumulators kept together.
     float accum[kRowBlock][kHeadDim > 0 ? kHeadDim : 1];
@@ -186,8 +206,8 @@ void attend_segment(const T* query, int64_t query_token_stride, int64_t query_he
     float* a2 = kHeadDim > 0 ? accum[2] : a1 + head_dim;
     float* a3 = kHeadDim > 0 ? accum[3] : a2 + head_dim;
     for (int64_t d = 0; d < head_dim; ++d) a0[d] = a1[d] = a2[d] = a3[d] = 0.f;
-    for (int64_t p = 0; p < block_visible; ++p) {
-      const float* v = values.get() + p * head_dim;
+    for (int64_t p = 0; p < block_seen; ++p) {
+      const float* v = values + p * head_dim;
       const float u0 = w0[p], u1 = w1[p], u2 = w2[p], u3 = w3[p];
 #pragma omp simd
       for (int64_t d = 0; d < head_dim; ++d) {
@@ -199,11 +219,39 @@ void attend_segment(const T* query, int64_t query_token_stride, int64_t query_he
     }
     const float* sums[kRowBlock] = {a0, a1, a2, a3};
     for (int64_t r = r0; r < std::min(r0 + kRowBlock, rows); ++r) {
-      T* dst = out + ((r / group) * num_heads + kv_head * group + r % group) * head_dim;
-      const float* src = sums[r - r0];
-      for (int64_t d = 0; d < head_dim; ++d) dst[d] = from_float<T>(src[d]);
+      float* dst = partials + ((r / group) * num_heads + kv_head * group + r % group) * width;
+      dst[0] = maxima[r - r0];
+      dst[1] = totals[r - r0];
+      std::memcpy(dst + 2, sums[r - r0], head_dim * sizeof(float));
     }
   }
+}
+
+// A query row's output from its chunks' partials, merged in chunk order (each chunk rescaled
+// to the running max), then normalised and rounded to T.
+template <typename T>
+void merge_partials(const float* partials, int64_t num_chunks, int64_t chunk_stride, int64_t head_dim,
+                    T* out) {
+  float max_score = 0.f, total = 0.f;
+  std::vector<float> accum(head_dim, 0.f);
+  for (int64_t c = 0; c < num_chunks; ++c) {
+    const float* part = partials + c * chunk_stride;
+    if (part[1] == 0.f) continue;  // the row sees none of this chunk
+    if (total == 0.f) {
+      max_score = part[0];
+      total = part[1];
+      std::memcpy(accum.data(), part + 2, head_dim * sizeof(float));
+      continue;
+    }
+    const float new_max = std::max(max_score, part[0]);
+    const float old_scale = exp_clamped(max_score - new_max), part_scale = exp_clamped(part[0] - new_max);
+    total = total * old_scale + part[1] * part_scale;
+#pragma omp simd
+    for (int64_t d = 0; d < head_dim; ++d) accum[d] = accum[d] * old_scale + part[2 + d] * part_scale;
+    max_score = new_max;
+  }
+  const float inverse = 1.f / total;
+  for (int64_t d = 0; d < head_dim; ++d) out[d] = from_float<T>(accum[d] * inverse);
 }
 
 // Stores each token's K/V row at its slot.
@@ -295,10 +343,14 @@ at::Tensor paged_attention(const at::Tensor& query, const at::Tensor& key, const
 
   at::Tensor out = at::empty({num_tokens, num_heads, head_dim}, query.options());
   const int64_t group = num_heads / num_kv_heads;
+  const int64_t width = partial_width(head_dim);
   std::vector<at::Tensor> tables(num_seqs);
-  struct Unit { int64_t seq, kv_head; };
+  // A unit is one chunk of one sequence's context for one KV head; partial_starts[s]: where
+  // sequence s's partials begin in `partials` ([chunk][token * num_heads + head][width]).
+  struct Unit { int64_t seq, kv_head, chunk; };
   std::vector<Unit> units;
-  int64_t work = 0;
+  std::vector<int64_t> partial_starts(num_seqs, 0);
+  int64_t num_partials = 0, work = 0;
   for (int64_t s = 0; s < num_seqs; ++s) {
     const int64_t start = query_start_locs[s], query_len = query_start_locs[s + 1] - start;
     const int64_t context_len = context_lens[s];
@@ -314,10 +366,16 @@ at::Tensor paged_attention(const at::Tensor& query, const at::Tensor& key, const
           value_rows.slice(0, start, start + query_len), key_cache, value_cache, tables[s], context_len, scale));
       continue;
     }
-    for (int64_t h = 0; h < num_kv_heads; ++h) units.push_back({s, h});
-    work += query_len * group * num_kv_heads * context_len;
+    const int64_t num_chunks = (context_len + kChunk - 1) / kChunk;
+    for (int64_t c = 0; c < num_chunks; ++c) {
+      for (int64_t h = 0; h < num_kv_heads; ++h) units.push_back({s, h, c});
+    }
+    partial_starts[s] = num_partials;
+    num_partials += num_chunks * query_len * num_heads * width;
+    work += query_len * num_heads * context_len;
   }
   if (units.empty()) return out;
+  std::vector<float> partials(num_partials);
 
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, query.scalar_type(), "paged_attention_cpu", [&] {
     const auto* query_data = query_rows.data_ptr<scalar_t>();
@@ -327,13 +385,14 @@ at::Tensor paged_attention(const at::Tensor& query, const at::Tensor& key, const
     auto run = [&](int64_t begin, int64_t end) {
       for (int64_t u = begin; u < end; ++u) {
         const int64_t s = units[u].seq;
-        const int64_t start = query_start_locs[s];
+        const int64_t start = query_start_locs[s], query_len = query_start_locs[s + 1] - start;
+        float* chunk_partials = partials.data() + partial_starts[s] + units[u].chunk * query_len * num_heads * width;
         auto attend = [&](auto head_dim_constant) {
-          attend_segment<scalar_t, decltype(head_dim_constant)::value>(
+          attend_chunk<scalar_t, decltype(head_dim_constant)::value>(
               query_data + start * query_rows.stride(0), query_rows.stride(0), query_rows.stride(1),
               key_cache_data, value_cache_data, tables[s].data_ptr<int64_t>(), block_size, num_kv_heads,
-              head_dim, units[u].kv_head, group, query_start_locs[s + 1] - start, context_lens[s],
-              static_cast<float>(scale), out_data + start * num_heads * head_dim, num_heads);
+              head_dim, num_heads, units[u].kv_head, query_len, context_lens[s], units[u].chunk * kChunk,
+              static_cast<float>(scale), chunk_partials);
         };
         switch (head_dim) {
           case 64: attend(std::integral_constant<int64_t, 64>{}); break;
@@ -347,6 +406,16 @@ at::Tensor paged_attention(const at::Tensor& query, const at::Tensor& key, const
       run(0, num_units);
     } else {
       at::parallel_for(0, num_units, 1, run);
+    }
+    for (int64_t s = 0; s < num_seqs; ++s) {
+      const int64_t start = query_start_locs[s], query_len = query_start_locs[s + 1] - start;
+      if (query_len == 0 || query_len > kMaxKernelQueryLen) continue;
+      const int64_t num_chunks = (context_lens[s] + kChunk - 1) / kChunk;
+      const int64_t chunk_stride = query_len * num_heads * width;
+      for (int64_t row = 0; row < query_len * num_heads; ++row) {
+        merge_partials(partials.data() + partial_starts[s] + row * width, num_chunks, chunk_stride, head_dim,
+                       out_data + (start * num_heads + row) * head_dim);
+      }
     }
   });
   return out;
