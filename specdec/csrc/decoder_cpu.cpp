@@ -71,16 +71,19 @@ void rotate(T* rows_data, int64_t row_stride, const int64_t* positions, const T*
     for (int64_t r = begin; r < end; ++r) {
       const T* c = cos + positions[r] * head_dim;
       const T* s = sin + positions[r] * head_dim;
+      const T* c_hi = c + half;
+      const T* s_hi = s + half;
       for (int64_t h = 0; h < num_heads; ++h) {
-        T* x = rows_data + r * row_stride + h * head_dim;
+        // The halves as two pointers and no T locals: either kept GCC from vectorising bf16.
+        T* lo = rows_data + r * row_stride + h * head_dim;
+        T* hi = lo + half;
 #pragma omp simd
         for (int64_t i = 0; i < half; ++i) {
-          const float x1 = to_float(x[i]), x2 = to_float(x[i + half]);
-          const T first = from_float<T>(round_to<T>(x1 * to_float(c[i])) + round_to<T>(-x2 * to_float(s[i])));
-          const T second =
-              from_float<T>(round_to<T>(x2 * to_float(c[i + half])) + round_to<T>(x1 * to_float(s[i + half])));
-          x[i] = first;
-          x[i + half] = second;
+          const float x1 = to_float(lo[i]), x2 = to_float(hi[i]);
+          const float first = round_to<T>(x1 * to_float(c[i])) + round_to<T>(-x2 * to_float(s[i]));
+          const float second = round_to<T>(x2 * to_float(c_hi[i])) + round_to<T>(x1 * to_float(s_hi[i]));
+          lo[i] = from_float<T>(first);
+          hi[i] = from_float<T>(second);
         }
       }
     }
