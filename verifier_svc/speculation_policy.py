@@ -44,8 +44,6 @@ from __future__ import annotations
 import heapq
 from dataclasses import dataclass, field
 
-import torch
-
 # Weight of the engine-wide rate in a sequence's estimate, in drafts.
 PRIOR_WEIGHT = 2.0
 # Per-draft forgetting of a sequence's counts, and of the engine-wide counts.
@@ -180,8 +178,10 @@ class VerifyCostModel:
 
     def __init__(self, decay: float = COST_DECAY) -> None:
         self.decay = decay
-        self._gram = torch.zeros(3, 3, dtype=torch.float64)  # sum of f f^T, f = (1, N, S)
-        self._moment = torch.zeros(3, dtype=torch.float64)   # sum of f * seconds
+        # Plain floats, not tensors: observe and fit run every step, and a 3x3 system in
+        # torch cost ~0.2 ms a step in op dispatch (a few us in Python).
+        self._gram = [[0.0] * 3 for _ in range(3)]  # sum of f f^T, f = (1, N, S)
+        self._moment = [0.0] * 3                    # sum of f * seconds
         self._fitted: tuple[float, float, float] | None = None  # fit() until the next observe
 
     def observe(self, num_tokens: int, num_drafting_seqs: int, seconds: float) -> None:
@@ -189,14 +189,17 @@ class VerifyCostModel:
             base, per_token, per_seq = self.fit()
             seconds = min(seconds, SPIKE_FACTOR * (base + per_token * num_tokens
                                                    + per_seq * num_drafting_seqs))
-        features = torch.tensor([1.0, num_tokens, num_drafting_seqs], dtype=torch.float64)
-        self._gram.mul_(self.decay).add_(torch.outer(features, features))
-        self._moment.mul_(self.decay).add_(features * seconds)
+        features = (1.0, float(num_tokens), float(num_drafting_seqs))
+        decay = self.decay
+        for i, row in enumerate(self._gram):
+            for j in range(3):
+                row[j] = row[j] * decay + features[i] * features[j]
+            self._moment[i] = self._moment[i] * decay + features[i] * seconds
         self._fitted = None
 
     @property
     def has_data(self) -> bool:
-        return bool(self._gram[0, 0] > 0)
+        return self._gram[0][0] > 0
 
     def fit(self) -> tuple[float, float, float]:
         """(base, per_token, per_drafting_seq), none negative; zeros with no data."""
@@ -205,21 +208,42 @@ class VerifyCostModel:
         return self._fitted
 
     def _solve(self) -> tuple[float, float, float]:
-        weight = float(self._gram[0, 0])
+        gram, moment = self._gram, self._moment
+        weight = gram[0][0]
         if weight == 0.0:
             return 0.0, 0.0, 0.0
-        means = self._gram[0] / weight  # (1, mean N, mean S)
-        mean_seconds = float(self._moment[0]) / weight
-        prior_base = mean_seconds / (1.0 + float(means[1]) / PRIOR_FLAT_TOKENS)
-        prior = torch.tensor([prior_base, prior_base / PRIOR_FLAT_TOKENS, 0.0], dtype=torch.float64)
+        means = [value / weight for value in gram[0]]  # (1, mean N, mean S)
+        mean_seconds = moment[0] / weight
+        prior_base = mean_seconds / (1.0 + means[1] / PRIOR_FLAT_TOKENS)
+        prior = (prior_base, prior_base / PRIOR_FLAT_TOKENS, 0.0)
         # Ridge toward the prior, each slope weighted by its feature's variance (plus a
         # quarter, so the prior decides while a feature has not varied); the base is free.
-        variances = torch.diagonal(self._gram) / weight - means * means
-        scale = torch.cat((torch.tensor([1e-9], dtype=torch.float64), variances[1:].clamp(min=0) + 0.25))
-        penalty = torch.diag(self.PRIOR_OBSERVATIONS * scale)
-        solution = torch.linalg.solve(self._gram + penalty, self._moment + penalty @ prior)
-        base, per_token, per_seq = (max(0.0, float(value)) for value in solution)
+        penalty = [self.PRIOR_OBSERVATIONS * 1e-9] + [
+            self.PRIOR_OBSERVATIONS * (max(0.0, gram[i][i] / weight - means[i] * means[i]) + 0.25)
+            for i in (1, 2)]
+        matrix = [[gram[i][j] + (penalty[i] if i == j else 0.0) for j in range(3)] for i in range(3)]
+        rhs = [moment[i] + penalty[i] * prior[i] for i in range(3)]
+        base, per_token, per_seq = (max(0.0, value) for value in _solve_linear(matrix, rhs))
         return base, per_token, per_seq
+
+
+def _solve_linear(matrix: list[list[float]], rhs: list[float]) -> list[float]:
+    """x with matrix @ x = rhs, by Gaussian elimination with partial pivoting (a small,
+    well-conditioned system: the ridge keeps it positive definite). Overwrites its inputs."""
+    size = len(rhs)
+    for col in range(size):
+        pivot = max(range(col, size), key=lambda r: abs(matrix[r][col]))
+        matrix[col], matrix[pivot] = matrix[pivot], matrix[col]
+        rhs[col], rhs[pivot] = rhs[pivot], rhs[col]
+        for r in range(col + 1, size):
+            factor = matrix[r][col] / matrix[col][col]
+            for c in range(col, size):
+                matrix[r][c] -= factor * matrix[col][c]
+            rhs[r] -= factor * rhs[col]
+    solution = [0.0] * size
+    for r in range(size - 1, -1, -1):
+        solution[r] = (rhs[r] - sum(matrix[r][c] * solution[c] for c in range(r + 1, size))) / matrix[r][r]
+    return solution
 
 
 @dataclass(slots=True)
@@ -308,7 +332,8 @@ class SpeculationPolicy:
             return {c.seq_id: c.max_tokens for c in candidates}  # nothing measured yet
         self._num_plans += 1
         plan = {candidate.seq_id: 0 for candidate in candidates}
-        if not candidates:
+        if not any(candidate.max_tokens > 0 for candidate in candidates):
+            self._probe_idle(candidates, plan)  # nothing may draft (e.g. speculation off): no fits
             return plan
         verify_base, verify_slope, verify_per_seq = self.verify_cost.fit()
         draft_base, draft_per_token = self.draft_cost.fit()
