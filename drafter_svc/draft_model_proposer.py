@@ -25,6 +25,7 @@ from specdec.errors import ConfigError
 from specdec.models import LlamaForCausalLM, load_model, load_tokenizer, resolve_model, tokenizer_fingerprint
 from specdec.models.cpu_stack import CpuDecoderStack, make_cpu_stack
 from specdec.models.packed_linear import pack_for_device
+from specdec.token_map import load_token_map, restrict_lm_head
 
 logger = logging.getLogger(__name__)
 
@@ -37,10 +38,10 @@ class DraftModelProposer(ModelProposer):
 
     def __init__(self, model: LlamaForCausalLM, info: ProposerInfo, pool: DraftKVPool,
                  device: torch.device, options: ModelOptions,
-                 forward: CpuDecoderStack | None = None) -> None:
+                 forward: CpuDecoderStack | None = None, token_map: torch.Tensor | None = None) -> None:
         super().__init__(info, pool, device, feature_dtype=torch.float32,
                          max_positions=model.max_positions, draft_sampling=options.draft_sampling,
-                         seed=options.seed)
+                         seed=options.seed, token_map=token_map)
         self.model = model
         self.forward: LlamaForCausalLM | CpuDecoderStack = forward or model
 
@@ -75,6 +76,10 @@ def build_draft_model_method(config: SpeculativeConfig, options: ModelOptions
     borrowed = _read_json(model_dir / "config.json").get("specdec_borrowed_tensors")
     target_dir = resolve_model(options.target_model) if borrowed else None
     model = load_model(model_dir, dtype, device, max_positions=options.max_model_len, borrow_from=target_dir)
+    token_map = None
+    if config.speculative_token_map is not None:  # before packing: the cut head is what gets packed
+        token_map = load_token_map(config.speculative_token_map, model.config.vocab_size)
+        restrict_lm_head(model, token_map)
     pack_for_device(model, device, dtype)
     # On the CPU its layers run as the verifier's do, in one C++ call where that runs them.
     forward = make_cpu_stack(model) if device.type == "cpu" else None
@@ -85,7 +90,8 @@ def build_draft_model_method(config: SpeculativeConfig, options: ModelOptions
                         vocab_size=model.config.vocab_size,
                         tokenizer_fingerprint=tokenizer_fingerprint(tokenizer))
     pool = DraftKVPool(model.config, options.num_blocks, options.block_size, dtype, device)
-    logger.info("draft_model %s: %d layers, vocab %d, k=%d, %s on %s%s", model_dir,
+    logger.info("draft_model %s: %d layers, vocab %d%s, k=%d, %s on %s%s", model_dir,
                 model.config.num_hidden_layers, model.config.vocab_size,
+                "" if token_map is None else f" drafting among {len(token_map)} (token map)",
                 config.num_speculative_tokens, dtype, device, " (C++ decoder stack)" if forward else "")
-    return lambda: DraftModelProposer(model, info, pool, device, options, forward)
+    return lambda: DraftModelProposer(model, info, pool, device, options, forward, token_map)

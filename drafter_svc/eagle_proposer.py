@@ -22,6 +22,7 @@ from specdec.models import load_tokenizer, resolve_model, tokenizer_fingerprint
 from specdec.models.eagle import EagleHead, TargetParts, load_eagle_head, load_target_parts
 from specdec.models.eagle3 import Eagle3Head
 from specdec.models.packed_linear import pack_for_device
+from specdec.token_map import load_token_map, restrict_lm_head
 
 logger = logging.getLogger(__name__)
 
@@ -37,10 +38,11 @@ class HeadProposer(ModelProposer):
     reuses_draft_kv = False
 
     def __init__(self, head: EagleHead | Eagle3Head, info: ProposerInfo, pool: DraftKVPool,
-                 device: torch.device, dtype: torch.dtype, options: ModelOptions) -> None:
+                 device: torch.device, dtype: torch.dtype, options: ModelOptions,
+                 token_map: torch.Tensor | None = None) -> None:
         super().__init__(info, pool, device, feature_dtype=dtype,
                          max_positions=head.rotary_emb.max_positions,
-                         draft_sampling=options.draft_sampling, seed=options.seed)
+                         draft_sampling=options.draft_sampling, seed=options.seed, token_map=token_map)
         self.head = head
 
     def _compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
@@ -76,10 +78,16 @@ def build_eagle_method(config: SpeculativeConfig, options: ModelOptions) -> Call
     dtype = resolve_dtype(options.dtype, device)
     target, fingerprint, max_positions = load_target_for_head(options, dtype, device)
     head = load_eagle_head(head_dir, target, dtype, device, max_positions)
+    token_map = None
+    if config.speculative_token_map is not None:  # before packing: the cut head is what gets packed
+        token_map = load_token_map(config.speculative_token_map, target.config.vocab_size)
+        restrict_lm_head(head, token_map)
+        logger.info("eagle: drafting among %d of %d tokens (token map)", len(token_map),
+                    target.config.vocab_size)
     pack_for_device(head, device, dtype)
     info = ProposerInfo(method="eagle", max_num_speculative_tokens=config.num_speculative_tokens,
                         hidden_state_layer_ids=(FINAL_HIDDEN_STATE,),
                         vocab_size=target.config.vocab_size, tokenizer_fingerprint=fingerprint,
                         hidden_state_width=target.config.hidden_size)
     pool = DraftKVPool(head.config, options.num_blocks, options.block_size, dtype, device)
-    return lambda: EagleProposer(head, info, pool, device, dtype, options)
+    return lambda: EagleProposer(head, info, pool, device, dtype, options, token_map)

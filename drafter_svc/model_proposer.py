@@ -94,8 +94,11 @@ class ModelProposer:
 
     def __init__(self, info: ProposerInfo, pool: DraftKVPool, device: torch.device,
                  feature_dtype: torch.dtype, max_positions: int, *, draft_sampling: bool = False,
-                 seed: int = 0) -> None:
+                 seed: int = 0, token_map: torch.Tensor | None = None) -> None:
         self.info = info
+        # Target ids of the draft vocabulary's ids when the LM head was cut to a token map
+        # (specdec/token_map.py); None: the draft vocabulary is the target's.
+        self._token_map = None if token_map is None else token_map.to(device)
         self._pool = pool
         self._device = device
         self._feature_dtype = feature_dtype
@@ -116,11 +119,16 @@ class ModelProposer:
         raise NotImplementedError
 
     def _to_target_ids(self, draft_ids: torch.Tensor) -> torch.Tensor:
-        return draft_ids
+        return draft_ids if self._token_map is None else self._token_map[draft_ids]
 
     def _probs_to_target(self, probs: torch.Tensor) -> torch.Tensor:
-        """[n, draft_vocab] -> [n, target vocab]: the same when the vocabularies agree."""
-        return probs
+        """[n, draft_vocab] -> [n, target vocab]: the same when the vocabularies agree; zero
+        outside a token map."""
+        if self._token_map is None:
+            return probs
+        target_probs = probs.new_zeros(probs.shape[0], self.info.vocab_size)
+        target_probs[:, self._token_map] = probs
+        return target_probs
 
     # ------------------------------------------------------------ Proposer
 

@@ -82,6 +82,10 @@ def add_bench_args(parser: argparse.ArgumentParser) -> None:
     drafts.add_argument("--num-prompts", type=int, default=None, help="the first N prompts only")
     drafts.add_argument("--temperatures", default="0,0.7", help="comma-separated")
     drafts.add_argument("--num-speculative-tokens", type=int, default=4, help="k, drafted as a chain")
+    drafts.add_argument("--token-map", default=None,
+                        help="with --drafts: also bench each eagle and draft_model draft with its LM head "
+                             "cut to this token map (a file or a shipped map name; rows named "
+                             "'<draft> +map'), beside the draft as it is")
     drafts.add_argument("--write-cards", action="store_true",
                         help="write bench.json and README.md into each shipped draft measured")
     add_logging_args(parser)
@@ -172,8 +176,10 @@ def _summarise(prompt: str, runs: dict[str, list[RunResult]], method: str) -> di
 # ------------------------------------------------------------ trained drafts on held-out prompts
 
 
-def _draft_specs(value: str, k: int) -> list[tuple[str, SpeculativeConfig]]:
-    """(name, config) per draft named in --drafts; the method comes from the shipped table or the name."""
+def _draft_specs(value: str, k: int, token_map: str | None = None) -> list[tuple[str, SpeculativeConfig]]:
+    """(name, config) per draft named in --drafts; the method comes from the shipped table or the name.
+    With `token_map`, each draft a map applies to comes twice: as it is, then named '<name> +map'."""
+    from specdec.config import TOKEN_MAP_METHODS
     from specdec.drafts import SHIPPED_DRAFTS, shipped_draft_dir
 
     names = list(SHIPPED_DRAFTS) if value.strip() == "shipped" else [v.strip() for v in value.split(",") if v.strip()]
@@ -185,7 +191,12 @@ def _draft_specs(value: str, k: int) -> list[tuple[str, SpeculativeConfig]]:
         raw: dict[str, object] = {"model": name, "num_speculative_tokens": k}
         if name in SHIPPED_DRAFTS:
             raw["method"] = SHIPPED_DRAFTS[name]
-        specs.append((name, SpeculativeConfig.parse(raw)))
+        spec = SpeculativeConfig.parse(raw)
+        assert spec is not None
+        specs.append((name, spec))
+        if token_map is not None and spec.method in TOKEN_MAP_METHODS:
+            specs.append((f"{name} +map", SpeculativeConfig.parse({**raw, "method": spec.method,
+                                                                    "speculative_token_map": token_map})))
     return specs
 
 
@@ -236,7 +247,7 @@ async def _bench_drafts(args: argparse.Namespace) -> list[dict[str, object]]:
                for text in _prompt_texts(args.prompts, args.num_prompts)]
     temperatures = [float(t) for t in args.temperatures.split(",")]
     rows: list[dict[str, object]] = []
-    for name, spec in _draft_specs(args.drafts, args.num_speculative_tokens):
+    for name, spec in _draft_specs(args.drafts, args.num_speculative_tokens, args.token_map):
         # Fixed speculation: every step drafts k tokens as a chain, so acceptance is per position.
         engine, drafter = await _start(args, spec, model_dir, adaptive=False)
         try:

@@ -35,12 +35,16 @@ VLLM_FIELDS_UNUSED = (
     "enforce_eager",
     "parallel_drafting",
 )
+# Methods whose draft ends in an LM head over the target's vocabulary, which a token map cuts.
+TOKEN_MAP_METHODS = ("eagle", "draft_model")
+
 _KNOWN_FIELDS = (
     "method",
     "num_speculative_tokens",
     "model",
     "prompt_lookup_min",
     "prompt_lookup_max",
+    "speculative_token_map",
 )
 
 
@@ -74,6 +78,9 @@ class SpeculativeConfig:
     model: str | None = None
     prompt_lookup_min: int | None = None
     prompt_lookup_max: int | None = None
+    # eagle, draft_model: a file of target token ids the draft's LM head is cut to (FR-Spec,
+    # SGLang's --speculative-token-map); see specdec/token_map.py.
+    speculative_token_map: str | None = None
 
     @classmethod
     def parse(cls, text: str | dict[str, Any] | None) -> SpeculativeConfig | None:
@@ -159,8 +166,20 @@ class SpeculativeConfig:
             if model is None:
                 raise ConfigError(f"speculative config: method {method!r} needs model (the "
                                   "draft model or head path)", param="model")
+        token_map = raw.get("speculative_token_map")
+        if token_map is not None:
+            if not isinstance(token_map, str) or not token_map:
+                raise ConfigError("speculative config: speculative_token_map must be a non-empty "
+                                  "string (a file of target token ids)", param="speculative_token_map")
+            if method not in TOKEN_MAP_METHODS:
+                reason = ("an EAGLE-3 head carries its own draft vocabulary (d2t)" if method == "eagle3"
+                          else f"method {method!r} has no LM head")
+                raise ConfigError(f"speculative config: speculative_token_map applies to "
+                                  f"{' and '.join(TOKEN_MAP_METHODS)}, not {method!r}: {reason}",
+                                  param="speculative_token_map")
         return cls(method=method, num_speculative_tokens=num_tokens, model=model,
-                   prompt_lookup_min=lookup_min, prompt_lookup_max=lookup_max)
+                   prompt_lookup_min=lookup_min, prompt_lookup_max=lookup_max,
+                   speculative_token_map=token_map)
 
     def to_json(self) -> str:
         """The config as `--speculative-config` JSON, to pass to child processes."""
@@ -171,6 +190,8 @@ class SpeculativeConfig:
         if self.method == "ngram":
             raw["prompt_lookup_min"] = self.prompt_lookup_min
             raw["prompt_lookup_max"] = self.prompt_lookup_max
+        if self.speculative_token_map is not None:
+            raw["speculative_token_map"] = self.speculative_token_map
         return json.dumps(raw)
 
 

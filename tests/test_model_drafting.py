@@ -10,6 +10,7 @@ the verifier's through chunked prefill, batching and rollback.
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 from pathlib import Path
 
@@ -170,6 +171,32 @@ async def test_eagle3_with_a_compiled_verifier(target, device, plain, tmp_path, 
     assert outputs == plain
     assert engine.spec.num_draft_tokens > 0
     assert counters["stats"]["unique_graphs"] == graphs_at_start[0], "a request compiled a graph"
+
+
+async def test_a_token_map_cuts_the_draft_vocabulary_not_the_output(target, device, plain, tmp_path) -> None:
+    """With the target as its own draft every draft is accepted; cut to a token map that
+    holds every token plain decoding writes, still every one; cut to a map missing some of
+    them, those drafts fail (a full head would have proposed them) and the output stays the
+    target's."""
+    written = sorted({token for output in plain for token in output})
+    covering = tmp_path / "covering.json"
+    covering.write_text(json.dumps(written + [0, 1]))
+    outputs, engine = await serve_and_generate(
+        target, str(device), {**draft_spec("draft_model", target), "speculative_token_map": str(covering)})
+    assert outputs == plain
+    assert 0 < engine.spec.num_accepted_tokens == engine.spec.num_draft_tokens
+    missing = tmp_path / "missing.txt"
+    missing.write_text(" ".join(str(token) for token in written[::2]))
+    outputs, engine = await serve_and_generate(
+        target, str(device), {**draft_spec("draft_model", target), "speculative_token_map": str(missing)})
+    assert outputs == plain
+    assert 0 < engine.spec.num_accepted_tokens < engine.spec.num_draft_tokens
+    head = tmp_path / "eagle"
+    make_eagle_head(head, target, fc_bias=False, with_embed=False, weights_format="safetensors")
+    outputs, engine = await serve_and_generate(
+        target, str(device), {**draft_spec("eagle", head), "speculative_token_map": str(covering)})
+    assert outputs == plain
+    assert engine.spec.num_draft_tokens > 0
 
 
 async def test_probabilistic_drafting_is_seeded_and_complete(target, device) -> None:

@@ -6,6 +6,11 @@ leaves out what its loader takes from the target (embedding, lm_head). Use one w
 `--speculative-config '{"method": "eagle3", "model": "smollm2-135m-instruct-eagle3",
 "num_speculative_tokens": 4}'`; `specdec.models.model_files.resolve_model` looks names up
 here first. `python -m specdec train` makes them (specdec/train/).
+
+`smollm2-135m-instruct-token-map.json` lists the 8,192 target token ids of the eagle3
+draft's vocabulary (the most frequent in the drafts' training data): pass it as
+`"speculative_token_map": "smollm2-135m-instruct-token-map"` to cut an eagle or
+draft_model draft's LM head to them (specdec/token_map.py).
 """
 
 from __future__ import annotations
