@@ -33,7 +33,7 @@ from specdec.bench_compare_systems import (LLAMA_CPP_MISSING, Generation, LlamaC
                                            TransformersSystem, Unavailable, assisted_kwargs,
                                            llama_cpp_installed, load_assistant,
                                            load_transformers_model, prompt_lookup_kwargs)
-from specdec.config import SpeculativeConfig
+from specdec.config import TOKEN_MAP_METHODS, SpeculativeConfig
 from specdec.device import resolve_device, resolve_dtype
 from specdec.errors import ConfigError
 from specdec.gguf_precision import PRECISIONS, gguf_at_precision, precision_for_dtype
@@ -56,11 +56,14 @@ def shipped_draft_configs(num_speculative_tokens: int = 3) -> list[SpeculativeCo
     """A config per draft shipped for the default model (`specdec.drafts`), by name; none
     when the package ships none (or has no `specdec.drafts` at all)."""
     try:
-        from specdec.drafts import SHIPPED_DRAFTS, shipped_draft_dir
+        from specdec.drafts import SHIPPED_DRAFTS, SHIPPED_TOKEN_MAP, shipped_draft_dir
     except ImportError:
         return []
+    # Each as specdec serves it best: eagle and draft_model with the shipped token map.
     configs = [SpeculativeConfig.parse({"method": method, "model": name,
-                                        "num_speculative_tokens": num_speculative_tokens})
+                                        "num_speculative_tokens": num_speculative_tokens,
+                                        **({"speculative_token_map": SHIPPED_TOKEN_MAP}
+                                           if method in TOKEN_MAP_METHODS else {})})
                for name, method in SHIPPED_DRAFTS.items() if shipped_draft_dir(name) is not None]
     return [config for config in configs if config is not None]
 

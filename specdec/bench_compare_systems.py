@@ -153,7 +153,8 @@ def describe_spec(spec: SpeculativeConfig) -> str:
     if spec.method == "ngram":
         return (f"ngram k={spec.num_speculative_tokens} "
                 f"lookup {spec.prompt_lookup_min}..{spec.prompt_lookup_max}")
-    return f"{spec.method} k={spec.num_speculative_tokens} ({spec.model})"
+    token_map = "" if spec.speculative_token_map is None else f", token map {spec.speculative_token_map}"
+    return f"{spec.method} k={spec.num_speculative_tokens} ({spec.model}{token_map})"
 
 
 # ------------------------------------------------------------------ transformers

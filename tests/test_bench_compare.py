@@ -133,8 +133,9 @@ def test_shipped_drafts_by_name(monkeypatch, tmp_path: Path) -> None:
                                                    "tiny-draft": "draft_model"})
     monkeypatch.setattr(drafts, "shipped_draft_dir", present.get)
     configs = bench_compare.shipped_draft_configs(num_speculative_tokens=2)
-    assert [(c.method, c.model, c.num_speculative_tokens) for c in configs] == [
-        ("eagle3", "tiny-eagle3", 2), ("draft_model", "tiny-draft", 2)]
+    assert [(c.method, c.model, c.num_speculative_tokens, c.speculative_token_map) for c in configs] == [
+        ("eagle3", "tiny-eagle3", 2, None),  # its own reduced vocabulary
+        ("draft_model", "tiny-draft", 2, drafts.SHIPPED_TOKEN_MAP)]
     monkeypatch.setattr(drafts, "shipped_draft_dir", lambda name: None)
     assert bench_compare.shipped_draft_configs() == []  # none shipped: ngram only
 

@@ -26,6 +26,10 @@ SHIPPED_DRAFTS: dict[str, str] = {
 }
 
 
+# The token map shipped for eagle / draft_model drafts of the default model (see the docstring).
+SHIPPED_TOKEN_MAP = "smollm2-135m-instruct-token-map"
+
+
 def drafts_root() -> Path:
     return Path(str(resources.files("specdec.drafts")))
 
