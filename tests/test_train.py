@@ -132,6 +132,22 @@ def test_reduced_vocabulary_maps_back_to_target_ids(target, features, tmp_path) 
     assert bool(head.t2d[most_common])
 
 
+def test_the_token_map_phase_writes_eagle3s_draft_vocabulary(target, features, tmp_path) -> None:
+    """`train token-map` writes the ids an eagle3 head of the same size would draft among,
+    as a map specdec's loader reads (specdec/token_map.py)."""
+    import argparse
+
+    from specdec.train.cli import run_token_map
+    from specdec.token_map import load_token_map
+
+    features.save(tmp_path / "features.pt")
+    args = argparse.Namespace(model=str(target), work_dir=tmp_path, output=None, draft_vocab_size=DRAFT_VOCAB)
+    path = run_token_map(args)
+    assert path == tmp_path / "token-map.json"
+    trainer = _trainer("eagle3", target, features)
+    assert torch.equal(load_token_map(str(path), 96), trainer.vocab.vocab_ids)
+
+
 @pytest.mark.parametrize("method", ["eagle3", "eagle", "draft_model"])
 def test_training_lowers_the_loss(method, target, features, tmp_path) -> None:
     trainer = _trainer(method, target, features)

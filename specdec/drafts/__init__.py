@@ -8,7 +8,8 @@ leaves out what its loader takes from the target (embedding, lm_head). Use one w
 here first. `python -m specdec train` makes them (specdec/train/).
 
 `smollm2-135m-instruct-token-map.json` lists the 8,192 target token ids of the eagle3
-draft's vocabulary (the most frequent in the drafts' training data): pass it as
+draft's vocabulary (the most frequent in the drafts' training data; `python -m specdec train
+token-map --work-dir W` writes it from the same features): pass it as
 `"speculative_token_map": "smollm2-135m-instruct-token-map"` to cut an eagle or
 draft_model draft's LM head to them (specdec/token_map.py).
 """

@@ -36,7 +36,7 @@ DEFAULT_LR = {"eagle3": 1e-3, "eagle": 5e-4, "draft_model": 2e-4}
 
 
 def add_train_args(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("phase", choices=("data", "features", *METHODS, "all"))
+    parser.add_argument("phase", choices=("data", "features", *METHODS, "token-map", "all"))
     parser.add_argument("--model", default=DEFAULT_MODEL, help="the target")
     parser.add_argument("--work-dir", type=Path, default=None,
                         help="data, features and run states (default: <cache>/train/<model>)")
@@ -62,7 +62,9 @@ def add_train_args(parser: argparse.ArgumentParser) -> None:
     training.add_argument("--warmup-steps", type=int, default=10)
     training.add_argument("--max-len", type=int, default=320)
     training.add_argument("--ttt-steps", type=int, default=None, help="unroll steps (eagle3: 4, eagle: 3)")
-    training.add_argument("--draft-vocab-size", type=int, default=8192)
+    training.add_argument("--draft-vocab-size", type=int, default=8192,
+                          help="eagle3's draft vocabulary, the other losses' vocabulary, and the "
+                               "size of `train token-map`'s map")
     training.add_argument("--seed", type=int, default=0)
     parser.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
 
@@ -179,6 +181,23 @@ def run_method(method: str, args: argparse.Namespace) -> Path:
     return Path(output)
 
 
+def run_token_map(args: argparse.Namespace) -> Path:
+    """Writes the --draft-vocab-size target ids the target says most in the features (the
+    ids eagle3's d2t takes) as a token map for eagle / draft_model (specdec/token_map.py)."""
+    from specdec.train.features import FeatureSet, choose_draft_vocab, token_frequencies
+
+    work_dir = _work_dir(args)
+    features = FeatureSet.load(work_dir / "features.pt")
+    vocab_size = json.loads((resolve_model(args.model) / "config.json").read_text())["vocab_size"]
+    d2t, _ = choose_draft_vocab(token_frequencies(features, vocab_size), args.draft_vocab_size)
+    ids = (torch.arange(d2t.shape[0]) + d2t).tolist()
+    output = Path(args.output) if args.output else work_dir / "token-map.json"
+    output.parent.mkdir(parents=True, exist_ok=True)
+    output.write_text(json.dumps(ids) + "\n")
+    logger.info("token map of %d target ids (of %d) -> %s", len(ids), vocab_size, output)
+    return output
+
+
 def run(args: argparse.Namespace) -> int:
     torch.set_num_threads(args.threads or torch.get_num_threads())
     if args.phase in ("data", "all"):
@@ -188,6 +207,8 @@ def run(args: argparse.Namespace) -> int:
         run_features(args)
     if args.phase in METHODS:
         run_method(args.phase, args)
+    if args.phase == "token-map":
+        run_token_map(args)
     if args.phase == "all":
         from specdec.drafts import drafts_root
 
