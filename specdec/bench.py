@@ -264,6 +264,7 @@ async def _bench_drafts(args: argparse.Namespace) -> list[dict[str, object]]:
                     speculative.append(await _generate(engine, prompt_ids, args.max_tokens, None,
                                                        temperature, seed))
                 row = _aggregate(name, spec.method, temperature, plain, speculative)
+                row["token_map"] = spec.speculative_token_map
                 logger.info("%s", row)
                 rows.append(row)
         finally:
@@ -276,7 +277,10 @@ def _write_cards(rows: list[dict[str, object]], args: argparse.Namespace) -> Non
     from specdec.drafts import shipped_draft_dir
     from specdec.train.card import write_card
 
-    for name in dict.fromkeys(str(row["draft"]) for row in rows):
+    def draft_name(row: dict[str, object]) -> str:  # a '<name> +map' row belongs to <name>'s card
+        return str(row["draft"]).removesuffix(" +map")
+
+    for name in dict.fromkeys(draft_name(row) for row in rows):
         directory = shipped_draft_dir(name)
         if directory is None:
             continue
@@ -284,7 +288,7 @@ def _write_cards(rows: list[dict[str, object]], args: argparse.Namespace) -> Non
         bench = {"k": args.num_speculative_tokens, "max_tokens": args.max_tokens,
                  "num_prompts": rows[0]["num_prompts"],
                  "dtype": str(resolve_dtype(args.dtype, device)).removeprefix("torch."), "device": device.type,
-                 "rows": [row for row in rows if row["draft"] == name]}
+                 "rows": [row for row in rows if draft_name(row) == name]}
         (directory / "bench.json").write_text(json.dumps(bench, indent=2) + "\n")
         write_card(directory)
 

@@ -88,13 +88,22 @@ def render_card(draft_dir: Path) -> str:
                   "| temperature | acceptance rate | mean acceptance length | per-position acceptance "
                   "| tokens/s | plain tokens/s | speedup | output identical to plain |",
                   "|---|---|---|---|---|---|---|---|"]
+        mapped = []
         for row in bench.get("rows", []):
             identical = {True: "yes", False: "no"}.get(row.get("identical_output"), "?")
             if float(row["temperature"]) > 0:
                 identical = "n/a (sampled: same distribution, other draws)"
-            lines.append(f"| {row['temperature']} | {row['acceptance_rate']} | {row['mean_acceptance_length']} "
+            temperature = row["temperature"]
+            if row.get("token_map"):  # the LM head cut to a token map (specdec/token_map.py)
+                temperature = f"{temperature}, token map"
+                mapped.append(str(row["token_map"]))
+            lines.append(f"| {temperature} | {row['acceptance_rate']} | {row['mean_acceptance_length']} "
                          f"| {row['per_position_acceptance']} | {row['spec_tokens_per_s']} "
                          f"| {row['plain_tokens_per_s']} | {row['speedup']}x | {identical} |")
+        for token_map in dict.fromkeys(mapped):
+            lines += ["", f"\"token map\" rows: `\"speculative_token_map\": \"{token_map}\"` in "
+                      "`--speculative-config`, the draft's LM head cut to those target tokens, measured "
+                      "in the same run."]
         if bench.get("note"):
             lines += ["", bench["note"]]
     return "\n".join(lines) + "\n"
