@@ -199,9 +199,14 @@ async def test_a_token_map_cuts_the_draft_vocabulary_not_the_output(target, devi
     assert engine.spec.num_draft_tokens > 0
 
 
-async def test_probabilistic_drafting_is_seeded_and_complete(target, device) -> None:
+@pytest.mark.parametrize("with_token_map", [False, True], ids=["full-head", "token-map"])
+async def test_probabilistic_drafting_is_seeded_and_complete(target, device, tmp_path, with_token_map) -> None:
     params = SamplingParams(temperature=0.9, seed=11, max_tokens=MAX_TOKENS, ignore_eos=True)
     spec = draft_spec("draft_model", target)
+    if with_token_map:  # sampled drafts' probabilities come back over the target's vocabulary
+        token_map = tmp_path / "map.json"
+        token_map.write_text(json.dumps(list(range(0, 96, 2))))
+        spec["speculative_token_map"] = str(token_map)
     first, engine = await serve_and_generate(target, str(device), spec, params, draft_sampling=True)
     second, _ = await serve_and_generate(target, str(device), spec, params, draft_sampling=True)
     assert all(len(tokens) == MAX_TOKENS for tokens in first)
