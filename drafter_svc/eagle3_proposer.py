@@ -37,17 +37,6 @@ class Eagle3Proposer(HeadProposer):
         hidden = self.head.combine_hidden_states(features) if from_target else features
         return self.head(input_ids, positions, hidden, self._pool.kv_cache, attn_metadata)
 
-    def _to_target_ids(self, draft_ids: torch.Tensor) -> torch.Tensor:
-        return self.head.to_target_ids(draft_ids)
-
-    def _probs_to_target(self, probs: torch.Tensor) -> torch.Tensor:
-        if self.head.d2t is None:
-            return probs
-        target_probs = probs.new_zeros(probs.shape[0], self.info.vocab_size)
-        draft_ids = torch.arange(probs.shape[1], device=probs.device)
-        target_probs[:, self.head.to_target_ids(draft_ids)] = probs
-        return target_probs
-
 
 def build_eagle3_method(config: SpeculativeConfig, options: ModelOptions) -> Callable[[], Eagle3Proposer]:
     """Loads the head (and the target's embedding) once; returns the per-stream factory."""
@@ -65,4 +54,7 @@ def build_eagle3_method(config: SpeculativeConfig, options: ModelOptions) -> Cal
                         vocab_size=target.config.vocab_size, tokenizer_fingerprint=fingerprint,
                         hidden_state_width=len(layer_ids) * target.config.hidden_size)
     pool = DraftKVPool(head.config, options.num_blocks, options.block_size, dtype, device)
-    return lambda: Eagle3Proposer(head, info, pool, device, dtype, options)
+    # A reduced draft vocabulary is a token map: draft id i is target id i + d2t[i].
+    token_map = (None if head.d2t is None
+                 else head.to_target_ids(torch.arange(head.draft_vocab_size, device=device)))
+    return lambda: Eagle3Proposer(head, info, pool, device, dtype, options, token_map)
