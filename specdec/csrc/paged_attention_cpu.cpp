@@ -231,16 +231,15 @@ void attend_chunk(const T* query, int64_t query_token_stride, int64_t query_head
 // to the running max), then normalised and rounded to T.
 template <typename T>
 void merge_partials(const float* partials, int64_t num_chunks, int64_t chunk_stride, int64_t head_dim,
-                    T* out) {
+                    float* accum, T* out) {  // accum: head_dim floats of scratch
   float max_score = 0.f, total = 0.f;
-  std::vector<float> accum(head_dim, 0.f);
   for (int64_t c = 0; c < num_chunks; ++c) {
     const float* part = partials + c * chunk_stride;
     if (part[1] == 0.f) continue;  // the row sees none of this chunk
     if (total == 0.f) {
       max_score = part[0];
       total = part[1];
-      std::memcpy(accum.data(), part + 2, head_dim * sizeof(float));
+      std::memcpy(accum, part + 2, head_dim * sizeof(float));
       continue;
     }
     const float new_max = std::max(max_score, part[0]);
@@ -407,6 +406,7 @@ at::Tensor paged_attention(const at::Tensor& query, const at::Tensor& key, const
     } else {
       at::parallel_for(0, num_units, 1, run);
     }
+    std::vector<float> accum(head_dim);  // every row sees at least its own position's chunk
     for (int64_t s = 0; s < num_seqs; ++s) {
       const int64_t start = query_start_locs[s], query_len = query_start_locs[s + 1] - start;
       if (query_len == 0 || query_len > kMaxKernelQueryLen) continue;
@@ -414,7 +414,7 @@ at::Tensor paged_attention(const at::Tensor& query, const at::Tensor& key, const
       const int64_t chunk_stride = query_len * num_heads * width;
       for (int64_t row = 0; row < query_len * num_heads; ++row) {
         merge_partials(partials.data() + partial_starts[s] + row * width, num_chunks, chunk_stride, head_dim,
-                       out_data + (start * num_heads + row) * head_dim);
+                       accum.data(), out_data + (start * num_heads + row) * head_dim);
       }
     }
   });
