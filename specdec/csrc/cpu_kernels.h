@@ -66,9 +66,48 @@ inline float exp_clamped(float x) {
 
 // linear_cpu.cpp: y = x W^T + b, row-invariant (see there); also torch.ops.specdec_cpu.linear.
 at::Tensor linear(const at::Tensor& x, const at::Tensor& weight, const c10::optional<at::Tensor>& bias);
+// The same into `out` ([rows, out] contiguous, x's dtype).
+void linear_out(const at::Tensor& x, const at::Tensor& weight, const c10::optional<at::Tensor>& bias,
+                at::Tensor& out);
 bool linear_supports(at::ScalarType dtype);
 
 // paged_attention_cpu.cpp: writes the step's K/V into the paged cache, attends every query token.
+//
+// What a step's attention does not owe to its layer (slots, block tables, the units of work),
+// worked out once a step by plan_attention; attend_planned then runs one layer without a
+// torch operator call (except for a long segment's SDPA), so the decoder stack pays no
+// dispatcher trips or allocations a layer. Every cache the plan serves has the shape of the
+// one it was made with.
+struct AttentionPlan {
+  struct Unit {
+    int64_t seq, kv_head, chunk;
+  };
+  int64_t num_tokens = 0, num_heads = 0, num_kv_heads = 0, head_dim = 0, block_size = 0, num_blocks = 0;
+  std::vector<int64_t> slots, query_start_locs, context_lens;
+  std::vector<at::Tensor> tables;  // int64, contiguous
+  std::vector<Unit> units;
+  std::vector<int64_t> partial_starts;  // where each sequence's chunk partials begin
+  int64_t num_partials = 0, work = 0;
+  bool has_long_segment = false;
+  std::vector<float> partials, merge_scratch;  // reused by every layer
+};
+// A step's query, key and value rows: element strides between tokens and between heads, the
+// last dim contiguous, all in the caches' dtype.
+struct AttentionRows {
+  const void* query;
+  int64_t query_token_stride, query_head_stride;
+  const void* key;
+  int64_t key_token_stride, key_head_stride;
+  const void* value;
+  int64_t value_token_stride, value_head_stride;
+};
+AttentionPlan plan_attention(int64_t num_tokens, int64_t num_heads, const at::Tensor& key_cache,
+                             const at::Tensor& slot_mapping, const std::vector<int64_t>& query_start_locs,
+                             const std::vector<int64_t>& context_lens, const std::vector<at::Tensor>& block_tables);
+// Writes the rows' K/V into the caches and the attention of every query row into `out`
+// ([num_tokens, num_heads, head_dim] contiguous).
+void attend_planned(AttentionPlan& plan, at::ScalarType dtype, const AttentionRows& rows, void* key_cache,
+                    void* value_cache, void* out, double scale);
 at::Tensor paged_attention(const at::Tensor& query, const at::Tensor& key, const at::Tensor& value,
                            at::Tensor key_cache, at::Tensor value_cache, const at::Tensor& slot_mapping,
                            const std::vector<int64_t>& query_start_locs,

@@ -165,43 +165,63 @@ std::vector<at::Tensor> decoder_stack(
   }
   const float norm_eps = static_cast<float>(eps);
 
+  const int64_t qkv_size = q_size + 2 * kv_size;
+  for (int64_t layer = 0; layer < num_layers; ++layer) {
+    const at::Tensor* w = layer_tensors.data() + layer * kTensorsPerLayer;
+    TORCH_CHECK(w[kQkvWeight].dim() == 2 && w[kQkvWeight].size(0) == qkv_size, "decoder_stack: layer ", layer,
+                "'s qkv projection does not fit the heads");
+    TORCH_CHECK(w[kGateUpWeight].dim() == 2 && w[kGateUpWeight].size(0) == 2 * intermediate_size,
+                "decoder_stack: layer ", layer, "'s gate_up projection is not 2 x intermediate_size wide");
+    TORCH_CHECK(key_caches[layer].sizes() == key_caches[0].sizes() && value_caches[layer].sizes() == key_caches[0].sizes() &&
+                    key_caches[layer].is_contiguous() && value_caches[layer].is_contiguous() &&
+                    key_caches[layer].scalar_type() == dtype && value_caches[layer].scalar_type() == dtype,
+                "decoder_stack: every layer's K and V caches must be contiguous ", dtype, " of one shape");
+  }
+  TORCH_CHECK(key_caches[0].size(2) == num_kv_heads && key_caches[0].size(3) == head_dim,
+              "decoder_stack: the KV caches do not fit the heads");
+  // One plan and one set of buffers for every layer: a layer makes no allocation and, but for
+  // a long prefill segment's SDPA, no torch operator call (each cost ~1-5 us a layer, more
+  // with the code cold after the weights streamed through the caches).
+  AttentionPlan plan = plan_attention(num_tokens, num_heads, key_caches[0], slot_mapping, query_start_locs,
+                                      context_lens, block_tables);
+  const auto options = embed_weight.options();
+  at::Tensor normed = at::empty({num_tokens, hidden_size}, options);
+  at::Tensor qkv = at::empty({num_tokens, qkv_size}, options);
+  at::Tensor attended = at::empty({num_tokens, q_size}, options);
+  at::Tensor projected = at::empty({num_tokens, hidden_size}, options);
+  at::Tensor residual = at::empty({num_tokens, hidden_size}, options);
+  at::Tensor gate_up = at::empty({num_tokens, 2 * intermediate_size}, options);
+  at::Tensor activated = at::empty({num_tokens, intermediate_size}, options);
+  at::Tensor down = at::empty({num_tokens, hidden_size}, options);
+
   std::vector<at::Tensor> aux(aux_layer_ids.size());
+  // The residual stream, updated in place layer by layer.
   at::Tensor hidden = at::index_select(embed_weight, 0, input_ids.to(at::kLong));  // [T, H]
   AT_DISPATCH_FLOATING_TYPES_AND(at::kBFloat16, dtype, "decoder_stack", [&] {
     using T = scalar_t;
+    T* const qkv_data = qkv.data_ptr<T>();
+    const AttentionRows rows{qkv_data,           qkv_size, head_dim, qkv_data + q_size, qkv_size, head_dim,
+                             qkv_data + q_size + kv_size, qkv_size, head_dim};
     for (int64_t layer = 0; layer < num_layers; ++layer) {
       for (size_t j = 0; j < aux_layer_ids.size(); ++j) {
-        if (aux_layer_ids[j] == layer) aux[j] = hidden;
+        if (aux_layer_ids[j] == layer) aux[j] = hidden.clone();
       }
       const at::Tensor* w = layer_tensors.data() + layer * kTensorsPerLayer;
-      at::Tensor normed = at::empty_like(hidden);
       rms_norm<T>(hidden.data_ptr<T>(), w[kInputNorm].data_ptr<T>(), normed.data_ptr<T>(), num_tokens,
                   hidden_size, norm_eps);
-      at::Tensor qkv = specdec_cpu::linear(normed, w[kQkvWeight], bias_of(w[kQkvBias]));  // [T, q + 2 kv]
-      TORCH_CHECK(qkv.size(1) == q_size + 2 * kv_size, "decoder_stack: layer ", layer,
-                  "'s qkv projection does not fit the heads");
-      rotate<T>(qkv.data_ptr<T>(), qkv.size(1), position_data, cos.data_ptr<T>(),
-                sin.data_ptr<T>(), num_tokens, num_heads + num_kv_heads, head_dim);
-      const at::Tensor query = qkv.narrow(1, 0, q_size).view({num_tokens, num_heads, head_dim});
-      const at::Tensor key = qkv.narrow(1, q_size, kv_size).view({num_tokens, num_kv_heads, head_dim});
-      const at::Tensor value = qkv.narrow(1, q_size + kv_size, kv_size).view({num_tokens, num_kv_heads, head_dim});
-      const at::Tensor attended = specdec_cpu::paged_attention(query, key, value, key_caches[layer], value_caches[layer],
-                                                  slot_mapping, query_start_locs, context_lens, block_tables,
-                                                  scale);  // [T, heads, head_dim]
-      const at::Tensor projected = specdec_cpu::linear(attended.view({num_tokens, q_size}), w[kOWeight], bias_of(w[kOBias]));
-      at::Tensor residual = at::empty_like(hidden);
+      specdec_cpu::linear_out(normed, w[kQkvWeight], bias_of(w[kQkvBias]), qkv);  // [T, q + 2 kv]
+      rotate<T>(qkv_data, qkv_size, position_data, cos.data_ptr<T>(), sin.data_ptr<T>(), num_tokens,
+                num_heads + num_kv_heads, head_dim);
+      attend_planned(plan, dtype, rows, key_caches[layer].data_ptr(), value_caches[layer].data_ptr(),
+                     attended.data_ptr(), scale);  // [T, heads * head_dim]
+      specdec_cpu::linear_out(attended, w[kOWeight], bias_of(w[kOBias]), projected);
       add<T>(hidden.data_ptr<T>(), projected.data_ptr<T>(), residual.data_ptr<T>(), num_tokens, hidden_size);
       rms_norm<T>(residual.data_ptr<T>(), w[kPostNorm].data_ptr<T>(), normed.data_ptr<T>(), num_tokens,
                   hidden_size, norm_eps);
-      const at::Tensor gate_up = specdec_cpu::linear(normed, w[kGateUpWeight], bias_of(w[kGateUpBias]));
-      TORCH_CHECK(gate_up.size(1) == 2 * intermediate_size, "decoder_stack: layer ", layer,
-                  "'s gate_up projection is not 2 x intermediate_size wide");
-      at::Tensor activated = at::empty({num_tokens, intermediate_size}, hidden.options());
+      specdec_cpu::linear_out(normed, w[kGateUpWeight], bias_of(w[kGateUpBias]), gate_up);
       silu_mul<T>(gate_up.data_ptr<T>(), activated.data_ptr<T>(), num_tokens, intermediate_size);
-      const at::Tensor down = specdec_cpu::linear(activated, w[kDownWeight], bias_of(w[kDownBias]));
-      at::Tensor next = at::empty_like(hidden);
-      add<T>(residual.data_ptr<T>(), down.data_ptr<T>(), next.data_ptr<T>(), num_tokens, hidden_size);
-      hidden = next;
+      specdec_cpu::linear_out(activated, w[kDownWeight], bias_of(w[kDownBias]), down);
+      add<T>(residual.data_ptr<T>(), down.data_ptr<T>(), hidden.data_ptr<T>(), num_tokens, hidden_size);
     }
     at::Tensor out = at::empty_like(hidden);
     rms_norm<T>(hidden.data_ptr<T>(), final_norm.data_ptr<T>(), out.data_ptr<T>(), num_tokens, hidden_size,

@@ -201,7 +201,8 @@ bool linear_supports(at::ScalarType dtype) {
   return false;
 }
 
-at::Tensor linear(const at::Tensor& x, const at::Tensor& weight, const c10::optional<at::Tensor>& bias) {
+void linear_out(const at::Tensor& x, const at::Tensor& weight, const c10::optional<at::Tensor>& bias,
+                at::Tensor& out) {
   TORCH_CHECK(x.dim() == 2 && weight.dim() == 2 && x.size(1) == weight.size(1),
               "specdec_cpu::linear expects x [rows, in] and weight [out, in]; got ", x.sizes(), " and ",
               weight.sizes());
@@ -213,19 +214,32 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& weight, const c10::opti
                 "specdec_cpu::linear: the bias must be [out] in the weight's dtype");
   }
   const int64_t M = x.size(0);
-  if (M == 0 || !linear_supports(x.scalar_type()) || (x.scalar_type() == at::kBFloat16 && M > kMaxRowsBf16)) {
-    return at::linear(x, weight, bias);
+  TORCH_CHECK(out.dim() == 2 && out.size(0) == M && out.size(1) == weight.size(0) && out.is_contiguous() &&
+                  out.scalar_type() == x.scalar_type(),
+              "specdec_cpu::linear: out must be a contiguous [rows, out] tensor in x's dtype");
+  if (M == 0) return;
+  if (!linear_supports(x.scalar_type()) || (x.scalar_type() == at::kBFloat16 && M > kMaxRowsBf16)) {
+    at::linear_out(out, x, weight, bias);
+    return;
   }
-  const at::Tensor rows = x.contiguous();
-  const at::Tensor w = weight.contiguous();
-  const c10::optional<at::Tensor> b = bias.has_value() ? c10::optional<at::Tensor>(bias->contiguous()) : c10::nullopt;
-  at::Tensor out = at::empty({M, weight.size(0)}, x.options());
+  // Already contiguous in the decoder stack: no copies (each would be a dispatcher trip).
+  const at::Tensor rows = x.is_contiguous() ? x : x.contiguous();
+  const at::Tensor w = weight.is_contiguous() ? weight : weight.contiguous();
+  const c10::optional<at::Tensor> b =
+      bias.has_value() ? c10::optional<at::Tensor>(bias->is_contiguous() ? *bias : bias->contiguous()) : c10::nullopt;
 #if defined(__AVX512F__)
   if (x.scalar_type() == at::kFloat) linear_rows<Fp32Ops>(rows, w, b, out);
 #endif
 #if defined(SPECDEC_HAS_BF16_KERNEL)
   if (x.scalar_type() == at::kBFloat16) linear_rows<Bf16Ops>(rows, w, b, out);
 #endif
+}
+
+at::Tensor linear(const at::Tensor& x, const at::Tensor& weight, const c10::optional<at::Tensor>& bias) {
+  TORCH_CHECK(x.dim() == 2 && weight.dim() == 2, "specdec_cpu::linear expects x [rows, in] and weight [out, in]; got ",
+              x.sizes(), " and ", weight.sizes());
+  at::Tensor out = at::empty({x.size(0), weight.size(0)}, x.options());
+  linear_out(x, weight, bias, out);
   return out;
 }
 

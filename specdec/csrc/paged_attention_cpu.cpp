@@ -294,34 +294,21 @@ void merge_partials(const float* partials, int64_t num_chunks, int64_t chunk_str
   for (int64_t d = 0; d < head_dim; ++d) out[d] = from_float<T>(accum[d] * inverse);
 }
 
-// Stores each token's K/V row at its slot.
-void write_kv(const at::Tensor& key, const at::Tensor& value, at::Tensor& key_cache,
-              at::Tensor& value_cache, const at::Tensor& slot_mapping) {
-  const int64_t num_tokens = key.size(0);
-  const int64_t num_slots = key_cache.size(0) * key_cache.size(1);
-  const int64_t num_kv_heads = key_cache.size(2), head_dim = key_cache.size(3);
-  const at::Tensor slots = slot_mapping.to(at::kLong).contiguous();
-  const int64_t* slot_data = slots.data_ptr<int64_t>();
-  const at::Tensor key_rows = key.to(key_cache.scalar_type());
-  const at::Tensor value_rows = value.to(value_cache.scalar_type());
-  const int64_t element_size = key_cache.element_size();
-  const int64_t row_bytes = head_dim * element_size;
-  auto* key_base = static_cast<char*>(key_cache.data_ptr());
-  auto* value_base = static_cast<char*>(value_cache.data_ptr());
-  for (int64_t t = 0; t < num_tokens; ++t) {
-    const int64_t slot = slot_data[t];
-    TORCH_CHECK(slot >= 0 && slot < num_slots, "slot ", slot, " of token ", t,
-                " is outside the cache (", num_slots, " slots)");
-    for (int64_t h = 0; h < num_kv_heads; ++h) {
-      const int64_t offset = (slot * num_kv_heads + h) * row_bytes;
-      std::memcpy(key_base + offset,
-                  static_cast<const char*>(key_rows.data_ptr()) +
-                      (t * key_rows.stride(0) + h * key_rows.stride(1)) * element_size,
+// Stores each token's K/V row at its slot (rows as in AttentionRows, the caches' dtype).
+void write_kv(const AttentionPlan& plan, const AttentionRows& rows, void* key_cache, void* value_cache,
+              int64_t element_size) {
+  const int64_t row_bytes = plan.head_dim * element_size;
+  auto* key_base = static_cast<char*>(key_cache);
+  auto* value_base = static_cast<char*>(value_cache);
+  const auto* key_rows = static_cast<const char*>(rows.key);
+  const auto* value_rows = static_cast<const char*>(rows.value);
+  for (int64_t t = 0; t < plan.num_tokens; ++t) {
+    for (int64_t h = 0; h < plan.num_kv_heads; ++h) {
+      const int64_t offset = (plan.slots[t] * plan.num_kv_heads + h) * row_bytes;
+      std::memcpy(key_base + offset, key_rows + (t * rows.key_token_stride + h * rows.key_head_stride) * element_size,
                   row_bytes);
       std::memcpy(value_base + offset,
-                  static_cast<const char*>(value_rows.data_ptr()) +
-                      (t * value_rows.stride(0) + h * value_rows.stride(1)) * element_size,
-                  row_bytes);
+                  value_rows + (t * rows.value_token_stride + h * rows.value_head_stride) * element_size, row_bytes);
     }
   }
 }
@@ -355,6 +342,136 @@ at::Tensor attend_long_segment(const at::Tensor& query, const at::Tensor& key, c
 
 }  // namespace
 
+AttentionPlan plan_attention(int64_t num_tokens, int64_t num_heads, const at::Tensor& key_cache,
+                             const at::Tensor& slot_mapping, const std::vector<int64_t>& query_start_locs,
+                             const std::vector<int64_t>& context_lens, const std::vector<at::Tensor>& block_tables) {
+  TORCH_CHECK(key_cache.dim() == 4 && key_cache.is_contiguous(), "the KV caches must be contiguous [blocks, block_size, KVH, D]");
+  AttentionPlan plan;
+  plan.num_tokens = num_tokens;
+  plan.num_heads = num_heads;
+  plan.num_kv_heads = key_cache.size(2);
+  plan.head_dim = key_cache.size(3);
+  plan.block_size = key_cache.size(1);
+  plan.num_blocks = key_cache.size(0);
+  TORCH_CHECK(num_heads % plan.num_kv_heads == 0, "the number of KV heads does not divide the query heads");
+  const int64_t num_seqs = static_cast<int64_t>(context_lens.size());
+  TORCH_CHECK(static_cast<int64_t>(query_start_locs.size()) == num_seqs + 1 &&
+                  static_cast<int64_t>(block_tables.size()) == num_seqs,
+              "query_start_locs, context_lens and block_tables disagree on the number of sequences");
+  TORCH_CHECK(query_start_locs.back() == num_tokens, "query_start_locs must end at the number of tokens");
+  TORCH_CHECK(slot_mapping.numel() == num_tokens, "slot_mapping must give one slot per token");
+  const at::Tensor slots = slot_mapping.to(at::kLong).contiguous();
+  const int64_t* slot_data = slots.data_ptr<int64_t>();
+  const int64_t num_slots = plan.num_blocks * plan.block_size;
+  plan.slots.assign(slot_data, slot_data + num_tokens);
+  for (int64_t t = 0; t < num_tokens; ++t) {
+    TORCH_CHECK(plan.slots[t] >= 0 && plan.slots[t] < num_slots, "slot ", plan.slots[t], " of token ", t,
+                " is outside the cache (", num_slots, " slots)");
+  }
+  plan.query_start_locs = query_start_locs;
+  plan.context_lens = context_lens;
+  plan.tables.resize(num_seqs);
+  plan.partial_starts.assign(num_seqs, 0);
+  const int64_t width = partial_width(plan.head_dim);
+  for (int64_t s = 0; s < num_seqs; ++s) {
+    const int64_t start = query_start_locs[s], query_len = query_start_locs[s + 1] - start;
+    const int64_t context_len = context_lens[s];
+    if (query_len == 0) continue;
+    TORCH_CHECK(query_len > 0 && context_len >= query_len, "sequence ", s, ": context_len ", context_len,
+                " is shorter than its ", query_len, " query tokens");
+    plan.tables[s] = block_tables[s].to(at::kLong).contiguous();
+    TORCH_CHECK(plan.tables[s].numel() * plan.block_size >= context_len, "sequence ", s,
+                "'s block table covers fewer than ", context_len, " tokens");
+    if (query_len > kMaxKernelQueryLen) {
+      plan.has_long_segment = true;
+      continue;
+    }
+    const int64_t num_chunks = (context_len + kChunk - 1) / kChunk;
+    for (int64_t c = 0; c < num_chunks; ++c) {
+      for (int64_t h = 0; h < plan.num_kv_heads; ++h) plan.units.push_back({s, h, c});
+    }
+    plan.partial_starts[s] = plan.num_partials;
+    plan.num_partials += num_chunks * query_len * num_heads * width;
+    plan.work += query_len * num_heads * context_len;
+  }
+  plan.partials.resize(plan.num_partials);
+  return plan;
+}
+
+void attend_planned(AttentionPlan& plan, at::ScalarType dtype, const AttentionRows& rows, void* key_cache,
+                    void* value_cache, void* out, double scale) {
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, dtype, "paged_attention_cpu", [&] {
+    using T = scalar_t;
+    write_kv(plan, rows, key_cache, value_cache, sizeof(T));
+    const auto* query_data = static_cast<const T*>(rows.query);
+    const auto* key_cache_data = static_cast<const T*>(key_cache);
+    const auto* value_cache_data = static_cast<const T*>(value_cache);
+    auto* out_data = static_cast<T*>(out);
+    const int64_t num_heads = plan.num_heads, head_dim = plan.head_dim, width = partial_width(head_dim);
+    if (plan.has_long_segment) {
+      // Views of this layer's rows and caches for torch's SDPA (the long segments only).
+      const auto options = at::TensorOptions().dtype(dtype);
+      const int64_t T_ = plan.num_tokens, KVH = plan.num_kv_heads;
+      const at::Tensor query = at::from_blob(const_cast<T*>(query_data), {T_, num_heads, head_dim},
+                                             {rows.query_token_stride, rows.query_head_stride, 1}, options);
+      const at::Tensor key = at::from_blob(const_cast<void*>(rows.key), {T_, KVH, head_dim},
+                                           {rows.key_token_stride, rows.key_head_stride, 1}, options);
+      const at::Tensor value = at::from_blob(const_cast<void*>(rows.value), {T_, KVH, head_dim},
+                                             {rows.value_token_stride, rows.value_head_stride, 1}, options);
+      const std::vector<int64_t> cache_shape{plan.num_blocks, plan.block_size, KVH, head_dim};
+      const at::Tensor keys = at::from_blob(key_cache, cache_shape, options);
+      const at::Tensor values = at::from_blob(value_cache, cache_shape, options);
+      at::Tensor attended = at::from_blob(out, {T_, num_heads, head_dim}, options);
+      for (size_t s = 0; s < plan.context_lens.size(); ++s) {
+        const int64_t start = plan.query_start_locs[s], query_len = plan.query_start_locs[s + 1] - start;
+        if (query_len <= kMaxKernelQueryLen) continue;
+        attended.slice(0, start, start + query_len).copy_(attend_long_segment(
+            query.slice(0, start, start + query_len), key.slice(0, start, start + query_len),
+            value.slice(0, start, start + query_len), keys, values, plan.tables[s], plan.context_lens[s], scale));
+      }
+    }
+    if (plan.units.empty()) return;
+    auto run = [&](int64_t begin, int64_t end) {
+      for (int64_t u = begin; u < end; ++u) {
+        const AttentionPlan::Unit& unit = plan.units[u];
+        const int64_t s = unit.seq;
+        const int64_t start = plan.query_start_locs[s], query_len = plan.query_start_locs[s + 1] - start;
+        float* chunk_partials = plan.partials.data() + plan.partial_starts[s] + unit.chunk * query_len * num_heads * width;
+        auto attend = [&](auto head_dim_constant) {
+          attend_chunk<T, decltype(head_dim_constant)::value>(
+              query_data + start * rows.query_token_stride, rows.query_token_stride, rows.query_head_stride,
+              key_cache_data, value_cache_data, plan.tables[s].data_ptr<int64_t>(), plan.block_size,
+              plan.num_kv_heads, head_dim, num_heads, unit.kv_head, query_len, plan.context_lens[s],
+              unit.chunk * kChunk, static_cast<float>(scale), chunk_partials);
+        };
+        switch (head_dim) {
+          case 64: attend(std::integral_constant<int64_t, 64>{}); break;
+          case 128: attend(std::integral_constant<int64_t, 128>{}); break;
+          default: attend(std::integral_constant<int64_t, 0>{}); break;
+        }
+      }
+    };
+    const int64_t num_units = static_cast<int64_t>(plan.units.size());
+    if (plan.work < kMinParallelWork) {
+      run(0, num_units);
+    } else {
+      at::parallel_for(0, num_units, 1, run);
+    }
+    if (plan.merge_scratch.size() < static_cast<size_t>(head_dim)) plan.merge_scratch.resize(head_dim);
+    for (size_t s = 0; s < plan.context_lens.size(); ++s) {
+      const int64_t start = plan.query_start_locs[s], query_len = plan.query_start_locs[s + 1] - start;
+      if (query_len == 0 || query_len > kMaxKernelQueryLen) continue;
+      const int64_t num_chunks = (plan.context_lens[s] + kChunk - 1) / kChunk;
+      const int64_t chunk_stride = query_len * num_heads * width;
+      for (int64_t row = 0; row < query_len * num_heads; ++row) {
+        // every row sees at least its own position's chunk
+        merge_partials(plan.partials.data() + plan.partial_starts[s] + row * width, num_chunks, chunk_stride,
+                       head_dim, plan.merge_scratch.data(), out_data + (start * num_heads + row) * head_dim);
+      }
+    }
+  });
+}
+
 at::Tensor paged_attention(const at::Tensor& query, const at::Tensor& key, const at::Tensor& value,
                            at::Tensor key_cache, at::Tensor value_cache, const at::Tensor& slot_mapping,
                            const std::vector<int64_t>& query_start_locs,
@@ -365,100 +482,27 @@ at::Tensor paged_attention(const at::Tensor& query, const at::Tensor& key, const
               "expected query [T, H, D], key/value [T, KVH, D], caches [blocks, block_size, KVH, D]");
   TORCH_CHECK(key_cache.is_contiguous() && value_cache.is_contiguous(), "the KV caches must be contiguous");
   TORCH_CHECK(key_cache.scalar_type() == query.scalar_type() &&
-                  value_cache.scalar_type() == query.scalar_type(),
-              "the KV caches must have the query's dtype");
-  const int64_t num_seqs = static_cast<int64_t>(context_lens.size());
-  TORCH_CHECK(static_cast<int64_t>(query_start_locs.size()) == num_seqs + 1 &&
-                  static_cast<int64_t>(block_tables.size()) == num_seqs,
-              "query_start_locs, context_lens and block_tables disagree on the number of sequences");
+                  value_cache.scalar_type() == query.scalar_type() && value_cache.sizes() == key_cache.sizes(),
+              "the KV caches must have the query's dtype and one shape");
   const int64_t num_tokens = query.size(0), num_heads = query.size(1), head_dim = query.size(2);
-  const int64_t num_kv_heads = key_cache.size(2), block_size = key_cache.size(1);
-  TORCH_CHECK(key_cache.size(3) == head_dim && num_heads % num_kv_heads == 0,
+  TORCH_CHECK(key_cache.size(3) == head_dim && key.size(0) == num_tokens && value.size(0) == num_tokens &&
+                  key.size(1) == key_cache.size(2) && value.size(1) == key_cache.size(2) &&
+                  key.size(2) == head_dim && value.size(2) == head_dim,
               "head_dim or the number of KV heads does not fit the query");
-  TORCH_CHECK(query_start_locs.back() == num_tokens, "query_start_locs must end at the number of tokens");
+  AttentionPlan plan =
+      plan_attention(num_tokens, num_heads, key_cache, slot_mapping, query_start_locs, context_lens, block_tables);
+  // Rows with the last dim contiguous, in the caches' dtype.
+  auto usable = [&](const at::Tensor& x) {
+    const at::Tensor typed = x.to(key_cache.scalar_type());
+    return typed.stride(2) == 1 ? typed : typed.contiguous();
+  };
   const at::Tensor query_rows = query.stride(2) == 1 ? query : query.contiguous();
-  const at::Tensor key_rows = key.stride(2) == 1 ? key : key.contiguous();
-  const at::Tensor value_rows = value.stride(2) == 1 ? value : value.contiguous();
-  write_kv(key_rows, value_rows, key_cache, value_cache, slot_mapping);
-
+  const at::Tensor key_rows = usable(key), value_rows = usable(value);
+  const AttentionRows rows{query_rows.data_ptr(), query_rows.stride(0), query_rows.stride(1),
+                           key_rows.data_ptr(),   key_rows.stride(0),   key_rows.stride(1),
+                           value_rows.data_ptr(), value_rows.stride(0), value_rows.stride(1)};
   at::Tensor out = at::empty({num_tokens, num_heads, head_dim}, query.options());
-  const int64_t group = num_heads / num_kv_heads;
-  const int64_t width = partial_width(head_dim);
-  std::vector<at::Tensor> tables(num_seqs);
-  // A unit is one chunk of one sequence's context for one KV head; partial_starts[s]: where
-  // sequence s's partials begin in `partials` ([chunk][token * num_heads + head][width]).
-  struct Unit { int64_t seq, kv_head, chunk; };
-  std::vector<Unit> units;
-  std::vector<int64_t> partial_starts(num_seqs, 0);
-  int64_t num_partials = 0, work = 0;
-  for (int64_t s = 0; s < num_seqs; ++s) {
-    const int64_t start = query_start_locs[s], query_len = query_start_locs[s + 1] - start;
-    const int64_t context_len = context_lens[s];
-    if (query_len == 0) continue;
-    TORCH_CHECK(query_len > 0 && context_len >= query_len, "sequence ", s, ": context_len ", context_len,
-                " is shorter than its ", query_len, " query tokens");
-    tables[s] = block_tables[s].to(at::kLong).contiguous();
-    TORCH_CHECK(tables[s].numel() * block_size >= context_len, "sequence ", s, "'s block table covers fewer than ",
-                context_len, " tokens");
-    if (query_len > kMaxKernelQueryLen) {
-      out.slice(0, start, start + query_len).copy_(attend_long_segment(
-          query_rows.slice(0, start, start + query_len), key_rows.slice(0, start, start + query_len),
-          value_rows.slice(0, start, start + query_len), key_cache, value_cache, tables[s], context_len, scale));
-      continue;
-    }
-    const int64_t num_chunks = (context_len + kChunk - 1) / kChunk;
-    for (int64_t c = 0; c < num_chunks; ++c) {
-      for (int64_t h = 0; h < num_kv_heads; ++h) units.push_back({s, h, c});
-    }
-    partial_starts[s] = num_partials;
-    num_partials += num_chunks * query_len * num_heads * width;
-    work += query_len * num_heads * context_len;
-  }
-  if (units.empty()) return out;
-  std::vector<float> partials(num_partials);
-
-  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, query.scalar_type(), "paged_attention_cpu", [&] {
-    const auto* query_data = query_rows.data_ptr<scalar_t>();
-    const auto* key_cache_data = key_cache.data_ptr<scalar_t>();
-    const auto* value_cache_data = value_cache.data_ptr<scalar_t>();
-    auto* out_data = out.data_ptr<scalar_t>();
-    auto run = [&](int64_t begin, int64_t end) {
-      for (int64_t u = begin; u < end; ++u) {
-        const int64_t s = units[u].seq;
-        const int64_t start = query_start_locs[s], query_len = query_start_locs[s + 1] - start;
-        float* chunk_partials = partials.data() + partial_starts[s] + units[u].chunk * query_len * num_heads * width;
-        auto attend = [&](auto head_dim_constant) {
-          attend_chunk<scalar_t, decltype(head_dim_constant)::value>(
-              query_data + start * query_rows.stride(0), query_rows.stride(0), query_rows.stride(1),
-              key_cache_data, value_cache_data, tables[s].data_ptr<int64_t>(), block_size, num_kv_heads,
-              head_dim, num_heads, units[u].kv_head, query_len, context_lens[s], units[u].chunk * kChunk,
-              static_cast<float>(scale), chunk_partials);
-        };
-        switch (head_dim) {
-          case 64: attend(std::integral_constant<int64_t, 64>{}); break;
-          case 128: attend(std::integral_constant<int64_t, 128>{}); break;
-          default: attend(std::integral_constant<int64_t, 0>{}); break;
-        }
-      }
-    };
-    const int64_t num_units = static_cast<int64_t>(units.size());
-    if (work < kMinParallelWork) {
-      run(0, num_units);
-    } else {
-      at::parallel_for(0, num_units, 1, run);
-    }
-    std::vector<float> accum(head_dim);  // every row sees at least its own position's chunk
-    for (int64_t s = 0; s < num_seqs; ++s) {
-      const int64_t start = query_start_locs[s], query_len = query_start_locs[s + 1] - start;
-      if (query_len == 0 || query_len > kMaxKernelQueryLen) continue;
-      const int64_t num_chunks = (context_lens[s] + kChunk - 1) / kChunk;
-      const int64_t chunk_stride = query_len * num_heads * width;
-      for (int64_t row = 0; row < query_len * num_heads; ++row) {
-        merge_partials(partials.data() + partial_starts[s] + row * width, num_chunks, chunk_stride, head_dim,
-                       accum.data(), out_data + (start * num_heads + row) * head_dim);
-      }
-    }
-  });
+  attend_planned(plan, query.scalar_type(), rows, key_cache.data_ptr(), value_cache.data_ptr(), out.data_ptr(), scale);
   return out;
 }
 
