@@ -70,11 +70,13 @@ def test_the_stack_computes_the_models_forward(model_dir: Path, dtype: torch.dty
     for cache in caches:
         for tensor in cache.key_caches + cache.value_caches:
             tensor.zero_()  # allocated uninitialised
-    first, second = _tokens(30, seed=1), _tokens(12, seed=2)
-    table_a, table_b = [9, 3, 14, 0, 7, 21, 2, 11, 5, 30], [17, 1, 25, 8]
-    steps = [[(first[:17], 0, table_a)], [(first[17:18], 17, table_a)], [(first[18:23], 18, table_a)],
-             [(second[:9], 0, table_b), (first[23:24], 23, table_a)], [(first[24:30], 24, table_a),
-                                                                     (second[9:12], 9, table_b)]]
+    # The first prefill and the last step's second segment are long (> 32 tokens: torch's
+    # SDPA over the gathered context), the rest the kernel's short segments.
+    first, second = _tokens(50, seed=1), _tokens(45, seed=2)
+    table_a, table_b = [9, 3, 14, 0, 7, 21, 2, 11, 5, 30, 18, 26, 6], [17, 1, 25, 8, 12, 4, 31, 10, 23, 13, 28, 19]
+    steps = [[(first[:37], 0, table_a)], [(first[37:38], 37, table_a)], [(first[38:43], 38, table_a)],
+             [(second[:9], 0, table_b), (first[43:44], 43, table_a)], [(first[44:50], 44, table_a),
+                                                                     (second[9:45], 9, table_b)]]
     tolerance = {"atol": 1e-4, "rtol": 0} if dtype == torch.float32 else {"atol": 0.1, "rtol": 0.02}
     with torch.inference_mode():
         for work in steps:
