@@ -164,6 +164,11 @@ def test_bad_steps_are_refused(model_dir: Path) -> None:
             stack(input_ids, torch.tensor([0, 10**6]), cache, metadata)
         with pytest.raises(ValueError, match="aux_layer_ids"):
             stack(input_ids, positions, cache, metadata, aux_layer_ids=(3,))
+        with pytest.raises(RuntimeError, match="no layers"):
+            stack._kernel.decoder_stack(input_ids, positions, stack._embed, stack._rotary.cos_cache,
+                                        stack._rotary.sin_cache, [], stack._final_norm, [], [],
+                                        metadata.slot_mapping, metadata.query_start_locs, metadata.context_lens,
+                                        metadata.block_tables, [], *stack._shape)
         with pytest.raises(RuntimeError, match="one K and V cache per layer"):
             short = KVCache.allocate(model.config, 32, BLOCK_SIZE, torch.float32, torch.device("cpu"))
             short.key_caches = short.key_caches[:1]

@@ -139,6 +139,7 @@ std::vector<at::Tensor> decoder_stack(
     int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, int64_t intermediate_size, double eps,
     double scale) {
   const int64_t num_layers = static_cast<int64_t>(key_caches.size());
+  TORCH_CHECK(num_layers > 0, "decoder_stack: no layers (no KV caches) given");
   TORCH_CHECK(static_cast<int64_t>(layer_tensors.size()) == num_layers * kTensorsPerLayer &&
                   static_cast<int64_t>(value_caches.size()) == num_layers,
               "decoder_stack: ", kTensorsPerLayer, " tensors and one K and V cache per layer expected");
@@ -172,9 +173,11 @@ std::vector<at::Tensor> decoder_stack(
                 "'s qkv projection does not fit the heads");
     TORCH_CHECK(w[kGateUpWeight].dim() == 2 && w[kGateUpWeight].size(0) == 2 * intermediate_size,
                 "decoder_stack: layer ", layer, "'s gate_up projection is not 2 x intermediate_size wide");
-    TORCH_CHECK(key_caches[layer].sizes() == key_caches[0].sizes() && value_caches[layer].sizes() == key_caches[0].sizes() &&
-                    key_caches[layer].is_contiguous() && value_caches[layer].is_contiguous() &&
-                    key_caches[layer].scalar_type() == dtype && value_caches[layer].scalar_type() == dtype,
+    const at::Tensor& keys = key_caches[layer];
+    const at::Tensor& values = value_caches[layer];
+    TORCH_CHECK(keys.sizes() == key_caches[0].sizes() && values.sizes() == key_caches[0].sizes() &&
+                    keys.is_contiguous() && values.is_contiguous() && keys.scalar_type() == dtype &&
+                    values.scalar_type() == dtype,
                 "decoder_stack: every layer's K and V caches must be contiguous ", dtype, " of one shape");
   }
   TORCH_CHECK(key_caches[0].size(2) == num_kv_heads && key_caches[0].size(3) == head_dim,

@@ -349,7 +349,8 @@ at::Tensor attend_long_segment(const at::Tensor& query, const at::Tensor& key, c
 AttentionPlan plan_attention(int64_t num_tokens, int64_t num_heads, const at::Tensor& key_cache,
                              const at::Tensor& slot_mapping, const std::vector<int64_t>& query_start_locs,
                              const std::vector<int64_t>& context_lens, const std::vector<at::Tensor>& block_tables) {
-  TORCH_CHECK(key_cache.dim() == 4 && key_cache.is_contiguous(), "the KV caches must be contiguous [blocks, block_size, KVH, D]");
+  TORCH_CHECK(key_cache.dim() == 4 && key_cache.is_contiguous(),
+              "the KV caches must be contiguous [blocks, block_size, KVH, D]");
   AttentionPlan plan;
   plan.num_tokens = num_tokens;
   plan.num_heads = num_heads;
@@ -440,7 +441,8 @@ void attend_planned(AttentionPlan& plan, at::ScalarType dtype, const AttentionRo
         const AttentionPlan::Unit& unit = plan.units[u];
         const int64_t s = unit.seq;
         const int64_t start = plan.query_start_locs[s], query_len = plan.query_start_locs[s + 1] - start;
-        float* chunk_partials = plan.partials.data() + plan.partial_starts[s] + unit.chunk * query_len * num_heads * width;
+        float* chunk_partials =
+            plan.partials.data() + plan.partial_starts[s] + unit.chunk * query_len * num_heads * width;
         auto attend = [&](auto head_dim_constant) {
           attend_chunk<T, decltype(head_dim_constant)::value>(
               query_data + start * rows.query_token_stride, rows.query_token_stride, rows.query_head_stride,
