@@ -9,7 +9,10 @@
 // reads its K/V rows straight out of the blocks, in fp32 arithmetic whatever the cache's
 // dtype, and the query heads that share a KV head are done together so each cached row is
 // loaded once. A long segment (a prefill chunk) is dominated by its math, so it gathers its
-// context and calls torch's SDPA as the reference does.
+// context and calls torch's SDPA as the reference does. What no layer changes (slots, block
+// tables, the units of work) is planned once a step (`plan_attention`) and each layer runs
+// on raw rows (`attend_planned`): the decoder stack plans once for all its layers;
+// `paged_attention`, the operator the other forwards call, is a plan and one layer.
 //
 // Layouts (all on the CPU): query [T, H, D], key/value [T, KVH, D] with the last dim
 // contiguous (any other strides); caches [num_blocks, block_size, KVH, D] contiguous;
