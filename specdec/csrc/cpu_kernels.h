@@ -87,9 +87,10 @@ struct AttentionPlan {
   std::vector<at::Tensor> tables;  // int64, contiguous
   std::vector<Unit> units;
   std::vector<int64_t> partial_starts;  // where each sequence's chunk partials begin
-  int64_t num_partials = 0, work = 0;
+  int64_t work = 0;  // query rows x cached positions, the units' arithmetic
   bool has_long_segment = false;
-  std::vector<float> partials, merge_scratch;  // reused by every layer
+  std::vector<float> partials;       // every unit's chunk partials, reused by every layer
+  std::vector<float> merge_scratch;  // head_dim floats
 };
 // A step's query, key and value rows: element strides between tokens and between heads, the
 // last dim contiguous, all in the caches' dtype.

@@ -201,8 +201,9 @@ bool linear_supports(at::ScalarType dtype) {
   return false;
 }
 
-void linear_out(const at::Tensor& x, const at::Tensor& weight, const c10::optional<at::Tensor>& bias,
-                at::Tensor& out) {
+namespace {
+
+void check_inputs(const at::Tensor& x, const at::Tensor& weight, const c10::optional<at::Tensor>& bias) {
   TORCH_CHECK(x.dim() == 2 && weight.dim() == 2 && x.size(1) == weight.size(1),
               "specdec_cpu::linear expects x [rows, in] and weight [out, in]; got ", x.sizes(), " and ",
               weight.sizes());
@@ -213,10 +214,12 @@ void linear_out(const at::Tensor& x, const at::Tensor& weight, const c10::option
     TORCH_CHECK(bias->dim() == 1 && bias->size(0) == weight.size(0) && bias->scalar_type() == x.scalar_type(),
                 "specdec_cpu::linear: the bias must be [out] in the weight's dtype");
   }
+}
+
+// linear_out once its inputs and `out` are known good.
+void linear_into(const at::Tensor& x, const at::Tensor& weight, const c10::optional<at::Tensor>& bias,
+                 at::Tensor& out) {
   const int64_t M = x.size(0);
-  TORCH_CHECK(out.dim() == 2 && out.size(0) == M && out.size(1) == weight.size(0) && out.is_contiguous() &&
-                  out.scalar_type() == x.scalar_type(),
-              "specdec_cpu::linear: out must be a contiguous [rows, out] tensor in x's dtype");
   if (M == 0) return;
   if (!linear_supports(x.scalar_type()) || (x.scalar_type() == at::kBFloat16 && M > kMaxRowsBf16)) {
     at::linear_out(out, x, weight, bias);
@@ -235,11 +238,21 @@ void linear_out(const at::Tensor& x, const at::Tensor& weight, const c10::option
 #endif
 }
 
+}  // namespace
+
+void linear_out(const at::Tensor& x, const at::Tensor& weight, const c10::optional<at::Tensor>& bias,
+                at::Tensor& out) {
+  check_inputs(x, weight, bias);
+  TORCH_CHECK(out.dim() == 2 && out.size(0) == x.size(0) && out.size(1) == weight.size(0) && out.is_contiguous() &&
+                  out.scalar_type() == x.scalar_type(),
+              "specdec_cpu::linear: out must be a contiguous [rows, out] tensor in x's dtype");
+  linear_into(x, weight, bias, out);
+}
+
 at::Tensor linear(const at::Tensor& x, const at::Tensor& weight, const c10::optional<at::Tensor>& bias) {
-  TORCH_CHECK(x.dim() == 2 && weight.dim() == 2, "specdec_cpu::linear expects x [rows, in] and weight [out, in]; got ",
-              x.sizes(), " and ", weight.sizes());
+  check_inputs(x, weight, bias);
   at::Tensor out = at::empty({x.size(0), weight.size(0)}, x.options());
-  linear_out(x, weight, bias, out);
+  linear_into(x, weight, bias, out);
   return out;
 }
 

@@ -111,6 +111,13 @@ constexpr int64_t kChunk = 128;
 // same; a burst at the start of a unit, or before the layer's qkv projection, did not help).
 constexpr int64_t kPrefetchAhead = 16;
 
+// Asks for the cache lines of one cached row (head_dim elements at `row`).
+template <typename T>
+inline void prefetch_row(const T* row, int64_t head_dim) {
+  const char* bytes = reinterpret_cast<const char*>(row);
+  for (int64_t b = 0; b < head_dim * static_cast<int64_t>(sizeof(T)); b += 64) __builtin_prefetch(bytes + b);
+}
+
 // One chunk's softmax over part of a query row's context, kept unnormalised for the merge:
 // [max score, sum of e^(score - max), sum of e^(score - max) * value row (head_dim floats)].
 inline int64_t partial_width(int64_t head_dim) { return head_dim + 2; }
@@ -182,10 +189,7 @@ void attend_chunk(const T* query, int64_t query_token_stride, int64_t query_head
     const int64_t block_seen = seen(std::min(r0 + kRowBlock, rows) - 1);  // the block's last row sees most
     for (int64_t p = 0; p < block_seen; ++p) {
       const T* k = key_cache + rows_at[p];
-      if (p + kPrefetchAhead < block_seen) {
-        const char* ahead = reinterpret_cast<const char*>(key_cache + rows_at[p + kPrefetchAhead]);
-        for (int64_t b = 0; b < head_dim * static_cast<int64_t>(sizeof(T)); b += 64) __builtin_prefetch(ahead + b);
-      }
+      if (p + kPrefetchAhead < block_seen) prefetch_row(key_cache + rows_at[p + kPrefetchAhead], head_dim);
       if constexpr (kHeadDim > 0 && kHeadDim % 16 == 0) {
         Float16 s0{}, s1{}, s2{}, s3{};
         for (int64_t d = 0; d < kHeadDim; d += 16) {
@@ -249,10 +253,7 @@ void attend_chunk(const T* query, int64_t query_token_stride, int64_t query_head
       Float16 acc[kRowBlock][kVecs] = {};
       for (int64_t p = 0; p < block_seen; ++p) {
         const T* v = value_cache + rows_at[p];
-        if (p + kPrefetchAhead < block_seen) {
-          const char* ahead = reinterpret_cast<const char*>(value_cache + rows_at[p + kPrefetchAhead]);
-          for (int64_t b = 0; b < head_dim * static_cast<int64_t>(sizeof(T)); b += 64) __builtin_prefetch(ahead + b);
-        }
+        if (p + kPrefetchAhead < block_seen) prefetch_row(value_cache + rows_at[p + kPrefetchAhead], head_dim);
         const float u0 = w0[p], u1 = w1[p], u2 = w2[p], u3 = w3[p];
         for (int64_t i = 0; i < kVecs; ++i) {
           const Float16 vd = load16(v + 16 * i);
@@ -395,6 +396,7 @@ AttentionPlan plan_attention(int64_t num_tokens, int64_t num_heads, const at::Te
   plan.tables.resize(num_seqs);
   plan.partial_starts.assign(num_seqs, 0);
   const int64_t width = partial_width(plan.head_dim);
+  int64_t num_partials = 0;
   for (int64_t s = 0; s < num_seqs; ++s) {
     const int64_t start = query_start_locs[s], query_len = query_start_locs[s + 1] - start;
     const int64_t context_len = context_lens[s];
@@ -412,11 +414,12 @@ AttentionPlan plan_attention(int64_t num_tokens, int64_t num_heads, const at::Te
     for (int64_t h = 0; h < plan.num_kv_heads; ++h) {
       for (int64_t c = 0; c < num_chunks; ++c) plan.units.push_back({s, h, c});
     }
-    plan.partial_starts[s] = plan.num_partials;
-    plan.num_partials += num_chunks * query_len * num_heads * width;
+    plan.partial_starts[s] = num_partials;
+    num_partials += num_chunks * query_len * num_heads * width;
     plan.work += query_len * num_heads * context_len;
   }
-  plan.partials.resize(plan.num_partials);
+  plan.partials.resize(num_partials);
+  plan.merge_scratch.resize(plan.head_dim);
   return plan;
 }
 
@@ -480,7 +483,6 @@ void attend_planned(AttentionPlan& plan, at::ScalarType dtype, const AttentionRo
     } else {
       at::parallel_for(0, num_units, 1, run);
     }
-    if (plan.merge_scratch.size() < static_cast<size_t>(head_dim)) plan.merge_scratch.resize(head_dim);
     for (size_t s = 0; s < plan.context_lens.size(); ++s) {
       const int64_t start = plan.query_start_locs[s], query_len = plan.query_start_locs[s + 1] - start;
       if (query_len == 0 || query_len > kMaxKernelQueryLen) continue;
