@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from verifier_svc.speculation_policy import (FIRST_PROBE_INTERVAL, PROBE_INTERVAL,
+from verifier_svc.speculation_policy import (FIRST_PROBE_INTERVAL, MAX_PROBE_INTERVAL,
+                                             PROBE_BUDGET, PROBE_INTERVAL,
                                              AcceptanceStats, Candidate,
                                              LinearCostModel, SpeculationPolicy,
                                              VerifyCostModel)
@@ -187,7 +188,7 @@ def test_a_new_sequence_starts_from_the_engine_wide_rates() -> None:
 
 
 def test_a_sequence_that_stopped_drafting_is_probed() -> None:
-    policy = policy_with_cost(1 * MS, 1 * MS)
+    policy = policy_with_cost(10 * MS, 0.2 * MS)  # a memory-bound step: a probe is cheap
     teach(policy, 1, num_drafts=30, k=4, num_accepted=0)
     plans = [policy.plan([Candidate(1, 4)])[1] for _ in range(6 * PROBE_INTERVAL)]
     assert set(plans) == {0, 1}
@@ -206,7 +207,7 @@ def test_idle_sequences_probe_together() -> None:
     """Sixteen sequences that stopped drafting, started at different steps: their probes
     share steps, so the drafter is asked once per wait (FIRST_PROBE_INTERVAL while they
     arrive, then PROBE_INTERVAL), and each is still probed."""
-    policy = policy_with_cost(1 * MS, 1 * MS)
+    policy = policy_with_cost(10 * MS, 0.05 * MS)
     candidates = [Candidate(seq_id, 4) for seq_id in range(16)]
     for candidate in candidates:
         teach(policy, candidate.seq_id, num_drafts=30, k=4, num_accepted=0)
@@ -226,6 +227,32 @@ def test_idle_sequences_probe_together() -> None:
     assert len(arriving) <= 2 * PROBE_INTERVAL // FIRST_PROBE_INTERVAL
     assert len(settled) <= (num_steps - 2 * PROBE_INTERVAL) // PROBE_INTERVAL
     assert min(probed.values()) >= 3
+
+
+def test_dear_verification_spaces_probes_out() -> None:
+    """Sixteen idle sequences on a compute-bound device (each verified token costs what the
+    step's base does): probing each every PROBE_INTERVAL steps would cost 16 tokens' time
+    every 16 steps, ~6% of the throughput. The waits grow until the probes cost at most
+    PROBE_BUDGET of it; every sequence is still re-measured now and then."""
+    policy = policy_with_cost(1 * MS, 1 * MS)
+    candidates = [Candidate(seq_id, 4) for seq_id in range(16)]
+    for candidate in candidates:
+        teach(policy, candidate.seq_id, num_drafts=30, k=4, num_accepted=0)
+    probed: dict[int, int] = {candidate.seq_id: 0 for candidate in candidates}
+    num_steps = 4 * MAX_PROBE_INTERVAL
+    for _ in range(num_steps):
+        for seq_id, k in policy.plan(candidates).items():
+            probed[seq_id] += k
+    probe_seconds = sum(probed.values()) * 1 * MS
+    plain_seconds = num_steps * (1 + len(candidates)) * MS
+    assert probe_seconds <= PROBE_BUDGET * plain_seconds
+    assert min(probed.values()) >= 2
+    # The same sequences where a verified token is cheap probe every PROBE_INTERVAL steps.
+    cheap = policy_with_cost(10 * MS, 0.05 * MS)
+    for candidate in candidates:
+        teach(cheap, candidate.seq_id, num_drafts=30, k=4, num_accepted=0)
+    cheap_probes = sum(sum(cheap.plan(candidates).values()) for _ in range(num_steps))
+    assert cheap_probes >= len(candidates) * (num_steps // PROBE_INTERVAL - 2)
 
 
 def test_a_drafter_that_proposes_nothing_stops_being_asked() -> None:
