@@ -15,6 +15,8 @@ and after the run), or from the responses' `usage.speculation` when /metrics lac
 per-position acceptance likewise (accepted at position i / drafts). A failed request is
 counted and reported, never raised; the command exits 1 when any request failed.
 `run_benchmark` is the async API behind the command (tests drive load with it).
+Several comma-separated `--speculation` settings are compared side by side over `--rounds`
+(specdec/bench_serve_compare.py).
 """
 
 from __future__ import annotations
@@ -35,6 +37,8 @@ from typing import Any
 
 import httpx
 
+from specdec.bench_serve_compare import (compare, format_comparison, format_run, parse_settings,
+                                         parse_speculation, run_rounds)
 from specdec.bench_serve_report import (SpecCounters, format_summary,
                                         parse_speculation_metrics, responses_speculation,
                                         summarise, write_plot)
@@ -226,7 +230,12 @@ def build_parser() -> argparse.ArgumentParser:
                         help="generate exactly max_tokens (fixed output lengths)")
     parser.add_argument("--speculation", default=None,
                         help="per-request override: 'off', 'on' or a number of speculative "
-                             "tokens (default: the server's setting)")
+                             "tokens (default: the server's setting); several, comma-separated "
+                             "(e.g. off,on), are compared side by side over --rounds")
+    parser.add_argument("--rounds", type=int, default=1,
+                        help="with several --speculation settings: rounds of one run per "
+                             "setting, in alternating order, reported as per-round throughput "
+                             "ratios with a 95%% interval (default 1)")
     parser.add_argument("--no-stream", action="store_true",
                         help="non-streaming requests (no TTFT / TPOT / ITL)")
     parser.add_argument("--seed", type=int, default=0, help="seed of the Poisson arrivals")
@@ -245,18 +254,12 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _options(args: argparse.Namespace) -> dict[str, Any]:
+def _options(args: argparse.Namespace, speculation: str | None) -> dict[str, Any]:
     options: dict[str, Any] = {"temperature": args.temperature}
     if args.ignore_eos:
         options["ignore_eos"] = True
-    if args.speculation is not None:
-        value = args.speculation.lower()
-        if value in ("on", "off"):
-            options["speculation"] = value == "on"
-        elif value.isdigit():
-            options["speculation"] = int(value)
-        else:
-            raise ValueError(f"--speculation must be on, off or a number, got {args.speculation!r}")
+    if speculation is not None:
+        options["speculation"] = parse_speculation(speculation)
     return options
 
 
@@ -273,14 +276,25 @@ def main(argv: list[str] | None = None) -> int:
                              request_rate=args.request_rate, max_concurrency=args.max_concurrency,
                              api_key=args.api_key, timeout_s=args.timeout, seed=args.seed,
                              progress=not args.disable_tqdm, metrics_url=args.metrics_url)
-        requests = load_requests(args.dataset, args.num_prompts, endpoint=args.endpoint,
-                                 max_tokens=args.max_tokens, options=_options(args))
+        settings = parse_settings(args.speculation) if args.speculation is not None else [None]
+        if args.rounds < 1:
+            raise ValueError(f"--rounds must be >= 1, got {args.rounds}")
+        if args.rounds > 1 and len(settings) < 2:
+            raise ValueError("--rounds compares settings: give two or more, e.g. --speculation off,on")
+        if len(settings) > 1 and args.plot:
+            raise ValueError("--plot draws one run; leave it out when comparing --speculation settings")
+        requests_for = {setting: load_requests(args.dataset, args.num_prompts, endpoint=args.endpoint,
+                                               max_tokens=args.max_tokens, options=_options(args, setting))
+                        for setting in settings}
     except ValueError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     if args.no_stream:
-        requests = [dataclasses.replace(request, stream=False) for request in requests]
-    report = asyncio.run(run_benchmark(config, requests))
+        requests_for = {setting: [dataclasses.replace(request, stream=False) for request in requests]
+                        for setting, requests in requests_for.items()}
+    if len(settings) > 1:
+        return _compare_settings(args, config, settings, requests_for)  # type: ignore[arg-type]
+    report = asyncio.run(run_benchmark(config, requests_for[settings[0]]))
     summary = summarise(report)
     print(format_summary(summary))
     if args.output_json:
@@ -290,6 +304,34 @@ def main(argv: list[str] | None = None) -> int:
     if report.failed:
         print(f"{len(report.failed)} of {len(report.results)} requests failed",
               file=sys.stderr)
+        return 1
+    return 0
+
+
+def _compare_settings(args: argparse.Namespace, config: BenchConfig, settings: list[str],
+                      requests_for: dict[str, list[BenchRequest]]) -> int:
+    """Rounds of one run per setting (see specdec/bench_serve_compare.py); prints each run
+    and the comparison, writes every run's summary and the comparison to --output-json."""
+    failed = 0
+
+    async def run_one(setting: str) -> dict[str, Any]:
+        nonlocal failed
+        report = await run_benchmark(config, requests_for[setting])
+        failed += len(report.failed)
+        return summarise(report)
+
+    def on_run(round_index: int, setting: str, summary: dict[str, Any]) -> None:
+        print(format_run(round_index, setting, summary), flush=True)
+
+    runs = asyncio.run(run_rounds(settings, args.rounds, run_one, on_run))
+    comparison = compare(settings, runs)
+    print(format_comparison(comparison, args.rounds))
+    if args.output_json:
+        Path(args.output_json).write_text(json.dumps(
+            {"settings": settings, "rounds": args.rounds, "comparison": comparison, "runs": runs},
+            indent=2) + "\n")
+    if failed:
+        print(f"{failed} requests failed over {len(runs)} runs", file=sys.stderr)
         return 1
     return 0
 

@@ -13,6 +13,7 @@ import httpx
 import pytest
 
 from specdec import bench_serve
+from specdec.bench_serve_compare import compare
 from specdec.bench_serve_report import parse_speculation_metrics
 from tests.served_stack import ENV, ROOT, Stack, free_port, served_stack
 from tests.tiny_models import make_tiny_llama
@@ -111,6 +112,60 @@ def test_jsonl_dataset(stack: Stack, tmp_path: Path) -> None:
     assert summary["speculation"]["source"] == "responses"
     # Lines cycle; "max_tokens" is per line (the default 128 where absent); ignore_eos.
     assert [r["output_tokens"] for r in summary["requests"]] == [3, 5, 128, 3, 5, 128]
+
+
+def test_compares_speculation_settings_in_alternating_rounds(stack: Stack, tmp_path: Path) -> None:
+    output = tmp_path / "compare.json"
+    result = bench("--base-url", stack.base_url, "--num-prompts", "4", "--max-concurrency", "2",
+                   "--max-tokens", "16", "--speculation", "off,on", "--rounds", "2",
+                   "--disable-tqdm", "--output-json", str(output))
+    assert result.returncode == 0, result.stderr
+    runs = re.findall(r"^round (\d) speculation=(\w+): ([\d.]+) output tok/s", result.stdout,
+                      re.MULTILINE)
+    assert [(r, setting) for r, setting, _ in runs] == [("1", "off"), ("1", "on"), ("2", "on"),
+                                                        ("2", "off")]
+    assert "Comparison (2 rounds, order alternated)" in result.stdout
+    saved = json.loads(output.read_text())
+    assert saved["settings"] == ["off", "on"] and saved["rounds"] == 2
+    assert [(run["round"], run["setting"]) for run in saved["runs"]] == [
+        (1, "off"), (1, "on"), (2, "on"), (2, "off")]
+    assert all(run["completed"] == 4 and run["failed"] == 0 for run in saved["runs"])
+    # Off drafts nothing (the per-request override); on drafts with the server's ngram.
+    drafts = {run["setting"]: run["speculation_from_responses"]["num_drafts"]
+              for run in saved["runs"]}
+    assert drafts["off"] == 0 and drafts["on"] > 0
+    on = saved["comparison"]["settings"]["on"]
+    by_round = {(run["round"], run["setting"]): run["output_throughput"] for run in saved["runs"]}
+    assert on["ratios"] == pytest.approx([by_round[(r, "on")] / by_round[(r, "off")] for r in (1, 2)])
+    assert on["ci95"][0] <= on["mean_ratio"] <= on["ci95"][1]
+    assert saved["comparison"]["settings"]["off"]["ratios"] == [1.0, 1.0]
+
+
+def test_comparison_figures() -> None:
+    runs = [{"round": r, "setting": setting, "output_throughput": value}
+            for r, setting, value in [(1, "off", 100.0), (1, "on", 110.0), (2, "on", 90.0),
+                                      (2, "off", 100.0), (3, "off", 200.0), (3, "on", 220.0)]]
+    result = compare(["off", "on"], runs)
+    on = result["settings"]["on"]
+    assert on["ratios"] == pytest.approx([1.1, 0.9, 1.1])
+    assert on["mean_ratio"] == pytest.approx(31 / 30)
+    assert on["summed_ratio"] == pytest.approx(420 / 400)
+    # mean +- t(0.975, 2 df) * stdev / sqrt(3)
+    half = 4.303 * 0.11547005 / 3 ** 0.5
+    assert on["ci95"] == pytest.approx([31 / 30 - half, 31 / 30 + half], rel=1e-5)
+    assert result["settings"]["off"]["mean_output_throughput"] == pytest.approx(400 / 3)
+
+
+@pytest.mark.parametrize("args,message", [
+    (["--speculation", "off,maybe"], "--speculation takes on, off or a number"),
+    (["--speculation", "on,ON"], "lists a setting twice"),
+    (["--rounds", "3"], "give two or more"),
+    (["--speculation", "off,on", "--rounds", "0"], "--rounds must be >= 1"),
+    (["--speculation", "off,on", "--plot", "x.png"], "--plot draws one run"),
+])
+def test_bad_comparisons_are_refused(args: list[str], message: str, capsys) -> None:
+    assert bench_serve.main(args) == 2
+    assert message in capsys.readouterr().err
 
 
 def test_server_down_reports_failures(tmp_path: Path) -> None:
