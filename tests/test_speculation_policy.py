@@ -6,9 +6,8 @@ import pytest
 
 from verifier_svc.speculation_policy import (FIRST_PROBE_INTERVAL, MAX_PROBE_INTERVAL,
                                              PROBE_BUDGET, PROBE_INTERVAL,
-                                             AcceptanceStats, Candidate,
-                                             LinearCostModel, SpeculationPolicy,
-                                             VerifyCostModel)
+                                             AcceptanceStats, Candidate, SpeculationPolicy)
+from verifier_svc.step_cost import LinearCostModel, VerifyCostModel
 
 MS = 1e-3
 

@@ -1,0 +1,150 @@
+"""What a step costs, fit online: the verify step's time against the tokens it verifies and
+the sequences with drafts, and the drafter's time against the longest draft asked (used by
+verifier_svc/speculation_policy.py).
+
+Both are exponentially weighted least-squares fits with a weak prior, so that a few
+observations at one size give a sane model, and both cap a timing at SPIKE_FACTOR times
+their prediction (one spike is a bounded slowdown; a lasting one is still learnt).
+"""
+
+from __future__ import annotations
+
+# The cost model's prior: a forward over PRIOR_FLAT_TOKENS tokens costs twice a
+# one-token forward.
+PRIOR_FLAT_TOKENS = 32
+COST_DECAY = 0.98
+# A timing above SPIKE_FACTOR times the model's prediction is counted as that much: the
+# first call of a new shape, a garbage collection or a neighbour's burst is not what the
+# next step costs, and a mean that swallowed one would, for the drafter, stop the drafting
+# whose timings could correct it. A lasting slowdown still gets in, a factor per timing.
+SPIKE_FACTOR = 3.0
+
+
+class LinearCostModel:
+    """seconds = base + slope * x, fit by exponentially weighted least squares.
+
+    While the observed x are too alike to give a slope, `prior_slope_fraction * base`
+    stands in.
+    """
+
+    def __init__(self, prior_slope_fraction: float, decay: float = COST_DECAY) -> None:
+        self.prior_slope_fraction = prior_slope_fraction
+        self.decay = decay
+        self._sums = [0.0] * 5  # weight, x, y, x*x, x*y
+        self._fitted: tuple[float, float] | None = None  # fit() until the next observe
+
+    def observe(self, x: float, seconds: float) -> None:
+        if self.has_data:
+            base, slope = self.fit()
+            seconds = min(seconds, SPIKE_FACTOR * (base + slope * x))
+        decayed = [value * self.decay for value in self._sums]
+        self._sums = [decayed[0] + 1.0, decayed[1] + x, decayed[2] + seconds,
+                      decayed[3] + x * x, decayed[4] + x * seconds]
+        self._fitted = None
+
+    @property
+    def has_data(self) -> bool:
+        return self._sums[0] > 0.0
+
+    def fit(self) -> tuple[float, float]:
+        """(base, slope); with no data (0, 0)."""
+        if self._fitted is None:
+            self._fitted = self._solve()
+        return self._fitted
+
+    def _solve(self) -> tuple[float, float]:
+        prior_slope_fraction = self.prior_slope_fraction
+        weight, sum_x, sum_y, sum_xx, sum_xy = self._sums
+        if weight == 0.0:
+            return 0.0, 0.0
+        mean_x, mean_y = sum_x / weight, sum_y / weight
+        variance_x = sum_xx / weight - mean_x * mean_x
+        if variance_x > 0.25:  # x varied by more than about one token
+            slope = max(0.0, (sum_xy / weight - mean_x * mean_y) / variance_x)
+            base = max(0.0, mean_y - slope * mean_x)
+            return base, slope
+        base = mean_y / (1.0 + prior_slope_fraction * mean_x)
+        return base, base * prior_slope_fraction
+
+
+class VerifyCostModel:
+    """seconds = base + per_token * N + per_drafting_seq * S for a step verifying N tokens of
+    which S sequences carry drafts, fit by exponentially weighted least squares.
+
+    The per-sequence term is what a sequence's first draft costs beyond its tokens (its
+    attention takes the multi-row, masked path; the sampler walks its drafts). A weak prior
+    (`PRIOR_OBSERVATIONS` pseudo-observations: a forward over PRIOR_FLAT_TOKENS tokens costs
+    twice a one-token forward, no per-sequence term) keeps the fit sane while N and S have
+    hardly varied.
+    """
+
+    PRIOR_OBSERVATIONS = 2.0
+
+    def __init__(self, decay: float = COST_DECAY) -> None:
+        self.decay = decay
+        # Plain floats, not tensors: observe and fit run every step, and a 3x3 system in
+        # torch cost ~0.2 ms a step in op dispatch (a few us in Python).
+        self._gram = [[0.0] * 3 for _ in range(3)]  # sum of f f^T, f = (1, N, S)
+        self._moment = [0.0] * 3                    # sum of f * seconds
+        self._fitted: tuple[float, float, float] | None = None  # fit() until the next observe
+
+    def observe(self, num_tokens: int, num_drafting_seqs: int, seconds: float) -> None:
+        if self.has_data:
+            base, per_token, per_seq = self.fit()
+            seconds = min(seconds, SPIKE_FACTOR * (base + per_token * num_tokens
+                                                   + per_seq * num_drafting_seqs))
+        features = (1.0, float(num_tokens), float(num_drafting_seqs))
+        decay = self.decay
+        for i, row in enumerate(self._gram):
+            for j in range(3):
+                row[j] = row[j] * decay + features[i] * features[j]
+            self._moment[i] = self._moment[i] * decay + features[i] * seconds
+        self._fitted = None
+
+    @property
+    def has_data(self) -> bool:
+        return self._gram[0][0] > 0
+
+    def fit(self) -> tuple[float, float, float]:
+        """(base, per_token, per_drafting_seq), none negative; zeros with no data."""
+        if self._fitted is None:
+            self._fitted = self._solve()
+        return self._fitted
+
+    def _solve(self) -> tuple[float, float, float]:
+        gram, moment = self._gram, self._moment
+        weight = gram[0][0]
+        if weight == 0.0:
+            return 0.0, 0.0, 0.0
+        means = [value / weight for value in gram[0]]  # (1, mean N, mean S)
+        mean_seconds = moment[0] / weight
+        prior_base = mean_seconds / (1.0 + means[1] / PRIOR_FLAT_TOKENS)
+        prior = (prior_base, prior_base / PRIOR_FLAT_TOKENS, 0.0)
+        # Ridge toward the prior, each slope weighted by its feature's variance (plus a
+        # quarter, so the prior decides while a feature has not varied); the base is free.
+        penalty = [self.PRIOR_OBSERVATIONS * 1e-9] + [
+            self.PRIOR_OBSERVATIONS * (max(0.0, gram[i][i] / weight - means[i] * means[i]) + 0.25)
+            for i in (1, 2)]
+        matrix = [[gram[i][j] + (penalty[i] if i == j else 0.0) for j in range(3)] for i in range(3)]
+        rhs = [moment[i] + penalty[i] * prior[i] for i in range(3)]
+        base, per_token, per_seq = (max(0.0, value) for value in _solve_linear(matrix, rhs))
+        return base, per_token, per_seq
+
+
+def _solve_linear(matrix: list[list[float]], rhs: list[float]) -> list[float]:
+    """x with matrix @ x = rhs, by Gaussian elimination with partial pivoting (a small,
+    well-conditioned system: the ridge keeps it positive definite). Overwrites its inputs."""
+    size = len(rhs)
+    for col in range(size):
+        pivot = max(range(col, size), key=lambda r: abs(matrix[r][col]))
+        matrix[col], matrix[pivot] = matrix[pivot], matrix[col]
+        rhs[col], rhs[pivot] = rhs[pivot], rhs[col]
+        for r in range(col + 1, size):
+            factor = matrix[r][col] / matrix[col][col]
+            for c in range(col, size):
+                matrix[r][c] -= factor * matrix[col][c]
+            rhs[r] -= factor * rhs[col]
+    solution = [0.0] * size
+    for r in range(size - 1, -1, -1):
+        solution[r] = (rhs[r] - sum(matrix[r][c] * solution[c] for c in range(r + 1, size))) / matrix[r][r]
+    return solution
