@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import pytest
 
-from verifier_svc.speculation_policy import (FIRST_PROBE_INTERVAL, MAX_PROBE_INTERVAL,
-                                             PROBE_BUDGET, PROBE_INTERVAL,
-                                             AcceptanceStats, Candidate, SpeculationPolicy)
+from verifier_svc.speculation_policy import (FIRST_PROBE_INTERVAL, HOPEFUL_RATE,
+                                             MAX_PROBE_INTERVAL, PROBE_BUDGET, PROBE_INTERVAL,
+                                             AcceptanceStats, Candidate, SpeculationPolicy,
+                                             _hopeful_share)
 from verifier_svc.step_cost import LinearCostModel, VerifyCostModel
 
 MS = 1e-3
@@ -252,6 +253,28 @@ def test_dear_verification_spaces_probes_out() -> None:
         teach(cheap, candidate.seq_id, num_drafts=30, k=4, num_accepted=0)
     cheap_probes = sum(sum(cheap.plan(candidates).values()) for _ in range(num_steps))
     assert cheap_probes >= len(candidates) * (num_steps // PROBE_INTERVAL - 2)
+
+
+def test_probes_stop_where_no_passage_could_pay() -> None:
+    """Where a verified token costs more than a well-predicted draft adds (HOPEFUL_RATE),
+    finding such a passage would gain nothing: the waits go to MAX_PROBE_INTERVAL. Where it
+    costs a tenth of a token (one request on a memory-bound CPU), they stay PROBE_INTERVAL."""
+    assert _hopeful_share(3, HOPEFUL_RATE + 0.01) == 0.0
+    assert _hopeful_share(3, 0.0) == 1.0
+    assert 0.8 < _hopeful_share(3, 0.1) < 0.9
+    dear = policy_with_cost(1 * MS, 1 * MS)  # 16 sequences: a token costs ~0.94 of one
+    candidates = [Candidate(seq_id, 3) for seq_id in range(16)]
+    for candidate in candidates:
+        teach(dear, candidate.seq_id, num_drafts=30, k=3, num_accepted=0)
+    plans = [dear.plan(candidates) for _ in range(2 * MAX_PROBE_INTERVAL)]
+    probe_steps = [step for step, plan in enumerate(plans) if any(plan.values())]
+    gaps = [later - earlier for earlier, later in zip(probe_steps, probe_steps[1:])]
+    assert gaps and min(gaps) == MAX_PROBE_INTERVAL
+    cheap = policy_with_cost(10 * MS, 1 * MS)  # one sequence: a token costs ~0.09 of one
+    teach(cheap, 1, num_drafts=30, k=3, num_accepted=0)
+    plans = [cheap.plan([Candidate(1, 3)])[1] for _ in range(6 * PROBE_INTERVAL)]
+    probes = [step for step, k in enumerate(plans) if k]
+    assert [later - earlier for earlier, later in zip(probes, probes[1:])][-3:] == [PROBE_INTERVAL] * 3
 
 
 def test_a_drafter_that_proposes_nothing_stops_being_asked() -> None:

@@ -44,11 +44,17 @@ spaced further. A probe's expected loss, in tokens of the planned step's through
 verification time (plus its share of a round trip on a step that would not ask) times
 tokens per second, less the tokens it is expected to add; each idle sequence's wait is
 raised, in powers of two up to MAX_PROBE_INTERVAL, until the idle sequences' losses
-together stay under PROBE_BUDGET of the step's tokens. Measured on a 2-core CPU with the
-default model: one request's extra verified token costs ~10% of its step (a probe every
-16 steps: ~0.6%, the wait stays 16), but at eight requests whose step is compute-bound an
-extra token costs ~9% of the whole batch's step, so eight probes together cost 70% of a
-step: every 16 steps, 4.6% of the throughput for drafts that open text rarely accepts.
+together stay under PROBE_BUDGET of the step's tokens, scaled by what finding a passage the
+drafter predicts well (accepted at HOPEFUL_RATE) would be worth: the share of its expected
+tokens left after paying for their verification. Where verifying a token costs more than
+0.9 of one, nothing a probe could find would pay, and the waits go to the maximum.
+
+Measured on a 2-core CPU with the default model: one request's extra verified token costs
+~10% of its step (a probe every 16 steps: ~0.6%, the wait stays 16), but at eight
+requests whose step is compute-bound an extra token costs ~9% of the whole batch's step,
+so eight probes together cost 70% of a step: every 16 steps, 4.6% of the throughput for
+drafts that open text rarely accepts. At sixteen, a server whose probes were held to 1%
+still lost ~1.6% against no speculation, and one that never probed broke even.
 """
 
 from __future__ import annotations
@@ -73,6 +79,9 @@ PROBE_INTERVAL = 16
 # the longest wait that keeping to it may impose (a power of two).
 PROBE_BUDGET = 0.01
 MAX_PROBE_INTERVAL = 256
+# The acceptance of a passage the drafter predicts well: what a probe may find. The budget
+# shrinks with the share of such a passage's gain that verifying its drafts would cost.
+HOPEFUL_RATE = 0.9
 
 
 @dataclass(slots=True)
@@ -126,14 +135,22 @@ class ProposalStats:
 
 
 
-def _affordable_wait(loss: float, num_idle: int, expected_tokens: float) -> int:
+def _affordable_wait(loss: float, num_idle: int, budget_tokens: float) -> int:
     """The shortest wait (a power of two, at most MAX_PROBE_INTERVAL) at which `num_idle`
     sequences probing once per wait, each at an expected `loss` in tokens, cost at most
-    PROBE_BUDGET of a step's `expected_tokens`."""
+    `budget_tokens` a step."""
     wait = 1
-    while wait < MAX_PROBE_INTERVAL and loss * num_idle > PROBE_BUDGET * expected_tokens * wait:
+    while wait < MAX_PROBE_INTERVAL and loss * num_idle > budget_tokens * wait:
         wait *= 2
     return wait
+
+
+def _hopeful_share(max_tokens: int, token_cost: float) -> float:
+    """What drafting up to `max_tokens` would net on a passage accepted at HOPEFUL_RATE, as
+    a share of its expected tokens, when each verified token costs `token_cost` tokens: 1
+    where verifying is free, 0 where not even such a passage's first draft pays."""
+    expected = [HOPEFUL_RATE ** position for position in range(1, max_tokens + 1)]
+    return sum(max(0.0, tokens - token_cost) for tokens in expected) / sum(expected)
 
 
 @dataclass(slots=True)
@@ -264,19 +281,22 @@ class SpeculationPolicy:
                 if plan[candidate.seq_id] == 0 and candidate.max_tokens > 0]
         ask_seconds = 0.0 if longest else (draft_base + draft_per_token) / max(1, len(idle))
         tokens_per_second = expected_tokens / seconds if seconds > 0 else 0.0
-        losses = {}
+        token_cost = verify_slope * tokens_per_second  # one more verified token, in tokens
+        budgets, losses = {}, {}
         for index in idle:
+            seq_id = candidates[index].seq_id
             probe_seconds = proposing[index] * (verify_slope + verify_per_seq) + ask_seconds
-            losses[candidates[index].seq_id] = (probe_seconds * tokens_per_second
-                                                - proposing[index] * rates[index][0])
-        self._probe_idle(candidates, plan, losses, len(idle), expected_tokens)
+            losses[seq_id] = probe_seconds * tokens_per_second - proposing[index] * rates[index][0]
+            budgets[seq_id] = PROBE_BUDGET * _hopeful_share(candidates[index].max_tokens, token_cost)
+        self._probe_idle(candidates, plan, losses, budgets, len(idle), expected_tokens)
         return plan
 
     def _probe_idle(self, candidates: list[Candidate], plan: dict[int, int], losses: dict[int, float],
-                    num_idle: int, expected_tokens: float) -> None:
+                    budgets: dict[int, float], num_idle: int, expected_tokens: float) -> None:
         """Plans one draft token for each sequence whose probe wait has passed, on a step
         that asks the drafter anyway or whose number the wait divides. `losses`: per idle
-        sequence, what a probe is expected to cost in tokens (see the module docstring)."""
+        sequence, what a probe is expected to cost in tokens; `budgets`: the share of a
+        step's tokens its probes may cost (see the module docstring)."""
         asking = any(plan.values())
         for candidate in candidates:
             seq_id = candidate.seq_id
@@ -287,7 +307,7 @@ class SpeculationPolicy:
                 continue
             idle = self._idle_steps.get(seq_id, 0) + 1
             wait = max(self._probe_waits.get(seq_id, FIRST_PROBE_INTERVAL),
-                       _affordable_wait(losses[seq_id], num_idle, expected_tokens))
+                       _affordable_wait(losses[seq_id], num_idle, budgets[seq_id] * expected_tokens))
             if idle >= wait and (asking or self._num_plans % wait == 0):
                 plan[seq_id] = 1
                 idle = 0
