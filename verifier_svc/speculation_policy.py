@@ -60,6 +60,7 @@ still lost ~1.6% against no speculation, and one that never probed broke even.
 from __future__ import annotations
 
 import heapq
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from verifier_svc.step_cost import LinearCostModel, VerifyCostModel
@@ -277,28 +278,30 @@ class SpeculationPolicy:
         # What a probe costs, in seconds of this step: its verification (scaled, as a
         # draft's, by the chance that the drafter proposes), and on a step that would not ask
         # the drafter, the round trip shared by the idle sequences.
-        idle = [index for index, candidate in enumerate(candidates)
-                if plan[candidate.seq_id] == 0 and candidate.max_tokens > 0]
-        ask_seconds = 0.0 if longest else (draft_base + draft_per_token) / max(1, len(idle))
+        num_idle = sum(1 for candidate in candidates
+                       if plan[candidate.seq_id] == 0 and candidate.max_tokens > 0)
+        ask_seconds = 0.0 if longest else (draft_base + draft_per_token) / max(1, num_idle)
         tokens_per_second = expected_tokens / seconds if seconds > 0 else 0.0
         token_cost = verify_slope * tokens_per_second  # one more verified token, in tokens
-        budgets, losses = {}, {}
-        for index in idle:
-            seq_id = candidates[index].seq_id
+
+        def affordable_wait(index: int) -> int:
+            """The wait that keeps candidate `index`'s share of the probes within budget."""
             probe_seconds = proposing[index] * (verify_slope + verify_per_seq) + ask_seconds
-            losses[seq_id] = probe_seconds * tokens_per_second - proposing[index] * rates[index][0]
-            budgets[seq_id] = PROBE_BUDGET * _hopeful_share(candidates[index].max_tokens, token_cost)
-        self._probe_idle(candidates, plan, losses, budgets, len(idle), expected_tokens)
+            loss = probe_seconds * tokens_per_second - proposing[index] * rates[index][0]
+            budget = PROBE_BUDGET * _hopeful_share(candidates[index].max_tokens, token_cost)
+            return _affordable_wait(loss, num_idle, budget * expected_tokens)
+
+        self._probe_idle(candidates, plan, affordable_wait)
         return plan
 
-    def _probe_idle(self, candidates: list[Candidate], plan: dict[int, int], losses: dict[int, float],
-                    budgets: dict[int, float], num_idle: int, expected_tokens: float) -> None:
+    def _probe_idle(self, candidates: list[Candidate], plan: dict[int, int],
+                    affordable_wait: Callable[[int], int]) -> None:
         """Plans one draft token for each sequence whose probe wait has passed, on a step
-        that asks the drafter anyway or whose number the wait divides. `losses`: per idle
-        sequence, what a probe is expected to cost in tokens; `budgets`: the share of a
-        step's tokens its probes may cost (see the module docstring)."""
+        that asks the drafter anyway or whose number the wait divides. The wait is the
+        back-off's or, where probes are dear, `affordable_wait(candidate index)` (see the
+        module docstring), priced only once the back-off has passed."""
         asking = any(plan.values())
-        for candidate in candidates:
+        for index, candidate in enumerate(candidates):
             seq_id = candidate.seq_id
             if plan[seq_id] > 0 or candidate.max_tokens == 0:
                 self._idle_steps[seq_id] = 0
@@ -306,8 +309,11 @@ class SpeculationPolicy:
                     self._probe_waits[seq_id] = FIRST_PROBE_INTERVAL
                 continue
             idle = self._idle_steps.get(seq_id, 0) + 1
-            wait = max(self._probe_waits.get(seq_id, FIRST_PROBE_INTERVAL),
-                       _affordable_wait(losses[seq_id], num_idle, budgets[seq_id] * expected_tokens))
+            backoff = self._probe_waits.get(seq_id, FIRST_PROBE_INTERVAL)
+            if idle < backoff:  # no probe yet, whatever it would cost
+                self._idle_steps[seq_id] = idle
+                continue
+            wait = max(backoff, affordable_wait(index))
             if idle >= wait and (asking or self._num_plans % wait == 0):
                 plan[seq_id] = 1
                 idle = 0
