@@ -31,9 +31,10 @@ def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 def test_compare_rows_figures_and_identity(tiny_model: Path, tmp_path: Path, capsys,
                                            monkeypatch: pytest.MonkeyPatch) -> None:
-    # Probes may cost anything: the tiny model's step is cheaper than a drafter round trip,
-    # so speculation never pays and only probes would draft, which the test needs.
-    monkeypatch.setattr(speculation_policy, "PROBE_BUDGET", 1e9)
+    # Probes wait out their back-off only (no wait priced beyond it): the tiny model's step is
+    # cheaper than a drafter round trip, so speculation never pays and only probes would
+    # draft, which the test needs.
+    monkeypatch.setattr(speculation_policy, "MAX_PROBE_INTERVAL", 1)  # no priced wait
     output = tmp_path / "compare.json"
     code = bench_compare.main([
         "--model", str(tiny_model), "--dtype", "float32", "--max-tokens", "24", "--repeats", "2",

@@ -194,9 +194,10 @@ async def test_a_failing_forward_fails_only_its_step(start: StartVerifier) -> No
 
 async def test_a_client_vanishing_while_the_drafter_answers(start: StartVerifier,
                                                             monkeypatch: pytest.MonkeyPatch) -> None:
-    # Probes may cost anything: the tiny model's step is cheaper than a round trip, and the
-    # test needs steps that ask the drafter after drafting stopped paying.
-    monkeypatch.setattr(speculation_policy, "PROBE_BUDGET", 1e9)
+    # Probes wait out their back-off only (no wait priced beyond it): the tiny model's step is
+    # cheaper than a round trip, and the test needs steps that ask the drafter after
+    # drafting stopped paying.
+    monkeypatch.setattr(speculation_policy, "MAX_PROBE_INTERVAL", 1)  # no priced wait
     spec = SpeculativeConfig.parse({"method": "ngram", "num_speculative_tokens": 3,
                                     "prompt_lookup_min": 1, "prompt_lookup_max": 3})
     assert spec is not None

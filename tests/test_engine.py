@@ -117,9 +117,10 @@ async def test_a_sequences_first_drafter_ask_is_not_timed(tiny_model: Path, devi
                                                         monkeypatch: pytest.MonkeyPatch) -> None:
     """The first ask for a sequence carries its whole context: a one-time cost that the
     policy's per-step drafting cost leaves out (one request at a time: each first ask is
-    alone in its step). Probes may cost anything here, so that the tiny model, whose step
-    is cheaper than a round trip, still asks after drafting stopped."""
-    monkeypatch.setattr(speculation_policy, "PROBE_BUDGET", 1e9)
+    alone in its step). Probes wait out their back-off only here (no wait priced beyond it),
+    so that the tiny model, whose step is cheaper than a round trip, still asks after
+    drafting stopped."""
+    monkeypatch.setattr(speculation_policy, "MAX_PROBE_INTERVAL", 1)  # no priced wait
     async with EngineHarness(tiny_model, str(device), k=3, adaptive_speculation=True) as engine:
         policy, pool = engine.policy, engine.drafter_pool
         assert policy is not None and pool is not None
