@@ -1,9 +1,9 @@
 """specdec's C++ kernels for the CPU, built once per machine into one extension module.
 
 - `csrc/paged_attention_cpu.cpp`: paged attention in one call per layer (`attention_cpu`).
-- `csrc/linear_cpu.cpp`: the few-row linear `torch.ops.specdec_cpu.linear`, a torch operator
-  (so a compiled graph calls it without Python in between), used by `PackedLinear`'s `cpu`
-  kernel.
+- `csrc/linear_cpu.cpp`: the linear `torch.ops.specdec_cpu.linear` on a weight packed by
+  `torch.ops.specdec_cpu.pack_weight`, torch operators (so a compiled graph calls it without
+  Python in between), used by `PackedLinear`'s `cpu` kernel.
 - `csrc/decoder_cpu.cpp`: every decoder layer of a Llama-family model in one call, built on
   the two above (`specdec.models.cpu_stack`). `csrc/cpu_kernels.h` declares what the files
   share.
@@ -75,8 +75,8 @@ def _register_fakes() -> None:
     """Shapes for tracing (torch.compile): the operator's output is `[rows, out]`."""
 
     @torch.library.register_fake("specdec_cpu::linear")
-    def _(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        return x.new_empty(x.shape[0], weight.shape[0])
+    def _(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None, out_features: int) -> torch.Tensor:
+        return x.new_empty(x.shape[0], out_features)
 
 
 def linear_supports(dtype: torch.dtype) -> bool:

@@ -77,7 +77,9 @@ def test_the_stack_computes_the_models_forward(model_dir: Path, dtype: torch.dty
     steps = [[(first[:37], 0, table_a)], [(first[37:38], 37, table_a)], [(first[38:43], 38, table_a)],
              [(second[:9], 0, table_b), (first[43:44], 43, table_a)], [(first[44:50], 44, table_a),
                                                                      (second[9:45], 9, table_b)]]
-    tolerance = {"atol": 1e-4, "rtol": 0} if dtype == torch.float32 else {"atol": 0.1, "rtol": 0.02}
+    # fp32: the residual stream reaches ~70 here; the two computations' few-ulp differences
+    # (norm statistics, e^x) grow through the layers' sums to ~1.5e-4 (~2e-6 of that scale).
+    tolerance = {"atol": 5e-4, "rtol": 1e-5} if dtype == torch.float32 else {"atol": 0.1, "rtol": 0.02}
     with torch.inference_mode():
         for work in steps:
             input_ids, positions, metadata = _step(work)
@@ -94,8 +96,9 @@ def test_the_stack_computes_the_models_forward(model_dir: Path, dtype: torch.dty
 
 def test_the_weights_move_into_one_buffer_in_reading_order(tmp_path: Path) -> None:
     """The stack moves the matrices a step streams into one buffer, each layer's qkv, o,
-    gate_up and down then the LM head, without changing a value; a tied embedding stays the
-    LM head's own storage, and the model's eager forward reads the moved weights too."""
+    gate_up and down then the LM head, without changing a value; a tied LM head keeps the
+    embedding as its weight beside its packed copy, and the model's eager forward reads the
+    moved weights too."""
     if not linear_supports(torch.float32):
         pytest.skip("no C++ linear for fp32 here")
     tied = make_tiny_llama(tmp_path / "tied", hidden_size=64, num_layers=2, tie_word_embeddings=True)
@@ -111,7 +114,7 @@ def test_the_weights_move_into_one_buffer_in_reading_order(tmp_path: Path) -> No
     for linear, start in zip(linears, starts):
         assert linear.packed.untyped_storage().data_ptr() == linears[0].packed.untyped_storage().data_ptr()
         assert start % 64 == 0
-    assert model.model.embed_tokens.weight.data_ptr() == model.lm_head.packed.data_ptr()
+    assert model.lm_head.weight is model.model.embed_tokens.weight
     for name, tensor in model.state_dict().items():
         torch.testing.assert_close(tensor, before[name], rtol=0, atol=0)
     cache = KVCache.allocate(model.config, 8, BLOCK_SIZE, torch.float32, torch.device("cpu"))

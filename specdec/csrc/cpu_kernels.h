@@ -64,11 +64,16 @@ inline float exp_clamped(float x) {
   return p * scale;
 }
 
-// linear_cpu.cpp: y = x W^T + b, row-invariant (see there); also torch.ops.specdec_cpu.linear.
-at::Tensor linear(const at::Tensor& x, const at::Tensor& weight, const c10::optional<at::Tensor>& bias);
-// The same into `out` ([rows, out] contiguous, x's dtype).
-void linear_out(const at::Tensor& x, const at::Tensor& weight, const c10::optional<at::Tensor>& bias,
+// linear_cpu.cpp: y = x W^T + b on a weight packed by pack_weight, row-invariant (see there);
+// also torch.ops.specdec_cpu.linear and .pack_weight.
+at::Tensor pack_weight(const at::Tensor& weight);
+at::Tensor linear(const at::Tensor& x, const at::Tensor& packed, const c10::optional<at::Tensor>& bias,
+                  int64_t out_features);
+// The same into `out` ([rows, out_features] contiguous, x's dtype).
+void linear_out(const at::Tensor& x, const at::Tensor& packed, const c10::optional<at::Tensor>& bias,
                 at::Tensor& out);
+// Refuses (TORCH_CHECK) a tensor that is not pack_weight's of an [out, in] weight in dtype.
+void check_packed(const at::Tensor& packed, int64_t in_features, int64_t out_features, at::ScalarType dtype);
 bool linear_supports(at::ScalarType dtype);
 
 // paged_attention_cpu.cpp: writes the step's K/V into the paged cache, attends every query token.

@@ -15,7 +15,7 @@
 // may differ from the eager model's in the last bit (tests hold them to rounding).
 //
 // Row invariance: every elementwise step computes a row from that row alone in a fixed
-// order, the linears are row-invariant (in bf16 up to 128 rows) and so is the attention, so
+// order, the linears are row-invariant and so is the attention, so
 // a token's outputs are bit-identical in a one-token decode and in a verify window. That is
 // what makes greedy speculation reproduce plain decoding in 16 bits.
 
@@ -116,7 +116,8 @@ void add(const T* a, const T* b, T* out, int64_t rows, int64_t width) {
   });
 }
 
-// A layer's tensors in `layer_tensors`, in this order; a bias of no elements means none.
+// A layer's tensors in `layer_tensors`, in this order (the weights packed by pack_weight); a
+// bias of no elements means none.
 enum LayerTensor : int64_t {
   kInputNorm, kQkvWeight, kQkvBias, kOWeight, kOBias, kPostNorm, kGateUpWeight, kGateUpBias,
   kDownWeight, kDownBias, kTensorsPerLayer
@@ -169,10 +170,10 @@ std::vector<at::Tensor> decoder_stack(
   const int64_t qkv_size = q_size + 2 * kv_size;
   for (int64_t layer = 0; layer < num_layers; ++layer) {
     const at::Tensor* w = layer_tensors.data() + layer * kTensorsPerLayer;
-    TORCH_CHECK(w[kQkvWeight].dim() == 2 && w[kQkvWeight].size(0) == qkv_size, "decoder_stack: layer ", layer,
-                "'s qkv projection does not fit the heads");
-    TORCH_CHECK(w[kGateUpWeight].dim() == 2 && w[kGateUpWeight].size(0) == 2 * intermediate_size,
-                "decoder_stack: layer ", layer, "'s gate_up projection is not 2 x intermediate_size wide");
+    check_packed(w[kQkvWeight], hidden_size, qkv_size, dtype);
+    check_packed(w[kOWeight], q_size, hidden_size, dtype);
+    check_packed(w[kGateUpWeight], hidden_size, 2 * intermediate_size, dtype);
+    check_packed(w[kDownWeight], intermediate_size, hidden_size, dtype);
     const at::Tensor& keys = key_caches[layer];
     const at::Tensor& values = value_caches[layer];
     TORCH_CHECK(keys.sizes() == key_caches[0].sizes() && values.sizes() == key_caches[0].sizes() &&

@@ -38,7 +38,8 @@ CPU_STACK_ENV = "SPECDEC_CPU_STACK"
 
 
 def _weight_and_bias(linear: nn.Module) -> tuple[torch.Tensor, torch.Tensor | None] | None:
-    """The [out, in] weight and bias a linear multiplies by, if the C++ linear can use them."""
+    """The weight (packed by `pack_weight`, or [out, in] to pack) and bias of a linear the C++
+    kernel can run, or None."""
     if isinstance(linear, PackedLinear):
         if linear.kernel != "cpu":
             return None
@@ -52,25 +53,23 @@ def _weight_and_bias(linear: nn.Module) -> tuple[torch.Tensor, torch.Tensor | No
     return weight.detach(), None if bias is None else bias.detach()
 
 
-def _weight_tensors(linear: nn.Module) -> list[torch.Tensor]:
-    """Every tensor object holding a linear's [out, in] weight (a parameter, its packed alias)."""
+def _packed(linear: nn.Module) -> torch.Tensor:
+    """A linear's weight as the C++ kernel reads it: a `PackedLinear`'s own tensor object (so
+    that moving it moves the layer's), or a plain linear's packed here (a copy)."""
     if isinstance(linear, PackedLinear):
-        return [tensor for tensor in (linear.packed, linear.weight) if tensor is not None]
-    return [linear.weight]
+        return linear.packed
+    weight, _ = _weight_and_bias(linear)  # type: ignore[misc]
+    return torch.ops.specdec_cpu.pack_weight(weight)
 
 
-def _streamed_weights(model: LlamaForCausalLM) -> list[torch.Tensor]:
+def _streamed_weights(packed_layers: list[list[torch.Tensor]], lm_head: nn.Module) -> list[torch.Tensor]:
     """The matrices a decode step reads, in the order it reads them: each layer's qkv, o,
-    gate_up and down projections, then the LM head (with the embedding when tied)."""
-    tensors: list[torch.Tensor] = []
-    for layer in model.model.layers:
-        attn, mlp = layer.self_attn, layer.mlp
-        for linear in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj):
-            tensors += _weight_tensors(linear)
-    tensors += _weight_tensors(model.lm_head)
-    embed = model.model.embed_tokens.weight
-    if any(tensor.data_ptr() == embed.data_ptr() for tensor in tensors):
-        tensors.append(embed)
+    gate_up and down projections, then the LM head's (packed, or the weight it multiplies)."""
+    tensors = [weight for layer in packed_layers for weight in layer]
+    if isinstance(lm_head, PackedLinear):
+        tensors.append(lm_head.packed)
+    elif isinstance(lm_head, nn.Linear):
+        tensors.append(lm_head.weight.detach())
     return tensors
 
 
@@ -111,19 +110,20 @@ class CpuDecoderStack:
         self.model = model
         self.config = config = model.config
         self._num_layers = config.num_hidden_layers
-        move_into_arena(_streamed_weights(model))  # the moved tensors keep its buffer alive
+        kernel_linears = [(layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj,
+                           layer.mlp.down_proj) for layer in model.model.layers]
+        packed_layers = [[_packed(linear) for linear in linears] for linears in kernel_linears]
+        # The moved tensors keep its buffer alive, and every tensor object sharing one (a
+        # PackedLinear's own) now reads it.
+        move_into_arena(_streamed_weights(packed_layers, model.lm_head))
         empty = model.model.embed_tokens.weight.new_empty(0)
         tensors: list[torch.Tensor] = []
-        for layer in model.model.layers:
-            attn, mlp = layer.self_attn, layer.mlp
-            tensors.append(layer.input_layernorm.weight.detach())
-            for linear in (attn.qkv_proj, attn.o_proj):
-                weight, bias = _weight_and_bias(linear)  # type: ignore[misc]
-                tensors += [weight, empty if bias is None else bias]
-            tensors.append(layer.post_attention_layernorm.weight.detach())
-            for linear in (mlp.gate_up_proj, mlp.down_proj):
-                weight, bias = _weight_and_bias(linear)  # type: ignore[misc]
-                tensors += [weight, empty if bias is None else bias]
+        for layer, linears, packed in zip(model.model.layers, kernel_linears, packed_layers):
+            biases = [_weight_and_bias(linear)[1] for linear in linears]  # type: ignore[index]
+            qkv_bias, o_bias, gate_up_bias, down_bias = [empty if bias is None else bias for bias in biases]
+            tensors += [layer.input_layernorm.weight.detach(), packed[0], qkv_bias, packed[1], o_bias,
+                        layer.post_attention_layernorm.weight.detach(), packed[2], gate_up_bias, packed[3],
+                        down_bias]
         self._layer_tensors = [tensor.contiguous() for tensor in tensors]
         self._embed = model.model.embed_tokens.weight.detach()
         self._final_norm = model.model.norm.weight.detach()

@@ -6,12 +6,12 @@ that depends on the kernel more than on the dtype (measured on the default model
 in oneDNN's blocked layout reads several times faster for 1..8 rows). So after loading,
 `pack_linears` swaps every `nn.Linear` of a model for a `PackedLinear` running one of:
 
-- `cpu`: specdec's own few-row kernel (`torch.ops.specdec_cpu.linear`, built by
+- `cpu`: specdec's own kernel (`torch.ops.specdec_cpu.linear`, built by
   `specdec.cpu_extension`; AVX-512 machines, fp32 and, with AVX512-BF16, bf16), on the
-  weight as it is: nothing is repacked or copied. It reads the weights faster than oneDNN or
-  MKL for few rows, and in fp32 for any number; bf16 calls over 128 rows (long prefill
-  chunks) go to `F.linear`'s oneDNN. Row-invariant: a token's outputs do not depend on how
-  many rows share the call.
+  weight packed once in blocks of 32 output columns (`torch.ops.specdec_cpu.pack_weight`).
+  It reads the weights faster than oneDNN or MKL for a few rows and multiplies faster for
+  the 8-16 rows of a batched step (see `csrc/linear_cpu.cpp`). Row-invariant: a token's
+  outputs do not depend on how many rows share the call.
 - `mkldnn`: the weight reordered once into oneDNN's layout
   (`torch.ops.mkldnn._reorder_linear_weight`), multiplied by `_linear_pointwise`: what
   inductor's `freezing` emits for a compiled CPU model, without compiling. Exact in the
@@ -22,8 +22,8 @@ in oneDNN's blocked layout reads several times faster for 1..8 rows). So after l
   little); speculation stays lossless with respect to the quantised model.
 
 A weight shared with another parameter (a tied LM head and embedding) stays referenced
-by the module; any other original weight is dropped after packing, so packing costs no
-memory beyond the repacked copy.
+by the module, so a tied head costs its packed copy besides; any other original weight is
+dropped after packing.
 """
 
 from __future__ import annotations
@@ -71,7 +71,9 @@ class PackedLinear(nn.Module):
         if kernel == "cpu":
             if not linear_supports(weight.dtype):
                 raise ValueError(f"specdec's cpu linear kernel has no {weight.dtype} path on this machine")
-            self.packed = weight  # used as it is
+            # A buffer, not a plain attribute: torch.compile then keeps its shape static (as
+            # a plain tensor's, the blocks' sizes became symbols inductor lost when freezing).
+            self.register_buffer("packed", torch.ops.specdec_cpu.pack_weight(weight), persistent=False)
         elif kernel == "mkldnn":
             self.packed = torch.ops.mkldnn._reorder_linear_weight(weight, PACK_BATCH_HINT)
         else:
@@ -85,7 +87,7 @@ class PackedLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [..., in] -> [..., out]
         rows = x.reshape(-1, self.in_features)
         if self.kernel == "cpu":
-            out = torch.ops.specdec_cpu.linear(rows, self.packed, self.bias)
+            out = torch.ops.specdec_cpu.linear(rows, self.packed, self.bias, self.out_features)
         elif self.kernel == "mkldnn":
             num_rows = rows.shape[0]
             if num_rows == 1:
