@@ -78,8 +78,25 @@ def verify(
     return _verify_sampled(target_probs, draft_token_ids, generator, draft_probs)
 
 
+def needs_only_argmax(params: SamplingParams) -> bool:
+    """Whether `verify` comes down to `accept_greedy` on the raw logits' argmax: a greedy
+    request without a repetition penalty (the only processing greedy requests get)."""
+    return params.is_greedy and params.repetition_penalty == 1.0
+
+
+def argmax_ids(logits: Tensor) -> list[int]:
+    """Each row's argmax, as `verify` takes it for greedy requests (on the fp32 logits), in
+    one call and one sync for a whole step's rows."""
+    return logits.float().argmax(dim=-1).tolist()
+
+
 def _verify_greedy(processed_logits: Tensor, draft_token_ids: list[int]) -> list[int]:
-    target_argmax_ids: list[int] = processed_logits.argmax(dim=-1).tolist()  # k + 1 ids, one sync
+    return accept_greedy(processed_logits.argmax(dim=-1).tolist(), draft_token_ids)  # one sync
+
+
+def accept_greedy(target_argmax_ids: list[int], draft_token_ids: list[int]) -> list[int]:
+    """A greedy verify step from its k + 1 target argmax ids: the drafts up to the first that
+    differs, then the target's token there (recovered) or after the last draft (bonus)."""
     output_ids: list[int] = []
     for draft_id, target_id in zip(draft_token_ids, target_argmax_ids):
         if draft_id != target_id:

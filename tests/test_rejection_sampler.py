@@ -16,7 +16,7 @@ import torch
 from torch import Tensor
 
 from specdec.logits_processor import target_probs_from_logits
-from specdec.rejection_sampler import verify
+from specdec.rejection_sampler import accept_greedy, argmax_ids, needs_only_argmax, verify
 from specdec.sampling_params import SamplingParams
 
 GREEDY = SamplingParams(temperature=0.0)
@@ -82,6 +82,25 @@ def test_greedy_verify_repetition_penalty(
     logits = torch.tensor([[2.0, 1.5, 1.2, -3.0]]).repeat(len(draft_token_ids) + 1, 1)  # [k + 1, 4]
     params = SamplingParams(temperature=0.0, repetition_penalty=penalty)
     assert verify(logits, draft_token_ids, history_ids, params, None) == expected
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_a_steps_argmax_gives_verifys_greedy_answer(dtype: torch.dtype) -> None:
+    """The engine's shortcut for greedy requests without a penalty: one argmax over the step's
+    rows, then `accept_greedy` on each sequence's slice, is `verify` for each sequence,
+    including rows whose top logits tie after bf16 rounding (the first index wins both ways)."""
+    generator = torch.Generator().manual_seed(7)
+    logits = torch.randn(9, 300, generator=generator).to(dtype)
+    logits[4, 10] = logits[4, 20] = logits[4].max() + 1  # a tie
+    ids = argmax_ids(logits)
+    assert ids[4] == 10
+    offsets, drafts = [0, 1, 5, 9], [[], [ids[1], ids[2], 0], [ids[5], ids[6], ids[7]]]
+    for first, end, draft in zip(offsets, offsets[1:], drafts):
+        expected = verify(logits[first:end], draft, [1, 2], GREEDY, None)
+        assert accept_greedy(ids[first:end], draft) == expected
+    assert needs_only_argmax(GREEDY)
+    assert not needs_only_argmax(SamplingParams(temperature=0.0, repetition_penalty=1.2))
+    assert not needs_only_argmax(SamplingParams(temperature=0.7))
 
 
 # --------------------------------------------------------------- sampled, exact cases

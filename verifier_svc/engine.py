@@ -35,7 +35,7 @@ import torch
 
 from specdec.config import EngineConfig
 from specdec.errors import SpecdecError, UnavailableError
-from specdec.rejection_sampler import verify
+from specdec.rejection_sampler import accept_greedy, argmax_ids, needs_only_argmax, verify
 from specdec.sampling_params import SamplingParams
 from specdec.scheduler import ScheduledSequence, Scheduler
 from specdec.sequence import FinishReason, Sequence, SpeculationCounters
@@ -273,6 +273,10 @@ class Engine:
         batch = self.runner.prepare(inputs)
         logits, hidden = self.runner.execute(batch, hidden_layer_ids)
         self.num_steps += 1
+        # Greedy requests without a penalty need only each row's argmax: one call for the
+        # step's rows rather than a conversion, an argmax and a sync per sequence.
+        step_argmax = (argmax_ids(logits) if any(item.samples and needs_only_argmax(item.seq.params)
+                                                 for item in scheduled) else None)
         for index, item in enumerate(scheduled):
             seq = item.seq
             if seq.is_finished:  # aborted while the forward ran
@@ -282,9 +286,12 @@ class Engine:
                 seq.num_computed_tokens += item.num_query_tokens
                 continue
             draft = step_drafts[index]
-            rows = logits[batch.logit_offsets[index]:batch.logit_offsets[index + 1]]
-            new_token_ids = verify(rows, draft.token_ids, seq.token_ids, seq.params,
-                                   seq.generator, draft.probs)
+            first_row, end_row = batch.logit_offsets[index], batch.logit_offsets[index + 1]
+            if step_argmax is not None and needs_only_argmax(seq.params):
+                new_token_ids = accept_greedy(step_argmax[first_row:end_row], draft.token_ids)
+            else:
+                new_token_ids = verify(logits[first_row:end_row], draft.token_ids, seq.token_ids, seq.params,
+                                       seq.generator, draft.probs)
             num_accepted = len(new_token_ids) - 1
             self._keep_hidden(seq, hidden, batch, index, item.num_query_tokens + num_accepted)
             seq.num_computed_tokens += item.num_query_tokens + num_accepted
