@@ -123,6 +123,20 @@ def test_a_costly_first_draft_needs_a_sequence_worth_it() -> None:
     assert plan[1] == 4 and plan[2] == 0
 
 
+def test_a_round_trip_no_one_draft_pays_is_paid_by_the_batchs_drafts() -> None:
+    # Eight sequences on a compute-bound step, T(N) = 10 ms + 0.9 ms * N, whose drafts are
+    # always accepted, and a 1.5 ms drafter round trip. One draft adds ~1 token (~0.56 of a
+    # step's tokens a ms) but would cost 0.9 + 1.5 ms: alone it does not pay. Drafting for
+    # all eight does (~0.66 tokens a ms against ~0.47 without), so all draft; a round trip
+    # dearer than every draft together gains is not paid.
+    for round_trip_ms, drafting in ((1.5, True), (60.0, False)):
+        policy = policy_with_cost(10 * MS, 0.9 * MS, draft_s=round_trip_ms * MS)
+        for seq_id in range(8):
+            teach(policy, seq_id, num_drafts=30, k=4, num_accepted=4)
+        plan = policy.plan([Candidate(seq_id, 4) for seq_id in range(8)])
+        assert all(plan[seq_id] > 0 for seq_id in range(8)) if drafting else not any(plan.values())
+
+
 def test_nothing_measured_means_every_sequence_drafts_its_cap() -> None:
     policy = SpeculationPolicy(4)
     assert policy.plan([Candidate(1, 4), Candidate(2, 2), Candidate(3, 0)]) == {1: 4, 2: 2, 3: 0}
@@ -275,6 +289,23 @@ def test_probes_stop_where_no_passage_could_pay() -> None:
     plans = [cheap.plan([Candidate(1, 3)])[1] for _ in range(6 * PROBE_INTERVAL)]
     probes = [step for step, k in enumerate(plans) if k]
     assert [later - earlier for earlier, later in zip(probes, probes[1:])][-3:] == [PROBE_INTERVAL] * 3
+
+
+def test_a_new_sequence_is_probed_early_wherever_probes_are_dear() -> None:
+    """On a step where probes are dear, a sequence never drafted for is still probed once
+    the back-off (FIRST_PROBE_INTERVAL steps) passes: the engine-wide rates it starts from
+    say nothing about whether its own text is predictable. Once asked, it is priced."""
+    policy = policy_with_cost(1 * MS, 1 * MS)
+    for seq_id in range(100, 116):
+        teach(policy, seq_id, num_drafts=30, k=3, num_accepted=0)  # engine-wide rates: low
+    candidates = [Candidate(seq_id, 3) for seq_id in range(16)]  # new sequences
+    plans = [policy.plan(candidates) for _ in range(FIRST_PROBE_INTERVAL)]
+    assert all(plans[-1][seq_id] == 1 for seq_id in range(16))
+    assert not any(any(plan.values()) for plan in plans[:-1])
+    for seq_id in range(16):
+        policy.record_draft(seq_id, 1, 0, num_requested=1)
+    later = [policy.plan(candidates) for _ in range(4 * PROBE_INTERVAL)]
+    assert not any(any(plan.values()) for plan in later)
 
 
 def test_a_drafter_that_proposes_nothing_stops_being_asked() -> None:

@@ -8,7 +8,9 @@ and costs one more verified token, dT/dN seconds (plus one more drafter step whe
 exceeds every other sequence's draft length). The step's throughput G / T (expected
 tokens over predicted seconds) grows with that draft iff p_j * T > cost * G. So the
 plan starts every sequence at k = 0 and greedily adds the draft with the largest p_j
-while that holds.
+while that holds. The drafter's round trip is paid once a step however many sequences
+draft, so while drafts are added it counts as paid, and the drafts are kept only if the
+whole plan's G / T beats not asking at all.
 
 Worked example: one request, T(N) = 30 ms + 0.2 ms * N, a flat-cost CPU verify. With
 a = 0.8 everywhere, draft 1 adds 0.8 tokens for 0.2 ms (G = 1, T = 30.2 ms: 0.8 * 30.2
@@ -47,7 +49,10 @@ raised, in powers of two up to MAX_PROBE_INTERVAL, until the idle sequences' los
 together stay under PROBE_BUDGET of the step's tokens, scaled by what finding a passage the
 drafter predicts well (accepted at HOPEFUL_RATE) would be worth: the share of its expected
 tokens left after paying for their verification. Where verifying a token costs more than
-0.9 of one, nothing a probe could find would pay, and the waits go to the maximum.
+0.9 of one, nothing a probe could find would pay, and the waits go to the maximum. A
+sequence's first probe is not priced: its estimate is other requests' rates until then, and
+at eight requests a priced first wait (256 steps) outlived the request, so a repeat prompt
+among open ones never drafted.
 
 Measured on a 2-core CPU with the default model: one request's extra verified token costs
 ~10% of its step (a probe every 16 steps: ~0.6%, the wait stays 16), but at eight
@@ -245,8 +250,13 @@ class SpeculationPolicy:
         verify_base, verify_slope, verify_per_seq = self.verify_cost.fit()
         draft_base, draft_per_token = self.draft_cost.fit()
         num_tokens = len(candidates) + num_other_tokens
-        expected_tokens = float(len(candidates))
-        seconds = verify_base + verify_slope * num_tokens
+        plain_tokens = float(len(candidates))
+        plain_seconds = verify_base + verify_slope * num_tokens
+        # The drafter's round trip is paid once for all of a step's drafts, so no single
+        # draft need pay it: the drafts are planned as if it were paid, then kept only if
+        # together they beat not asking (at eight requests here no one draft paid a 1.2 ms
+        # round trip alone, and only probes drafted).
+        expected_tokens, seconds = plain_tokens, plain_seconds + draft_base
 
         # Max-heap of (-expected tokens the next draft adds, candidate index, its position).
         heap: list[tuple[float, int, int]] = []
@@ -265,7 +275,7 @@ class SpeculationPolicy:
             # Verification is paid only when the drafter proposes; the ask itself always.
             cost = proposing[index] * (verify_slope + (verify_per_seq if position == 0 else 0.0))
             if position + 1 > longest:
-                cost += draft_per_token + (draft_base if longest == 0 else 0.0)
+                cost += draft_per_token
             if gain * seconds <= cost * expected_tokens:
                 continue
             candidate = candidates[index]
@@ -275,6 +285,9 @@ class SpeculationPolicy:
             longest = max(longest, position + 1)
             if position + 1 < candidate.max_tokens:
                 heapq.heappush(heap, (-gain * rates[index][position + 1], index, position + 1))
+        if not longest or expected_tokens * plain_seconds <= plain_tokens * seconds:
+            plan = dict.fromkeys(plan, 0)
+            expected_tokens, seconds, longest = plain_tokens, plain_seconds, 0
         # What a probe costs, in seconds of this step: its verification (scaled, as a
         # draft's, by the chance that the drafter proposes), and on a step that would not ask
         # the drafter, the round trip shared by the idle sequences.
@@ -299,7 +312,8 @@ class SpeculationPolicy:
         """Plans one draft token for each sequence whose probe wait has passed, on a step
         that asks the drafter anyway or whose number the wait divides. The wait is the
         back-off's or, where probes are dear, `affordable_wait(candidate index)` (see the
-        module docstring), priced only once the back-off has passed."""
+        module docstring), priced only once the back-off has passed and only for a sequence
+        drafted for before."""
         asking = any(plan.values())
         for index, candidate in enumerate(candidates):
             seq_id = candidate.seq_id
@@ -313,7 +327,11 @@ class SpeculationPolicy:
             if idle < backoff:  # no probe yet, whatever it would cost
                 self._idle_steps[seq_id] = idle
                 continue
-            wait = max(backoff, affordable_wait(index))
+            # A sequence never drafted for is probed at the back-off alone: its estimate is
+            # other requests' rates, and whether a new request is predictable (a repeat
+            # prompt among open ones) is worth one verified token to learn.
+            unmeasured = seq_id not in self._proposals and seq_id not in self._stats
+            wait = backoff if unmeasured else max(backoff, affordable_wait(index))
             if idle >= wait and (asking or self._num_plans % wait == 0):
                 plan[seq_id] = 1
                 idle = 0
