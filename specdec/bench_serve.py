@@ -213,7 +213,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--endpoint", choices=sorted(ENDPOINTS), default="chat",
                         help="API to load; prompts become user messages for chat")
     parser.add_argument("--dataset", default="builtin",
-                        help="'builtin' (varied chat prompts shipped with specdec) or a JSONL "
+                        help="'builtin' (varied chat prompts shipped with specdec), 'repeat' "
+                             "(eight shipped 'repeat this paragraph' prompts) or a JSONL "
                              'file of {"prompt": ...} or {"messages": [...]}, optional '
                              '"max_tokens"')
     parser.add_argument("--num-prompts", type=int, default=None,

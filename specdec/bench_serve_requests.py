@@ -53,17 +53,23 @@ class RequestResult:
 
 # ------------------------------------------------------------------ datasets
 
+# Prompt sets shipped with specdec, by --dataset name: varied chat prompts (open-ended,
+# explanations, lists, one repeat), and eight "repeat this paragraph" prompts (text a
+# lookup drafter predicts, to see speculation pay under concurrency).
+SHIPPED_DATASETS = {"builtin": "prompts/builtin.jsonl", "repeat": "prompts/repeat.jsonl"}
+
 def load_requests(dataset: str, num_prompts: int | None, *, endpoint: str = "chat",
                   max_tokens: int | None = None, options: dict[str, Any] | None = None,
                   ) -> list[BenchRequest]:
-    """`builtin` or a JSONL path: {"prompt": ...} or {"messages": [...]}, optional "max_tokens".
+    """A shipped dataset (SHIPPED_DATASETS) or a JSONL path: {"prompt": ...} or
+    {"messages": [...]}, optional "max_tokens".
 
     Lines are taken in order, cycling when num_prompts exceeds them (None: each line once).
     `max_tokens` overrides the lines' own. Raises ValueError naming the line of a bad one.
     """
-    if dataset == "builtin":
-        source = "builtin"
-        text = resources.files("specdec").joinpath("prompts/builtin.jsonl").read_text("utf-8")
+    if dataset in SHIPPED_DATASETS:
+        source = dataset
+        text = resources.files("specdec").joinpath(SHIPPED_DATASETS[dataset]).read_text("utf-8")
     else:
         source = dataset
         try:

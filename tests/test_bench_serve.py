@@ -15,6 +15,7 @@ import pytest
 from specdec import bench_serve
 from specdec.bench_serve_compare import compare
 from specdec.bench_serve_report import parse_speculation_metrics
+from specdec.bench_serve_requests import SHIPPED_DATASETS, load_requests
 from tests.served_stack import ENV, ROOT, Stack, free_port, served_stack
 from tests.tiny_models import make_tiny_llama
 
@@ -190,6 +191,16 @@ def test_bad_dataset_is_refused(tmp_path: Path, line: str, message: str, capsys)
     dataset.write_text(line + "\n")
     assert bench_serve.main(["--dataset", str(dataset)]) == 2
     assert message in capsys.readouterr().err
+
+
+def test_the_shipped_datasets_load() -> None:
+    """Every shipped --dataset name gives chat requests; 'repeat' is its eight paragraphs to
+    repeat, cycled past them."""
+    for name in SHIPPED_DATASETS:
+        assert load_requests(name, None)
+    repeat = load_requests("repeat", 10, max_tokens=96)
+    assert len(repeat) == 10 and repeat[8] == repeat[0]
+    assert all("Repeat the following paragraph" in str(request) for request in repeat)
 
 
 def test_help_of_both_bench_commands() -> None:
