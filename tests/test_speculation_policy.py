@@ -123,6 +123,23 @@ def test_a_costly_first_draft_needs_a_sequence_worth_it() -> None:
     assert plan[1] == 4 and plan[2] == 0
 
 
+def test_a_position_not_yet_reached_is_expected_to_do_as_well_as_the_one_before() -> None:
+    # Other requests' second draft tokens always fail; these eight sequences' one-token
+    # drafts are always accepted, so nothing measured their second position. Expected to
+    # do as well there as at the first, they draft longer (at other requests' rate a second
+    # token would never be drafted, so never measured); once measured, their own rate rules.
+    policy = policy_with_cost(10 * MS, 0.9 * MS)
+    for seq_id in range(100, 108):
+        teach(policy, seq_id, num_drafts=30, k=2, num_accepted=1)
+    for seq_id in range(8):
+        teach(policy, seq_id, num_drafts=10, k=1, num_accepted=1)
+    candidates = [Candidate(seq_id, 4) for seq_id in range(8)]
+    assert all(k >= 2 for k in policy.plan(candidates).values())
+    for seq_id in range(8):
+        teach(policy, seq_id, num_drafts=10, k=2, num_accepted=1)
+    assert all(k == 1 for k in policy.plan(candidates).values())
+
+
 def test_a_round_trip_no_one_draft_pays_is_paid_by_the_batchs_drafts() -> None:
     # Eight sequences on a compute-bound step, T(N) = 10 ms + 0.9 ms * N, whose drafts are
     # always accepted, and a 1.5 ms drafter round trip. One draft adds ~1 token (~0.56 of a

@@ -20,8 +20,10 @@ so only the sequences whose drafts keep being accepted speculate.
 
 What is measured, not assumed:
 - acceptance per sequence and position, with the engine-wide rates as a prior (a new
-  request starts from what drafts achieved so far), exponentially forgetting old drafts
-  so a request that leaves a repetitive passage stops drafting;
+  request starts from what drafts achieved so far; at a position its drafts have not
+  reached yet, a sequence is expected to do at least as well as at the one before),
+  exponentially forgetting old drafts so a request that leaves a repetitive passage stops
+  drafting;
 - T(N, S), fit by exponentially weighted least squares (verifier_svc/step_cost.py) to
   decode steps' verify times (inputs, forward, logits, rejection sampling) against the
   tokens verified N and the sequences with drafts S: a sequence's first draft costs more
@@ -115,6 +117,10 @@ class AcceptanceStats:
             self.reached[position] += 1.0
         for position in range(num_accepted):
             self.accepted[position] += 1.0
+
+    def has_reached(self, position: int) -> bool:
+        """Whether recent drafts (about one, decayed) had a token at `position` to verify."""
+        return position < len(self.reached) and self.reached[position] >= 0.5
 
     def rate(self, position: int, prior: float, prior_weight: float) -> float:
         """Estimated chance that the draft at `position` is accepted given the earlier ones were."""
@@ -223,10 +229,19 @@ class SpeculationPolicy:
     def rates(self, seq_id: int, num_positions: int) -> list[float]:
         """Conditional acceptance estimates for positions 0..num_positions-1."""
         stats = self._stats.get(seq_id)
-        rates = []
+        rates: list[float] = []
         for position in range(num_positions):
             prior = self.engine_stats.rate(position, INITIAL_RATE, 1.0)
-            rates.append(prior if stats is None else stats.rate(position, prior, PRIOR_WEIGHT))
+            if stats is None:
+                rates.append(prior)
+                continue
+            if position > 0 and not stats.has_reached(position):
+                # A sequence whose drafts are accepted at the position before is expected to
+                # do as well here until measured: drafts that stop short of a position never
+                # measure it, and other requests' rate there kept a repeat prompt's drafts at
+                # one token among open ones.
+                prior = max(prior, rates[-1])
+            rates.append(stats.rate(position, prior, PRIOR_WEIGHT))
         return rates
 
     def proposal_rate(self, seq_id: int) -> float:
