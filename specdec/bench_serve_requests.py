@@ -58,6 +58,7 @@ class RequestResult:
 # lookup drafter predicts, to see speculation pay under concurrency).
 SHIPPED_DATASETS = {"builtin": "prompts/builtin.jsonl", "repeat": "prompts/repeat.jsonl"}
 
+
 def load_requests(dataset: str, num_prompts: int | None, *, endpoint: str = "chat",
                   max_tokens: int | None = None, options: dict[str, Any] | None = None,
                   ) -> list[BenchRequest]:

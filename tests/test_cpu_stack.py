@@ -124,6 +124,26 @@ def test_the_weights_move_into_one_buffer_in_reading_order(tmp_path: Path) -> No
         assert torch.isfinite(stack.compute_logits(hidden)).all()
 
 
+def test_an_unpacked_models_weights_are_packed_into_the_buffer_too(model_dir: Path) -> None:
+    """A model whose linears were not packed: the stack packs copies of the layers'
+    weights, and moves the LM head's own parameter (which the model multiplies by) behind
+    them in the same buffer; the stack's forward matches the model's."""
+    if not linear_supports(torch.float32):
+        pytest.skip("no C++ linear for fp32 here")
+    model = load_model(model_dir, torch.float32, torch.device("cpu"))
+    stack = CpuDecoderStack(model)
+    buffer = stack._layer_tensors[1].untyped_storage().data_ptr()  # the first packed qkv
+    assert model.lm_head.weight.untyped_storage().data_ptr() == buffer
+    cache = KVCache.allocate(model.config, 8, BLOCK_SIZE, torch.float32, torch.device("cpu"))
+    for tensor in cache.key_caches + cache.value_caches:
+        tensor.zero_()
+    input_ids, positions, metadata = _step([(_tokens(5, seed=3), 0, [0, 1])])
+    with torch.inference_mode():
+        hidden = stack(input_ids, positions, cache, metadata)
+        expected = model(input_ids, positions, cache, metadata)
+    torch.testing.assert_close(hidden, expected, atol=5e-4, rtol=1e-5)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 def test_a_sequence_computes_the_same_alone_and_batched(model_dir: Path, dtype: torch.dtype) -> None:
     """Batch invariance: a sequence's rows are bit-identical whether its step holds other

@@ -69,7 +69,7 @@ def _streamed_weights(packed_layers: list[list[torch.Tensor]], lm_head: nn.Modul
     if isinstance(lm_head, PackedLinear):
         tensors.append(lm_head.packed)
     elif isinstance(lm_head, nn.Linear):
-        tensors.append(lm_head.weight.detach())
+        tensors.append(lm_head.weight)  # the parameter itself, so that moving it moves the head's
     return tensors
 
 
