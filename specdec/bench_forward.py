@@ -41,6 +41,7 @@ PATHS: dict[str, tuple[torch.dtype, str | None, str]] = {
     "bf16-cpu-compiled": (torch.bfloat16, "cpu", "compiled"),
     "bf16-stack": (torch.bfloat16, "cpu", "stack"),
     "bf16-int8": (torch.bfloat16, "int8", "eager"),
+    "bf16-int8-stack": (torch.bfloat16, "int8", "stack"),
 }
 BLOCK_SIZE = 16
 
@@ -59,6 +60,9 @@ def _load(model_dir, name: str, num_blocks: int) -> Path:
     compiled = kind == "compiled"
     model = load_model(model_dir, dtype, torch.device("cpu"))
     weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    if kernel == "int8":  # a byte a linear weight (a tied head's included: the int8 copy is read)
+        weight_bytes -= sum(linear.weight.numel() * (linear.weight.element_size() - 1)
+                            for linear in model.modules() if isinstance(linear, nn.Linear))
     if kernel is not None:
         pack_linears(model, kernel, only=linears_to_pack(kernel) if compiled else None)
     kv_cache = KVCache.allocate(model.config, num_blocks, BLOCK_SIZE, dtype, torch.device("cpu"))
@@ -101,7 +105,7 @@ def read_bandwidth_gbps(num_bytes: int = 512 << 20, repeats: int = 5) -> float:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m specdec bench forward", description=__doc__)
     parser.add_argument("--model", default=DEFAULT_MODEL)
-    parser.add_argument("--paths", default="fp32,fp32-cpu,fp32-stack,bf16-onednn,bf16-cpu,bf16-stack,bf16-int8",
+    parser.add_argument("--paths", default="fp32,fp32-cpu,fp32-stack,bf16-onednn,bf16-cpu,bf16-stack,bf16-int8-stack",
                         help=f"comma-separated, of: {', '.join(PATHS)}")
     parser.add_argument("--num-speculative-tokens", type=int, default=4,
                         help="the second shape is 1 + k tokens")
@@ -137,12 +141,13 @@ def main(argv: list[str] | None = None) -> int:
         memory_gbps = args.memory_gbps or read_bandwidth_gbps()
         print(f"memory read bandwidth {memory_gbps:.1f} GB/s"
               f"{'' if args.memory_gbps else ' (measured)'}; bound = weight bytes / bandwidth")
-        print(f"{'path':12s} {'tokens':>6s} {'median ms':>10s} {'min ms':>8s} {'bound ms':>9s}")
+        width = max(12, *(len(path.name) for path in paths))
+        print(f"{'path':{width}s} {'tokens':>6s} {'median ms':>10s} {'min ms':>8s} {'bound ms':>9s}")
         for path in paths:
             bound_ms = path.weight_bytes / (memory_gbps * 1e9) * 1e3
             for num_tokens in shapes:
                 samples = times[(path.name, num_tokens)]
-                print(f"{path.name:12s} {num_tokens:6d} {statistics.median(samples) * 1e3:10.1f} "
+                print(f"{path.name:{width}s} {num_tokens:6d} {statistics.median(samples) * 1e3:10.1f} "
                       f"{min(samples) * 1e3:8.1f} {bound_ms:9.3f}")
         if args.profile:
             path = next((p for p in paths if p.name == args.profile), None)

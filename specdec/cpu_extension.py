@@ -44,7 +44,8 @@ def _vector_flags() -> list[str]:
         return []
     if {"avx512f", "avx512bw", "avx512vl", "avx512dq"} <= cpu_flags:
         flags = ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx2", "-mfma", "-mf16c"]
-        return flags + (["-mavx512bf16"] if "avx512_bf16" in cpu_flags else [])
+        flags += ["-mavx512bf16"] if "avx512_bf16" in cpu_flags else []
+        return flags + (["-mavx512vbmi"] if "avx512vbmi" in cpu_flags else [])  # int8 weights' lookups
     if {"avx2", "fma", "f16c"} <= cpu_flags:
         return ["-mavx2", "-mfma", "-mf16c"]
     return []
@@ -75,13 +76,15 @@ def _register_fakes() -> None:
     """Shapes for tracing (torch.compile): the operator's output is `[rows, out]`."""
 
     @torch.library.register_fake("specdec_cpu::linear")
-    def _(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None, out_features: int) -> torch.Tensor:
+    def _(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None, out_features: int,
+          scales: torch.Tensor | None = None) -> torch.Tensor:
         return x.new_empty(x.shape[0], out_features)
 
 
-def linear_supports(dtype: torch.dtype) -> bool:
-    """Whether `torch.ops.specdec_cpu.linear` has a kernel for `dtype` on this machine (its
-    build needs AVX-512; bf16 also AVX512-BF16). Builds the extension on first use."""
+def linear_supports(dtype: torch.dtype, int8_weights: bool = False) -> bool:
+    """Whether `torch.ops.specdec_cpu.linear` has a kernel for rows of `dtype` on this machine
+    (its build needs AVX-512; bf16 also AVX512-BF16; int8 weights, for bf16 rows, also
+    AVX512-VBMI). Builds the extension on first use."""
     if load_extension() is None:
         return False
-    return bool(torch.ops.specdec_cpu.linear_supports(dtype))
+    return bool(torch.ops.specdec_cpu.linear_supports(dtype, int8_weights))

@@ -82,7 +82,7 @@ def _logits(forward, kv_cache: KVCache, token_ids: list[int], start: int) -> tor
 
 
 @needs_bf16_kernel
-@pytest.mark.parametrize("kind", ["eager", "compiled", "stack"])
+@pytest.mark.parametrize("kind", ["eager", "compiled", "stack", "stack-int8"])
 @pytest.mark.parametrize("model_name", ["tiny", "default"])
 def test_a_verify_window_computes_each_token_as_a_decode_does(tmp_path: Path, kind: str, model_name: str) -> None:
     # The default model too: on it (not on the tiny one) inductor's one-token and
@@ -94,14 +94,16 @@ def test_a_verify_window_computes_each_token_as_a_decode_does(tmp_path: Path, ki
     model = load_model(model_dir, torch.bfloat16, torch.device("cpu"))
     del model.model.layers[6:]  # enough layers to show the difference (three did not), compiled in ~15 s
     model.config = dataclasses.replace(model.config, num_hidden_layers=len(model.model.layers))
-    kernel = choose_kernel(torch.device("cpu"), torch.bfloat16, None)
+    if kind == "stack-int8" and not linear_supports(torch.bfloat16, int8_weights=True):
+        pytest.skip("no int8 kernel without AVX512-VBMI")
+    kernel = choose_kernel(torch.device("cpu"), torch.bfloat16, "int8" if kind == "stack-int8" else None)
     pack_linears(model, kernel, only=linears_to_pack(kernel) if kind == "compiled" else None)
     kv_cache = KVCache.allocate(model.config, 8, 16, torch.bfloat16, torch.device("cpu"))
     forward = model
     if kind == "compiled":
         forward = CompiledForward(model)
         warm_up(forward, kv_cache, block_ids=[7])
-    elif kind == "stack":
+    elif kind.startswith("stack"):
         forward = CpuDecoderStack(model)
     token_ids = torch.randint(3, model.config.vocab_size, (25,), generator=torch.Generator().manual_seed(0)).tolist()
     with torch.inference_mode():
@@ -113,19 +115,27 @@ def test_a_verify_window_computes_each_token_as_a_decode_does(tmp_path: Path, ki
 
 
 @needs_bf16_kernel
-@pytest.mark.parametrize("kind", ["eager", "compiled", "stack"])
+@pytest.mark.parametrize("kind", ["eager", "compiled", "stack", "stack-int8"])
 async def test_bf16_speculation_is_exact_with_the_cpu_kernels(tiny_model: Path, kind: str,
                                                               monkeypatch: pytest.MonkeyPatch) -> None:
     """On the CPU specdec's linear and attention kernels are row-invariant, the C++ decoder
     stack computes each row alone and the compiled graphs round as eager does, so a verify
     window computes each of its tokens bit for bit as a one-token decode would: no near-tie
-    is left to flip."""
-    if kind != "stack":
+    is left to flip. So too with weight-only int8 (`--quantization int8`) on specdec's kernel:
+    speculation reproduces the quantised model's own greedy output."""
+    quantization = "int8" if kind == "stack-int8" else None
+    if quantization and not linear_supports(torch.bfloat16, int8_weights=True):
+        pytest.skip("no int8 kernel without AVX512-VBMI")
+    if not kind.startswith("stack"):
         monkeypatch.setenv(CPU_STACK_ENV, "0")
-    async with EngineHarness(tiny_model, "cpu", k=3, dtype="bfloat16", compile=kind == "compiled") as engine:
-        assert isinstance(engine.runner.forward, CpuDecoderStack) == (kind == "stack")
-        assert isinstance(engine.runner.model.lm_head, PackedLinear) and engine.runner.model.lm_head.kernel == "cpu"
+    async with EngineHarness(tiny_model, "cpu", k=3, dtype="bfloat16", compile=kind == "compiled",
+                             quantization=quantization) as engine:
+        assert isinstance(engine.runner.forward, CpuDecoderStack) == kind.startswith("stack")
+        lm_head = engine.runner.model.lm_head
+        assert isinstance(lm_head, PackedLinear) and lm_head.kernel == (quantization or "cpu")
+        # The quantised tiny model repeats itself (what ngram drafts from) only later.
+        params = greedy(96) if quantization else greedy()
         for prompt in PROMPTS:
-            plain = await generate(engine, prompt, greedy(), num_speculative_tokens=0)
-            assert await generate(engine, prompt, greedy()) == plain
+            plain = await generate(engine, prompt, params, num_speculative_tokens=0)
+            assert await generate(engine, prompt, params) == plain
         assert engine.spec.num_accepted_tokens > 0, "ngram never helped"

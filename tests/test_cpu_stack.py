@@ -57,14 +57,24 @@ def _tokens(count: int, seed: int, vocab_size: int = 96) -> list[int]:
     return torch.randint(3, vocab_size, (count,), generator=torch.Generator().manual_seed(seed)).tolist()
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
-def test_the_stack_computes_the_models_forward(model_dir: Path, dtype: torch.dtype) -> None:
+# (dtype, packed kernel): the stack's linears, fp32 or bf16, or weight-only int8 for bf16 rows.
+KERNELS = pytest.mark.parametrize(("dtype", "kernel"), [(torch.float32, "cpu"), (torch.bfloat16, "cpu"),
+                                                        (torch.bfloat16, "int8")], ids=["fp32", "bf16", "bf16-int8"])
+
+
+def _packed_model(model_dir: Path, dtype: torch.dtype, kernel: str) -> torch.nn.Module:
+    if not linear_supports(dtype, int8_weights=kernel == "int8"):
+        pytest.skip(f"no C++ linear for {dtype} rows{' and int8 weights' if kernel == 'int8' else ''} here")
+    model = load_model(model_dir, dtype, torch.device("cpu"))
+    pack_linears(model, kernel)
+    return model
+
+
+@KERNELS
+def test_the_stack_computes_the_models_forward(model_dir: Path, dtype: torch.dtype, kernel: str) -> None:
     """Prefill, decode, a verify window and a mixed step, with the aux states and the KV cache
     written: the stack equals the model to its dtype's rounding."""
-    if not linear_supports(dtype):
-        pytest.skip(f"no C++ linear for {dtype} here")
-    model = load_model(model_dir, dtype, torch.device("cpu"))
-    pack_linears(model, "cpu")
+    model = _packed_model(model_dir, dtype, kernel)
     stack = CpuDecoderStack(model)
     caches = [KVCache.allocate(model.config, 32, BLOCK_SIZE, dtype, torch.device("cpu")) for _ in range(2)]
     for cache in caches:
@@ -144,14 +154,11 @@ def test_an_unpacked_models_weights_are_packed_into_the_buffer_too(model_dir: Pa
     torch.testing.assert_close(hidden, expected, atol=5e-4, rtol=1e-5)
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
-def test_a_sequence_computes_the_same_alone_and_batched(model_dir: Path, dtype: torch.dtype) -> None:
+@KERNELS
+def test_a_sequence_computes_the_same_alone_and_batched(model_dir: Path, dtype: torch.dtype, kernel: str) -> None:
     """Batch invariance: a sequence's rows are bit-identical whether its step holds other
     sequences (a prefill chunk, another verify window) or not."""
-    if not linear_supports(dtype):
-        pytest.skip(f"no C++ linear for {dtype} here")
-    model = load_model(model_dir, dtype, torch.device("cpu"))
-    pack_linears(model, "cpu")
+    model = _packed_model(model_dir, dtype, kernel)
     stack = CpuDecoderStack(model)
     cache = KVCache.allocate(model.config, 32, BLOCK_SIZE, dtype, torch.device("cpu"))
     tokens, other = _tokens(14, seed=3), _tokens(20, seed=4)
@@ -167,7 +174,7 @@ def test_a_sequence_computes_the_same_alone_and_batched(model_dir: Path, dtype: 
 def test_what_the_stack_leaves_to_the_model(model_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     model = load_model(model_dir, torch.float32, torch.device("cpu"))
     assert unsupported_reason(model) is None
-    pack_linears(model, "int8")  # weight-only int8: a kernel the C++ linear is not
+    pack_linears(model, "int8")  # weight-only int8 for fp32 rows: torch's kernel, not the C++ linear
     assert "a linear the C++ kernel cannot use" in unsupported_reason(model)
     assert make_cpu_stack(model) is None
     with pytest.raises(ValueError, match="cannot run this model"):
@@ -202,7 +209,8 @@ def test_bad_steps_are_refused(model_dir: Path) -> None:
 async def test_the_verifier_runs_the_stack_on_the_cpu(model_dir: Path, monkeypatch: pytest.MonkeyPatch,
                                                       caplog: pytest.LogCaptureFixture) -> None:
     """The stack is the CPU verifier's forward, compiling or not; with it turned off, the
-    compiled forward; quantised int8, the model; every one answers the same greedy tokens."""
+    compiled forward; quantised int8 in fp32 (torch's kernel), the model; every one answers the
+    same greedy tokens."""
     outputs = {}
     with caplog.at_level("INFO"):
         async with EngineHarness(model_dir, "cpu", k=3, compile=True) as engine:

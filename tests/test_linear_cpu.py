@@ -173,3 +173,104 @@ def test_compiled_layer_calls_the_operator(dtype: torch.dtype) -> None:
 def test_a_dtype_without_a_kernel_is_refused_by_the_layer() -> None:
     with pytest.raises(ValueError, match="no torch.float16 path"):
         PackedLinear(nn.Linear(8, 4).to(torch.float16), "cpu", keep_weight=False)
+
+
+# Int8 weights (`pack_weight_int8`, weight-only quantisation) for bf16 rows.
+needs_int8 = pytest.mark.skipif(not linear_supports(torch.bfloat16, int8_weights=True),
+                                reason="no int8 kernel without AVX512-BF16 and AVX512-VBMI")
+
+
+def _int8_operands(num_rows: int, in_features: int, out_features: int, bias: bool,
+                   seed: int = 0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """bf16 rows, int8 weights over the whole range [-127, 127], float32 scales, a bf16 bias."""
+    generator = torch.Generator().manual_seed(seed)
+    x = torch.randn(num_rows, in_features, generator=generator).bfloat16()
+    weight = torch.randint(-127, 128, (out_features, in_features), generator=generator, dtype=torch.int8)
+    scales = torch.rand(out_features, generator=generator) / (127 * in_features**0.5)
+    b = torch.randn(out_features, generator=generator).bfloat16() if bias else None
+    return x, weight, scales, b
+
+
+def _int8_linear(x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor,
+                 bias: torch.Tensor | None) -> torch.Tensor:
+    packed = torch.ops.specdec_cpu.pack_weight_int8(weight)
+    return torch.ops.specdec_cpu.linear(x, packed, bias, weight.shape[0], scales)
+
+
+@needs_int8
+@pytest.mark.parametrize("in_features,out_features", [(576, 960), (1536, 576), (48, 80), (33, 13), (17, 47), (1, 32)])
+@pytest.mark.parametrize("num_rows", [1, 3, TILE_ROWS, TILE_ROWS + 1, 16, 129])
+@pytest.mark.parametrize("bias", [False, True], ids=["no_bias", "bias"])
+def test_int8_weights_match_float64(in_features: int, out_features: int, num_rows: int, bias: bool) -> None:
+    x, weight, scales, b = _int8_operands(num_rows, in_features, out_features, bias)
+    out = _int8_linear(x, weight, scales, b)
+    # The weight the kernel multiplies by: each int8 step times its column's scale.
+    _assert_close_to_exact(out, x, weight.double() * scales.double()[:, None], b)
+
+
+@needs_int8
+@pytest.mark.parametrize("num_rows", [2, 7, 9, 16, 300])
+def test_an_int8_row_is_bit_identical_alone_and_in_a_batch(num_rows: int) -> None:
+    x, weight, scales, bias = _int8_operands(num_rows, 576, 962, bias=True, seed=1)
+    packed = torch.ops.specdec_cpu.pack_weight_int8(weight)
+    together = torch.ops.specdec_cpu.linear(x, packed, bias, 962, scales)
+    alone = torch.cat([torch.ops.specdec_cpu.linear(x[row:row + 1], packed, bias, 962, scales)
+                       for row in range(num_rows)])
+    differing = (alone != together).any(dim=1).nonzero().flatten().tolist()
+    assert not differing, f"rows {differing} of {num_rows} differ"
+
+
+@needs_int8
+def test_int8_multithreaded_split_matches_one_thread() -> None:
+    x, weight, scales, bias = _int8_operands(3, 576, 4099, bias=True, seed=2)
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        single = _int8_linear(x, weight, scales, bias)
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(_int8_linear(x, weight, scales, bias), single)
+
+
+@needs_int8
+def test_the_int8_packing_stores_sign_and_magnitude_in_unpack_order() -> None:
+    # Each block's pair row is 64 bytes: bytes 16 L + j (j < 8) of each 128-bit lane L hold
+    # columns 0-15 (a pair each), bytes 16 L + 8 + j columns 16-31, as the kernel's unpacks
+    # take them; a byte is the sign (0x80) and the magnitude.
+    weight = (torch.arange(40 * 5) % 255 - 127).to(torch.int8).reshape(40, 5)
+    packed = torch.ops.specdec_cpu.pack_weight_int8(weight)
+    assert packed.dtype == torch.uint8 and packed.shape == (2, 3, 32, 2) and packed.is_contiguous()
+    lanes = packed.reshape(2, 3, 4, 2, 8)  # [block, pair, lane, half, j]
+    words = lanes.permute(0, 1, 3, 2, 4).reshape(2, 3, 2, 16, 2)  # [block, pair, half, column, k]
+    codes = words.permute(0, 2, 3, 1, 4).reshape(64, 6).long()  # [block * 32 + column, k]
+    decoded = torch.where(codes >= 0x80, -(codes - 0x80), codes)
+    assert torch.equal(decoded[:40, :5], weight.long())
+    assert not decoded[40:].any() and not decoded[:, 5:].any()
+
+
+@needs_int8
+@pytest.mark.parametrize(("x_dtype", "scales", "words"), [
+    (torch.bfloat16, None, "need their scales"),
+    (torch.bfloat16, torch.ones(5), "need their scales"),  # the wrong width
+    (torch.bfloat16, torch.ones(4, dtype=torch.bfloat16), "need their scales"),
+    (torch.float32, torch.ones(4), "has no Float x int8 weights kernel"),
+])
+def test_bad_int8_operands_are_refused(x_dtype: torch.dtype, scales: torch.Tensor | None, words: str) -> None:
+    packed = torch.ops.specdec_cpu.pack_weight_int8(torch.ones(4, 8, dtype=torch.int8))
+    with pytest.raises(RuntimeError, match=words):
+        torch.ops.specdec_cpu.linear(torch.zeros(2, 8, dtype=x_dtype), packed, None, 4, scales)
+
+
+@needs_int8
+def test_int8_packing_refuses_what_is_not_symmetric_int8() -> None:
+    with pytest.raises(RuntimeError, match=r"\[-127, 127\]"):
+        torch.ops.specdec_cpu.pack_weight_int8(torch.full((4, 8), -128, dtype=torch.int8))
+    with pytest.raises(RuntimeError, match="expects a CPU int8 weight"):
+        torch.ops.specdec_cpu.pack_weight_int8(torch.ones(4, 8))
+
+
+@pytest.mark.skipif(not linear_supports(torch.bfloat16), reason="no bf16 kernel without AVX512-BF16")
+def test_scales_with_unquantised_weights_are_refused() -> None:
+    packed = torch.ops.specdec_cpu.pack_weight(torch.zeros(4, 8, dtype=torch.bfloat16))
+    with pytest.raises(RuntimeError, match="scales go with int8 weights only"):
+        torch.ops.specdec_cpu.linear(torch.zeros(2, 8, dtype=torch.bfloat16), packed, None, 4, torch.ones(4))

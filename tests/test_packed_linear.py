@@ -43,11 +43,21 @@ def test_mkldnn_matches_f_linear(dtype: torch.dtype, num_rows: int, bias: bool) 
 def test_int8_equals_the_dequantised_weight(dtype: torch.dtype) -> None:
     layer = _layer(dtype, bias=True)
     packed = PackedLinear(layer, "int8", keep_weight=False)
-    assert packed.packed.dtype == torch.int8 and packed.weight is None
-    dequantised = packed.packed.float() * packed.scales.float()[:, None]  # [80, 48]
+    assert packed.weight is None
+    # Per output channel, symmetric: the scale max|w| / 127 in the model's dtype, the steps
+    # rounded to the nearest.
+    scales = (layer.weight.float().abs().amax(dim=1) / 127).to(dtype).float()
+    steps = torch.round(layer.weight.float() / scales[:, None]).to(torch.int8)
+    assert torch.equal(packed.scales.float(), scales)
+    # bf16 on specdec's kernel where it is built (its blocks), else torch's (the steps).
+    assert packed.own_int8 == linear_supports(dtype, int8_weights=True)
+    if packed.own_int8:
+        assert torch.equal(packed.packed, torch.ops.specdec_cpu.pack_weight_int8(steps))
+    else:
+        assert torch.equal(packed.packed, steps)
+    dequantised = steps.float() * scales[:, None]  # [80, 48]
     # Quantisation error is at most half a step per weight.
-    steps = (layer.weight.float() - dequantised).abs() / packed.scales.float()[:, None]
-    assert steps.max() <= 0.5 + 1e-3
+    assert ((layer.weight.float() - dequantised).abs() / scales[:, None]).max() <= 0.5 + 1e-3
     x = torch.randn(5, 48).to(dtype)
     with torch.inference_mode():
         out = packed(x)

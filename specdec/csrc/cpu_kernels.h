@@ -64,17 +64,21 @@ inline float exp_clamped(float x) {
   return p * scale;
 }
 
-// linear_cpu.cpp: y = x W^T + b on a weight packed by pack_weight, row-invariant (see there);
-// also torch.ops.specdec_cpu.linear and .pack_weight.
+// linear_cpu.cpp: y = x W^T + b on a weight packed by pack_weight (x's dtype) or, times a
+// float32 scale per output column, pack_weight_int8 (int8 weights for bf16 rows),
+// row-invariant (see there); also torch.ops.specdec_cpu.linear, .pack_weight, .pack_weight_int8.
 at::Tensor pack_weight(const at::Tensor& weight);
+at::Tensor pack_weight_int8(const at::Tensor& weight);
 at::Tensor linear(const at::Tensor& x, const at::Tensor& packed, const c10::optional<at::Tensor>& bias,
-                  int64_t out_features);
+                  int64_t out_features, const c10::optional<at::Tensor>& scales);
 // The same into `out` ([rows, out_features] contiguous, x's dtype).
-void linear_out(const at::Tensor& x, const at::Tensor& packed, const c10::optional<at::Tensor>& bias,
-                at::Tensor& out);
-// Refuses (TORCH_CHECK) a tensor that is not pack_weight's of an [out, in] weight in dtype.
-void check_packed(const at::Tensor& packed, int64_t in_features, int64_t out_features, at::ScalarType dtype);
-bool linear_supports(at::ScalarType dtype);
+void linear_out(const at::Tensor& x, const at::Tensor& packed, const c10::optional<at::Tensor>& scales,
+                const c10::optional<at::Tensor>& bias, at::Tensor& out);
+// Refuses (TORCH_CHECK) a tensor that is not pack_weight's (or pack_weight_int8's, with its
+// scales) of an [out, in] weight for rows of `dtype`.
+void check_packed(const at::Tensor& packed, const c10::optional<at::Tensor>& scales, int64_t in_features,
+                  int64_t out_features, at::ScalarType dtype);
+bool linear_supports(at::ScalarType dtype, bool int8_weights);
 
 // paged_attention_cpu.cpp: writes the step's K/V into the paged cache, attends every query token.
 //

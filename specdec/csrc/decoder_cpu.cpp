@@ -116,15 +116,16 @@ void add(const T* a, const T* b, T* out, int64_t rows, int64_t width) {
   });
 }
 
-// A layer's tensors in `layer_tensors`, in this order (the weights packed by pack_weight); a
-// bias of no elements means none.
+// A layer's tensors in `layer_tensors`, in this order: each linear's weight (packed by
+// pack_weight, or pack_weight_int8 with its float32 scales), scales and bias; a scales or
+// bias tensor of no elements means none.
 enum LayerTensor : int64_t {
-  kInputNorm, kQkvWeight, kQkvBias, kOWeight, kOBias, kPostNorm, kGateUpWeight, kGateUpBias,
-  kDownWeight, kDownBias, kTensorsPerLayer
+  kInputNorm, kQkvWeight, kQkvScales, kQkvBias, kOWeight, kOScales, kOBias, kPostNorm, kGateUpWeight,
+  kGateUpScales, kGateUpBias, kDownWeight, kDownScales, kDownBias, kTensorsPerLayer
 };
 
-c10::optional<at::Tensor> bias_of(const at::Tensor& bias) {
-  return bias.numel() ? c10::optional<at::Tensor>(bias) : c10::nullopt;
+c10::optional<at::Tensor> optional_of(const at::Tensor& tensor) {
+  return tensor.numel() ? c10::optional<at::Tensor>(tensor) : c10::nullopt;
 }
 
 }  // namespace
@@ -149,10 +150,6 @@ std::vector<at::Tensor> decoder_stack(
   const at::ScalarType dtype = embed_weight.scalar_type();
   TORCH_CHECK(dtype == at::kFloat || dtype == at::kBFloat16, "decoder_stack runs fp32 or bf16 models, not ",
               dtype);
-  for (const at::Tensor& t : layer_tensors) {
-    TORCH_CHECK(!t.numel() || (t.scalar_type() == dtype && t.is_contiguous()),
-                "decoder_stack: every layer tensor must be contiguous ", dtype);
-  }
   TORCH_CHECK(cos.scalar_type() == dtype && sin.scalar_type() == dtype && final_norm.scalar_type() == dtype &&
                   cos.is_contiguous() && sin.is_contiguous() && cos.size(1) == head_dim,
               "decoder_stack: the RoPE tables and the final norm must be contiguous ", dtype);
@@ -170,10 +167,14 @@ std::vector<at::Tensor> decoder_stack(
   const int64_t qkv_size = q_size + 2 * kv_size;
   for (int64_t layer = 0; layer < num_layers; ++layer) {
     const at::Tensor* w = layer_tensors.data() + layer * kTensorsPerLayer;
-    check_packed(w[kQkvWeight], hidden_size, qkv_size, dtype);
-    check_packed(w[kOWeight], q_size, hidden_size, dtype);
-    check_packed(w[kGateUpWeight], hidden_size, 2 * intermediate_size, dtype);
-    check_packed(w[kDownWeight], intermediate_size, hidden_size, dtype);
+    for (const LayerTensor kind : {kInputNorm, kQkvBias, kOBias, kPostNorm, kGateUpBias, kDownBias}) {
+      TORCH_CHECK(!w[kind].numel() || (w[kind].scalar_type() == dtype && w[kind].is_contiguous()),
+                  "decoder_stack: every norm weight and bias must be contiguous ", dtype);
+    }
+    check_packed(w[kQkvWeight], optional_of(w[kQkvScales]), hidden_size, qkv_size, dtype);
+    check_packed(w[kOWeight], optional_of(w[kOScales]), q_size, hidden_size, dtype);
+    check_packed(w[kGateUpWeight], optional_of(w[kGateUpScales]), hidden_size, 2 * intermediate_size, dtype);
+    check_packed(w[kDownWeight], optional_of(w[kDownScales]), intermediate_size, hidden_size, dtype);
     const at::Tensor& keys = key_caches[layer];
     const at::Tensor& values = value_caches[layer];
     TORCH_CHECK(keys.sizes() == key_caches[0].sizes() && values.sizes() == key_caches[0].sizes() &&
@@ -213,18 +214,22 @@ std::vector<at::Tensor> decoder_stack(
       const at::Tensor* w = layer_tensors.data() + layer * kTensorsPerLayer;
       rms_norm<T>(hidden.data_ptr<T>(), w[kInputNorm].data_ptr<T>(), normed.data_ptr<T>(), num_tokens,
                   hidden_size, norm_eps);
-      specdec_cpu::linear_out(normed, w[kQkvWeight], bias_of(w[kQkvBias]), qkv);  // [T, q + 2 kv]
+      specdec_cpu::linear_out(normed, w[kQkvWeight], optional_of(w[kQkvScales]), optional_of(w[kQkvBias]),
+                              qkv);  // [T, q + 2 kv]
       rotate<T>(qkv_data, qkv_size, position_data, cos.data_ptr<T>(), sin.data_ptr<T>(), num_tokens,
                 num_heads + num_kv_heads, head_dim);
       attend_planned(plan, dtype, rows, key_caches[layer].data_ptr(), value_caches[layer].data_ptr(),
                      attended.data_ptr(), scale);  // [T, heads * head_dim]
-      specdec_cpu::linear_out(attended, w[kOWeight], bias_of(w[kOBias]), projected);
+      specdec_cpu::linear_out(attended, w[kOWeight], optional_of(w[kOScales]), optional_of(w[kOBias]),
+                              projected);
       add<T>(hidden.data_ptr<T>(), projected.data_ptr<T>(), residual.data_ptr<T>(), num_tokens, hidden_size);
       rms_norm<T>(residual.data_ptr<T>(), w[kPostNorm].data_ptr<T>(), normed.data_ptr<T>(), num_tokens,
                   hidden_size, norm_eps);
-      specdec_cpu::linear_out(normed, w[kGateUpWeight], bias_of(w[kGateUpBias]), gate_up);
+      specdec_cpu::linear_out(normed, w[kGateUpWeight], optional_of(w[kGateUpScales]),
+                              optional_of(w[kGateUpBias]), gate_up);
       silu_mul<T>(gate_up.data_ptr<T>(), activated.data_ptr<T>(), num_tokens, intermediate_size);
-      specdec_cpu::linear_out(activated, w[kDownWeight], bias_of(w[kDownBias]), down);
+      specdec_cpu::linear_out(activated, w[kDownWeight], optional_of(w[kDownScales]), optional_of(w[kDownBias]),
+                              down);
       add<T>(residual.data_ptr<T>(), down.data_ptr<T>(), hidden.data_ptr<T>(), num_tokens, hidden_size);
     }
     at::Tensor out = at::empty_like(hidden);

@@ -55,9 +55,13 @@ constexpr int64_t kMinBlocksPerThread = 8;
 
 struct Fp32Ops {
   using T = float;
+  using W = float;  // the packed weight's elements
   static constexpr int64_t kPair = 1;  // input elements a broadcast carries
+  static constexpr int64_t kRowElements = kBlockColumns;  // of W, a block's pair row
   using Vec = __m512;
   static Vec load(const T* p) { return _mm512_loadu_ps(p); }
+  // A pair row's two registers: columns 0-15, 16-31.
+  void load_row(const W* w, Vec& w0, Vec& w1) const { w0 = load(w), w1 = load(w + 16); }
   static Vec broadcast(const T* x) { return _mm512_set1_ps(*x); }
   static Vec broadcast_last(const T* x) { return _mm512_set1_ps(*x); }
   static __m512 dot(__m512 acc, Vec w, Vec x) { return _mm512_fmadd_ps(w, x, acc); }
@@ -69,9 +73,12 @@ struct Fp32Ops {
 #define SPECDEC_HAS_BF16_KERNEL 1
 struct Bf16Ops {
   using T = at::BFloat16;
+  using W = at::BFloat16;
   static constexpr int64_t kPair = 2;
+  static constexpr int64_t kRowElements = 2 * kBlockColumns;
   using Vec = __m512bh;
   static Vec load(const T* p) { return (__m512bh)_mm512_loadu_si512(p); }
+  void load_row(const W* w, Vec& w0, Vec& w1) const { w0 = load(w), w1 = load(w + 32); }
   // The pair x[0], x[1] in every fp32 lane.
   static Vec broadcast(const T* x) {
     int32_t pair;
@@ -91,23 +98,62 @@ struct Bf16Ops {
     _mm256_mask_storeu_epi16(out, mask, (__m256i)_mm512_cvtneps_pbh(sums));
   }
 };
+
+#if defined(__AVX512VBMI__)
+#define SPECDEC_HAS_INT8_KERNEL 1
+// bf16 rows times weight-only int8 weights: the sums of the integer weights' products, then
+// each output column's scale. A weight q (|q| <= 127) is packed as one byte, sign and
+// magnitude, and becomes bf16 in registers, exactly (q needs at most 7 significant bits):
+// two byte lookups (vpermi2b on 128-entry tables) give the bf16's low and high bytes of |q|,
+// the sign goes into the high byte, and unpacking the two byte vectors interleaves them into
+// 16-bit lanes. The packing orders the 64 bytes of a pair row so that the unpacks, which
+// work within 128-bit lanes, yield the pair row's two registers as Bf16Ops loads them. Five
+// instructions a pair row, shared by up to eight rows, for half the bytes to read.
+struct Int8Bf16Ops : Bf16Ops {
+  using W = uint8_t;
+  static constexpr int64_t kRowElements = 2 * kBlockColumns;  // bytes
+  __m512i low0, low1, high0, high1;  // bf16(m)'s low and high bytes, m = 0..63, 64..127
+  const __m512i sign = _mm512_set1_epi8(static_cast<char>(0x80));
+
+  Int8Bf16Ops() {
+    alignas(64) uint8_t low[128], high[128];
+    for (int m = 0; m < 128; ++m) {
+      const uint16_t bits = from_float<at::BFloat16>(static_cast<float>(m)).x;  // exact
+      low[m] = static_cast<uint8_t>(bits & 0xFF);
+      high[m] = static_cast<uint8_t>(bits >> 8);
+    }
+    low0 = _mm512_load_si512(low), low1 = _mm512_load_si512(low + 64);
+    high0 = _mm512_load_si512(high), high1 = _mm512_load_si512(high + 64);
+  }
+  void load_row(const W* w, Vec& w0, Vec& w1) const {
+    const __m512i codes = _mm512_loadu_si512(w);
+    const __m512i low = _mm512_permutex2var_epi8(low0, codes, low1);  // the index's bit 7 is ignored
+    const __m512i high = _mm512_ternarylogic_epi32(_mm512_permutex2var_epi8(high0, codes, high1), codes, sign,
+                                                   0xF8);  // high | (codes & 0x80)
+    w0 = (__m512bh)_mm512_unpacklo_epi8(low, high);
+    w1 = (__m512bh)_mm512_unpackhi_epi8(low, high);
+  }
+};
+#endif
 #endif
 
-// Columns [n, n + 32) of the MR input rows at x, from their packed block ([pairs, 32, kPair]).
-// Each output lane sums its products in input order in one fp32 register lane.
+// Columns [n, n + 32) of the MR input rows at x, from their packed block ([pairs, 32, kPair]),
+// times `scales` (int8 weights; else nullptr) plus `bias` (or nullptr). Each output lane sums
+// its products in input order in one fp32 register lane.
 template <typename Ops, int MR>
-inline void block_rows(const typename Ops::T* block, const typename Ops::T* x, const typename Ops::T* bias,
-                       typename Ops::T* out, int64_t K, int64_t N, int64_t n) {
+inline void block_rows(const Ops& ops, const typename Ops::W* block, const typename Ops::T* x,
+                       const float* scales, const typename Ops::T* bias, typename Ops::T* out, int64_t K,
+                       int64_t N, int64_t n) {
   using T = typename Ops::T;
   using Vec = typename Ops::Vec;
   constexpr int64_t kPair = Ops::kPair;
-  constexpr int64_t kHalf = 16 * kPair;  // elements of a block's pair row per register
   __m512 lo[MR], hi[MR];
   for (int m = 0; m < MR; ++m) lo[m] = hi[m] = _mm512_setzero_ps();
   const int64_t full_pairs = K / kPair;
-  const T* w = block;
-  for (int64_t p = 0; p < full_pairs; ++p, w += 2 * kHalf) {
-    const Vec w0 = Ops::load(w), w1 = Ops::load(w + kHalf);
+  const typename Ops::W* w = block;
+  Vec w0, w1;
+  for (int64_t p = 0; p < full_pairs; ++p, w += Ops::kRowElements) {
+    ops.load_row(w, w0, w1);
     for (int m = 0; m < MR; ++m) {
       const Vec b = Ops::broadcast(x + m * K + p * kPair);
       lo[m] = Ops::dot(lo[m], w0, b);
@@ -115,7 +161,7 @@ inline void block_rows(const typename Ops::T* block, const typename Ops::T* x, c
     }
   }
   if (full_pairs * kPair < K) {
-    const Vec w0 = Ops::load(w), w1 = Ops::load(w + kHalf);
+    ops.load_row(w, w0, w1);
     for (int m = 0; m < MR; ++m) {
       const Vec b = Ops::broadcast_last(x + m * K + K - 1);
       lo[m] = Ops::dot(lo[m], w0, b);
@@ -125,6 +171,14 @@ inline void block_rows(const typename Ops::T* block, const typename Ops::T* x, c
   const int64_t columns = std::min<int64_t>(kBlockColumns, N - n);
   const __mmask16 lo_mask = columns >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << columns) - 1);
   const __mmask16 hi_mask = columns <= 16 ? 0 : static_cast<__mmask16>((1u << (columns - 16)) - 1);
+  if (scales != nullptr) {
+    const __m512 lo_scale = _mm512_maskz_loadu_ps(lo_mask, scales + n);
+    const __m512 hi_scale = _mm512_maskz_loadu_ps(hi_mask, scales + n + 16);
+    for (int m = 0; m < MR; ++m) {
+      lo[m] = _mm512_mul_ps(lo[m], lo_scale);
+      hi[m] = _mm512_mul_ps(hi[m], hi_scale);
+    }
+  }
   __m512 lo_bias = _mm512_setzero_ps(), hi_bias = _mm512_setzero_ps();
   if (bias != nullptr) {
     lo_bias = Ops::load_bias(bias + n, lo_mask);
@@ -137,32 +191,34 @@ inline void block_rows(const typename Ops::T* block, const typename Ops::T* x, c
 }
 
 template <typename Ops>
-void linear_rows(const at::Tensor& x, const at::Tensor& packed, const c10::optional<at::Tensor>& bias,
-                 at::Tensor& out) {
+void linear_rows(const at::Tensor& x, const at::Tensor& packed, const c10::optional<at::Tensor>& scales,
+                 const c10::optional<at::Tensor>& bias, at::Tensor& out) {
   using T = typename Ops::T;
   const int64_t M = x.size(0), K = x.size(1), N = out.size(1);
   const int64_t num_blocks = packed.size(0);
-  const int64_t block_elements = packed.size(1) * kBlockColumns * Ops::kPair;
-  const T* w = packed.data_ptr<T>();
+  const int64_t block_elements = packed.size(1) * Ops::kRowElements;
+  const auto* w = static_cast<const typename Ops::W*>(packed.data_ptr());
   const T* xs = x.data_ptr<T>();
+  const float* s = scales.has_value() ? scales->data_ptr<float>() : nullptr;
   const T* b = bias.has_value() ? bias->data_ptr<T>() : nullptr;
   T* ys = out.data_ptr<T>();
   at::parallel_for(0, num_blocks, kMinBlocksPerThread, [&](int64_t begin, int64_t end) {
+    const Ops ops;
     for (int64_t block = begin; block < end; ++block) {
-      const T* wb = w + block * block_elements;
+      const auto* wb = w + block * block_elements;
       const int64_t n = block * kBlockColumns;
       for (int64_t m = 0; m < M; m += kTileRows) {
         const T* xm = xs + m * K;
         T* ym = ys + m * N;
         switch (std::min<int64_t>(kTileRows, M - m)) {
-          case 8: block_rows<Ops, 8>(wb, xm, b, ym, K, N, n); break;
-          case 7: block_rows<Ops, 7>(wb, xm, b, ym, K, N, n); break;
-          case 6: block_rows<Ops, 6>(wb, xm, b, ym, K, N, n); break;
-          case 5: block_rows<Ops, 5>(wb, xm, b, ym, K, N, n); break;
-          case 4: block_rows<Ops, 4>(wb, xm, b, ym, K, N, n); break;
-          case 3: block_rows<Ops, 3>(wb, xm, b, ym, K, N, n); break;
-          case 2: block_rows<Ops, 2>(wb, xm, b, ym, K, N, n); break;
-          default: block_rows<Ops, 1>(wb, xm, b, ym, K, N, n); break;
+          case 8: block_rows<Ops, 8>(ops, wb, xm, s, b, ym, K, N, n); break;
+          case 7: block_rows<Ops, 7>(ops, wb, xm, s, b, ym, K, N, n); break;
+          case 6: block_rows<Ops, 6>(ops, wb, xm, s, b, ym, K, N, n); break;
+          case 5: block_rows<Ops, 5>(ops, wb, xm, s, b, ym, K, N, n); break;
+          case 4: block_rows<Ops, 4>(ops, wb, xm, s, b, ym, K, N, n); break;
+          case 3: block_rows<Ops, 3>(ops, wb, xm, s, b, ym, K, N, n); break;
+          case 2: block_rows<Ops, 2>(ops, wb, xm, s, b, ym, K, N, n); break;
+          default: block_rows<Ops, 1>(ops, wb, xm, s, b, ym, K, N, n); break;
         }
       }
     }
@@ -173,7 +229,14 @@ void linear_rows(const at::Tensor& x, const at::Tensor& packed, const c10::optio
 
 }  // namespace
 
-bool linear_supports(at::ScalarType dtype) {
+bool linear_supports(at::ScalarType dtype, bool int8_weights) {
+  if (int8_weights) {
+#if defined(SPECDEC_HAS_INT8_KERNEL)
+    return dtype == at::kBFloat16;
+#else
+    return false;
+#endif
+  }
 #if defined(__AVX512F__)
   if (dtype == at::kFloat) return true;
 #endif
@@ -185,11 +248,22 @@ bool linear_supports(at::ScalarType dtype) {
 
 namespace {
 
-// Input elements a packed lane holds: a bf16 pair, one fp32.
-int64_t pair_of(at::ScalarType dtype) { return dtype == at::kBFloat16 ? 2 : 1; }
+// Input elements a packed lane holds: a bf16 pair (also for int8 weights, which run with
+// bf16 rows), one fp32.
+int64_t pair_of(at::ScalarType weight_dtype) { return weight_dtype == at::kFloat ? 1 : 2; }
 
-void check_dtype(at::ScalarType dtype) {
-  TORCH_CHECK(linear_supports(dtype), "specdec_cpu::linear has no ", dtype, " kernel on this machine");
+void check_dtype(at::ScalarType dtype, bool int8_weights) {
+  TORCH_CHECK(linear_supports(dtype, int8_weights), "specdec_cpu::linear has no ", dtype,
+              int8_weights ? " x int8 weights" : "", " kernel on this machine");
+}
+
+// The packed block layout of a [N, K] weight whose elements are `dtype` (kByte: int8 codes).
+at::Tensor blocked(const at::Tensor& weight, at::ScalarType dtype) {
+  const int64_t N = weight.size(0), K = weight.size(1), P = pair_of(dtype);
+  const int64_t blocks = (N + kBlockColumns - 1) / kBlockColumns, pairs = (K + P - 1) / P;
+  at::Tensor padded = at::zeros({blocks * kBlockColumns, pairs * P}, weight.options().dtype(dtype));
+  padded.narrow(0, 0, N).narrow(1, 0, K).copy_(weight);
+  return padded.view({blocks, kBlockColumns, pairs, P}).permute({0, 2, 1, 3}).contiguous();
 }
 
 }  // namespace
@@ -197,83 +271,116 @@ void check_dtype(at::ScalarType dtype) {
 at::Tensor pack_weight(const at::Tensor& weight) {
   TORCH_CHECK(weight.dim() == 2 && weight.device().is_cpu(),
               "specdec_cpu::pack_weight expects a CPU weight [out, in]; got ", weight.sizes());
-  check_dtype(weight.scalar_type());
-  const int64_t N = weight.size(0), K = weight.size(1), P = pair_of(weight.scalar_type());
-  const int64_t blocks = (N + kBlockColumns - 1) / kBlockColumns, pairs = (K + P - 1) / P;
-  at::Tensor padded = at::zeros({blocks * kBlockColumns, pairs * P}, weight.options());
-  padded.narrow(0, 0, N).narrow(1, 0, K).copy_(weight);
-  return padded.view({blocks, kBlockColumns, pairs, P}).permute({0, 2, 1, 3}).contiguous();
+  check_dtype(weight.scalar_type(), false);
+  return blocked(weight, weight.scalar_type());
 }
 
-void check_packed(const at::Tensor& packed, int64_t in_features, int64_t out_features, at::ScalarType dtype) {
-  TORCH_CHECK(packed.scalar_type() == dtype, "specdec_cpu::linear: x is ", dtype, " but the weight is ",
-              packed.scalar_type());
-  const int64_t P = pair_of(dtype);
+at::Tensor pack_weight_int8(const at::Tensor& weight) {
+  TORCH_CHECK(weight.dim() == 2 && weight.device().is_cpu() && weight.scalar_type() == at::kChar,
+              "specdec_cpu::pack_weight_int8 expects a CPU int8 weight [out, in]; got ", weight.scalar_type(), " ",
+              weight.sizes());
+  check_dtype(at::kBFloat16, true);
+  TORCH_CHECK(weight.numel() == 0 || weight.min().item<int8_t>() > -128,
+              "specdec_cpu::pack_weight_int8: weights must lie in [-127, 127] (symmetric int8)");
+  // Sign and magnitude, as Int8Bf16Ops reads them.
+  const at::Tensor magnitude = weight.abs().to(at::kByte);
+  const at::Tensor codes = at::where(weight < 0, magnitude.bitwise_or(0x80), magnitude);
+  at::Tensor rows = blocked(codes, at::kByte);  // [blocks, pairs, 32, 2]
+  // A pair row's 64 bytes reordered for the 128-bit-lane unpacks: the register of columns
+  // 0-15 takes bytes 16 L + j (j < 8) of each lane L, the one of columns 16-31 bytes 16 L + 8 + j.
+  std::vector<int64_t> order(64);
+  for (int64_t word = 0; word < 64; ++word) {
+    const int64_t half = word / 32, j = word % 32;
+    order[(j / 8) * 16 + half * 8 + j % 8] = word;
+  }
+  const at::Tensor index = at::tensor(order, at::kLong);
+  const int64_t blocks = rows.size(0), pairs = rows.size(1);
+  return rows.view({blocks, pairs, 64}).index_select(2, index).view({blocks, pairs, kBlockColumns, 2}).contiguous();
+}
+
+void check_packed(const at::Tensor& packed, const c10::optional<at::Tensor>& scales, int64_t in_features,
+                  int64_t out_features, at::ScalarType dtype) {
+  const bool int8_weights = packed.scalar_type() == at::kByte;
+  TORCH_CHECK(int8_weights || packed.scalar_type() == dtype, "specdec_cpu::linear: x is ", dtype,
+              " but the weight is ", packed.scalar_type());
+  check_dtype(dtype, int8_weights);
+  const int64_t P = pair_of(packed.scalar_type());
   TORCH_CHECK(packed.dim() == 4 && packed.size(2) == kBlockColumns && packed.size(3) == P &&
                   packed.size(1) == (in_features + P - 1) / P && out_features > 0 &&
                   packed.size(0) == (out_features + kBlockColumns - 1) / kBlockColumns,
-              "specdec_cpu::linear: the packed weight ", packed.sizes(), " is not pack_weight's of a [",
-              out_features, ", ", in_features, "] ", dtype, " weight");
+              "specdec_cpu::linear: the packed weight ", packed.sizes(), " is not ",
+              int8_weights ? "pack_weight_int8" : "pack_weight", "'s of a [", out_features, ", ", in_features,
+              "] weight");
   TORCH_CHECK(packed.is_contiguous() && packed.device().is_cpu(),
               "specdec_cpu::linear: the packed weight must be a contiguous CPU tensor");
+  if (int8_weights) {
+    TORCH_CHECK(scales.has_value() && scales->dim() == 1 && scales->size(0) == out_features &&
+                    scales->scalar_type() == at::kFloat && scales->is_contiguous() && scales->device().is_cpu(),
+                "specdec_cpu::linear: int8 weights need their scales, a contiguous float32 [out_features]");
+  } else {
+    TORCH_CHECK(!scales.has_value(), "specdec_cpu::linear: scales go with int8 weights only");
+  }
 }
 
 namespace {
 
-void check_inputs(const at::Tensor& x, const at::Tensor& packed, const c10::optional<at::Tensor>& bias,
-                  int64_t out_features) {
+void check_inputs(const at::Tensor& x, const at::Tensor& packed, const c10::optional<at::Tensor>& scales,
+                  const c10::optional<at::Tensor>& bias, int64_t out_features) {
   TORCH_CHECK(x.dim() == 2 && x.device().is_cpu(), "specdec_cpu::linear expects x [rows, in] on the CPU; got ",
               x.sizes());
-  check_dtype(x.scalar_type());
-  check_packed(packed, x.size(1), out_features, x.scalar_type());
+  check_packed(packed, scales, x.size(1), out_features, x.scalar_type());
   if (bias.has_value()) {
     TORCH_CHECK(bias->dim() == 1 && bias->size(0) == out_features && bias->scalar_type() == x.scalar_type(),
-                "specdec_cpu::linear: the bias must be [out] in the weight's dtype");
+                "specdec_cpu::linear: the bias must be [out] in x's dtype");
   }
 }
 
 // linear_out once its inputs and `out` are known good.
-void linear_into(const at::Tensor& x, const at::Tensor& packed, const c10::optional<at::Tensor>& bias,
-                 at::Tensor& out) {
+void linear_into(const at::Tensor& x, const at::Tensor& packed, const c10::optional<at::Tensor>& scales,
+                 const c10::optional<at::Tensor>& bias, at::Tensor& out) {
   if (x.size(0) == 0) return;
   // Already contiguous in the decoder stack: no copies (each would be a dispatcher trip).
   const at::Tensor rows = x.is_contiguous() ? x : x.contiguous();
   const c10::optional<at::Tensor> b =
       bias.has_value() ? c10::optional<at::Tensor>(bias->is_contiguous() ? *bias : bias->contiguous()) : c10::nullopt;
+#if defined(SPECDEC_HAS_INT8_KERNEL)
+  if (packed.scalar_type() == at::kByte) return linear_rows<Int8Bf16Ops>(rows, packed, scales, b, out);
+#endif
 #if defined(__AVX512F__)
-  if (x.scalar_type() == at::kFloat) linear_rows<Fp32Ops>(rows, packed, b, out);
+  if (x.scalar_type() == at::kFloat) linear_rows<Fp32Ops>(rows, packed, c10::nullopt, b, out);
 #endif
 #if defined(SPECDEC_HAS_BF16_KERNEL)
-  if (x.scalar_type() == at::kBFloat16) linear_rows<Bf16Ops>(rows, packed, b, out);
+  if (x.scalar_type() == at::kBFloat16) linear_rows<Bf16Ops>(rows, packed, c10::nullopt, b, out);
 #endif
 }
 
 }  // namespace
 
-void linear_out(const at::Tensor& x, const at::Tensor& packed, const c10::optional<at::Tensor>& bias,
-                at::Tensor& out) {
+void linear_out(const at::Tensor& x, const at::Tensor& packed, const c10::optional<at::Tensor>& scales,
+                const c10::optional<at::Tensor>& bias, at::Tensor& out) {
   TORCH_CHECK(out.dim() == 2 && out.size(0) == x.size(0) && out.is_contiguous() &&
                   out.scalar_type() == x.scalar_type(),
               "specdec_cpu::linear: out must be a contiguous [rows, out] tensor in x's dtype");
-  check_inputs(x, packed, bias, out.size(1));
-  linear_into(x, packed, bias, out);
+  check_inputs(x, packed, scales, bias, out.size(1));
+  linear_into(x, packed, scales, bias, out);
 }
 
 at::Tensor linear(const at::Tensor& x, const at::Tensor& packed, const c10::optional<at::Tensor>& bias,
-                  int64_t out_features) {
-  check_inputs(x, packed, bias, out_features);
+                  int64_t out_features, const c10::optional<at::Tensor>& scales) {
+  check_inputs(x, packed, scales, bias, out_features);
   at::Tensor out = at::empty({x.size(0), out_features}, x.options());
-  linear_into(x, packed, bias, out);
+  linear_into(x, packed, scales, bias, out);
   return out;
 }
 
 }  // namespace specdec_cpu
 
 TORCH_LIBRARY(specdec_cpu, m) {
-  m.def("linear(Tensor x, Tensor packed, Tensor? bias, int out_features) -> Tensor");
+  m.def("linear(Tensor x, Tensor packed, Tensor? bias, int out_features, Tensor? scales=None) -> Tensor");
   m.def("pack_weight(Tensor weight) -> Tensor", &specdec_cpu::pack_weight);
-  m.def("linear_supports(ScalarType dtype) -> bool",
-        [](at::ScalarType dtype) { return specdec_cpu::linear_supports(dtype); });
+  m.def("pack_weight_int8(Tensor weight) -> Tensor", &specdec_cpu::pack_weight_int8);
+  m.def("linear_supports(ScalarType dtype, bool int8_weights=False) -> bool",
+        [](at::ScalarType dtype, bool int8_weights) { return specdec_cpu::linear_supports(dtype, int8_weights); });
 }
 
 TORCH_LIBRARY_IMPL(specdec_cpu, CPU, m) { m.impl("linear", &specdec_cpu::linear); }

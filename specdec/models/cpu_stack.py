@@ -7,9 +7,9 @@ SiLU and residual adds as inductor's small kernels called from Python, and dynam
 The stack does that glue in C++ loops around the same linear and attention kernels, and
 needs no compilation at start-up. The LM head stays with the model (`compute_logits`).
 
-It takes the model as loaded and packed (`PackedLinear` with the `cpu` kernel, or plain
-linears), reads the weights in place, and has the model's forward contract, so the
-`ModelRunner` calls it as it calls the model. It runs fp32 and bf16 models without q/k norms
+It takes the model as loaded and packed (`PackedLinear` with the `cpu` kernel or specdec's
+`int8` one, or plain linears), reads the weights in place, and has the model's forward
+contract, so the `ModelRunner` calls it as it calls the model. It runs fp32 and bf16 models without q/k norms
 (Llama, SmolLM2, Mistral, Qwen2) where the C++ linear has the dtype; `make_cpu_stack` says
 why not otherwise and the caller keeps the compiled or eager forward. Numerics and row
 invariance: see the C++ file (each step rounded as the eager model rounds it; a token's
@@ -37,20 +37,24 @@ logger = logging.getLogger(__name__)
 CPU_STACK_ENV = "SPECDEC_CPU_STACK"
 
 
-def _weight_and_bias(linear: nn.Module) -> tuple[torch.Tensor, torch.Tensor | None] | None:
-    """The weight (packed by `pack_weight`, or [out, in] to pack) and bias of a linear the C++
-    kernel can run, or None."""
+def _operands(linear: nn.Module) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None] | None:
+    """The weight (packed by `pack_weight` or `pack_weight_int8`, or [out, in] to pack), int8
+    scales and bias of a linear the C++ kernel can run, or None."""
+    scales = None
     if isinstance(linear, PackedLinear):
-        if linear.kernel != "cpu":
+        if linear.kernel == "cpu":
+            weight, bias = linear.packed, linear.bias
+        elif linear.kernel == "int8" and linear.own_int8:
+            weight, scales, bias = linear.packed, linear.scales, linear.bias
+        else:
             return None
-        weight, bias = linear.packed, linear.bias
     elif isinstance(linear, nn.Linear):
         weight, bias = linear.weight, linear.bias
     else:
         return None
     if not weight.is_contiguous() or (bias is not None and not bias.is_contiguous()):
         return None
-    return weight.detach(), None if bias is None else bias.detach()
+    return weight.detach(), scales, None if bias is None else bias.detach()
 
 
 def _packed(linear: nn.Module) -> torch.Tensor:
@@ -58,7 +62,7 @@ def _packed(linear: nn.Module) -> torch.Tensor:
     that moving it moves the layer's), or a plain linear's packed here (a copy)."""
     if isinstance(linear, PackedLinear):
         return linear.packed
-    weight, _ = _weight_and_bias(linear)  # type: ignore[misc]
+    weight, _, _ = _operands(linear)  # type: ignore[misc]
     return torch.ops.specdec_cpu.pack_weight(weight)
 
 
@@ -91,8 +95,8 @@ def unsupported_reason(model: nn.Module) -> str | None:
         if attn.num_heads != model.config.num_attention_heads:
             return "a tensor-parallel shard"
         for linear in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj):
-            parts = _weight_and_bias(linear)
-            if parts is None or parts[0].dtype != embed.dtype:
+            operands = _operands(linear)
+            if operands is None or (operands[0].dtype != embed.dtype and operands[1] is None):
                 return f"a linear the C++ kernel cannot use ({linear})"
     return None
 
@@ -119,11 +123,15 @@ class CpuDecoderStack:
         empty = model.model.embed_tokens.weight.new_empty(0)
         tensors: list[torch.Tensor] = []
         for layer, linears, packed in zip(model.model.layers, kernel_linears, packed_layers):
-            biases = [_weight_and_bias(linear)[1] for linear in linears]  # type: ignore[index]
-            qkv_bias, o_bias, gate_up_bias, down_bias = [empty if bias is None else bias for bias in biases]
-            tensors += [layer.input_layernorm.weight.detach(), packed[0], qkv_bias, packed[1], o_bias,
-                        layer.post_attention_layernorm.weight.detach(), packed[2], gate_up_bias, packed[3],
-                        down_bias]
+            # Each linear's weight, int8 scales and bias (an empty tensor for none).
+            per_linear = []
+            for weight, linear in zip(packed, linears):
+                _, scales, bias = _operands(linear)  # type: ignore[misc]
+                per_linear.append([weight, empty.float() if scales is None else scales,
+                                   empty if bias is None else bias])
+            qkv, o, gate_up, down = per_linear
+            tensors += [layer.input_layernorm.weight.detach(), *qkv, *o,
+                        layer.post_attention_layernorm.weight.detach(), *gate_up, *down]
         self._layer_tensors = [tensor.contiguous() for tensor in tensors]
         self._embed = model.model.embed_tokens.weight.detach()
         self._final_norm = model.model.norm.weight.detach()

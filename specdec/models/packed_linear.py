@@ -16,10 +16,13 @@ in oneDNN's blocked layout reads several times faster for 1..8 rows). So after l
   (`torch.ops.mkldnn._reorder_linear_weight`), multiplied by `_linear_pointwise`: what
   inductor's `freezing` emits for a compiled CPU model, without compiling. Exact in the
   sense that it computes the same products as `F.linear` (up to summation order).
-- `int8`: weight-only int8 (per output channel, symmetric, scale = max|w| / 127),
-  multiplied by `torch.ops.aten._weight_int8pack_mm`, which dequantises on the fly: half
-  the bytes of bf16 to read. Lossy with respect to the checkpoint (the model changes a
-  little); speculation stays lossless with respect to the quantised model.
+- `int8`: weight-only int8 (per output channel, symmetric, scale = max|w| / 127): half the
+  bytes of bf16 to read. Lossy with respect to the checkpoint (the model changes a little);
+  speculation stays lossless with respect to the quantised model. bf16 models run it on
+  specdec's kernel (`pack_weight_int8`: the same blocks, the int8 weights turned to bf16 in
+  registers, the scale applied to the sums; row-invariant like `cpu`) where the machine has
+  AVX512-VBMI; otherwise `torch.ops.aten._weight_int8pack_mm`, which dequantises on the fly
+  but reads slower than the bf16 `cpu` kernel (see the README's performance section).
 
 A weight shared with another parameter (a tied LM head and embedding) stays referenced
 by the module, so a tied head costs its packed copy besides; any other original weight is
@@ -68,6 +71,7 @@ class PackedLinear(nn.Module):
         self.bias = linear.bias
         # Kept only when something else (a tied embedding) owns the same storage.
         self.weight = linear.weight if keep_weight else None
+        self.own_int8 = False  # int8 on specdec's kernel (set below)
         if kernel == "cpu":
             if not linear_supports(weight.dtype):
                 raise ValueError(f"specdec's cpu linear kernel has no {weight.dtype} path on this machine")
@@ -80,9 +84,17 @@ class PackedLinear(nn.Module):
             weight32 = weight.float()
             # Rounded to the model dtype first, so the int8 values are steps of the very
             # scale the kernel multiplies by.
-            self.scales = (weight32.abs().amax(dim=1).clamp(min=1e-12) / 127.0).to(weight.dtype)
-            steps = weight32 / self.scales.float()[:, None]  # [out_features, in_features]
-            self.packed = torch.round(steps).clamp(-127, 127).to(torch.int8)
+            scales = (weight32.abs().amax(dim=1).clamp(min=1e-12) / 127.0).to(weight.dtype)
+            steps = weight32 / scales.float()[:, None]  # [out_features, in_features]
+            quantized = torch.round(steps).clamp(-127, 127).to(torch.int8)
+            # specdec's kernel where it runs these rows: then `packed` is its uint8 blocks and
+            # the scales are float32 (the same values).
+            self.own_int8 = linear_supports(weight.dtype, int8_weights=True)
+            if self.own_int8:
+                self.register_buffer("packed", torch.ops.specdec_cpu.pack_weight_int8(quantized), persistent=False)
+                self.register_buffer("scales", scales.float(), persistent=False)
+            else:
+                self.packed, self.scales = quantized, scales
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [..., in] -> [..., out]
         rows = x.reshape(-1, self.in_features)
@@ -96,6 +108,8 @@ class PackedLinear(nn.Module):
                 rows = torch.cat((rows, rows.new_zeros(1, self.in_features)))
             out = torch.ops.mkldnn._linear_pointwise(rows, self.packed, self.bias, "none", [], "")
             out = out[:num_rows]
+        elif self.own_int8:
+            out = torch.ops.specdec_cpu.linear(rows, self.packed, self.bias, self.out_features, self.scales)
         else:
             out = torch.ops.aten._weight_int8pack_mm(rows, self.packed, self.scales.to(rows.dtype))
             if self.bias is not None:
@@ -144,8 +158,8 @@ def choose_kernel(device: torch.device, dtype: torch.dtype, quantization: str | 
             raise ConfigError(f"--quantization {quantization!r} is not supported; allowed: int8",
                               param="quantization")
         if device.type != "cpu":
-            raise ConfigError("--quantization int8 runs on the cpu only (torch's int8 weight-only "
-                              f"kernel); got --device {device.type}", param="quantization")
+            raise ConfigError("--quantization int8 runs on the cpu only (its weight-only int8 "
+                              f"kernels are CPU kernels); got --device {device.type}", param="quantization")
         return "int8"
     if device.type != "cpu":
         return None
