@@ -7,7 +7,8 @@ first); tokens/s is output tokens over the wall time of a request, prefill inclu
 over the repeats. Each row gives the ratio to specdec plain and to transformers plain, and
 whether the output is identical to specdec plain's: token ids for specdec and transformers,
 text for llama.cpp. llama.cpp reads the weights at specdec's precision by default (F32 for
-float32, F16 for 16-bit dtypes; see `gguf_precision`), so the speeds compare like with like;
+float32, F16 for 16-bit dtypes, Q8_0 for weight-only int8; see `gguf_precision`), so the
+speeds compare like with like;
 its text may still differ where its kernels round differently.
 The systems themselves live in `bench_compare_systems`.
 """
@@ -119,7 +120,7 @@ async def build_systems(args: argparse.Namespace, specs: list[SpeculativeConfig]
             try:
                 engine = await SpecdecEngine.start(model_dir, args.model, args.dtype,
                                                    args.device, spec, max_model_len,
-                                                   compile_forward)
+                                                   compile_forward, args.quantization)
             except ConfigError as exc:  # e.g. a draft built for another target
                 unavailable.append(Unavailable(name, "specdec", exc.message))
                 continue
@@ -129,7 +130,7 @@ async def build_systems(args: argparse.Namespace, specs: list[SpeculativeConfig]
         if not engines:
             engines.append(await SpecdecEngine.start(model_dir, args.model, args.dtype,
                                                      args.device, None, max_model_len,
-                                                     compile_forward))
+                                                     compile_forward, args.quantization))
         built["specdec"] = SpecdecSystem("specdec", engines[0], False, tokenizer)
 
     hf_names = [name for name in selected if kinds[name] == "transformers"]
@@ -192,11 +193,11 @@ def gguf_file(args: argparse.Namespace) -> Path | None:
 
 def llama_cpp_precision(args: argparse.Namespace) -> str:
     """The GGUF precision llama.cpp runs at: --llama-cpp-precision, or for `same` the one
-    that matches specdec's dtype."""
+    that matches specdec's dtype and quantization."""
     if args.llama_cpp_precision != "same":
         return args.llama_cpp_precision
     dtype = resolve_dtype(args.dtype, resolve_device(args.device))
-    return precision_for_dtype(str(dtype).removeprefix("torch."))
+    return precision_for_dtype(str(dtype).removeprefix("torch."), args.quantization)
 
 
 # ------------------------------------------------------------------ the runs
@@ -235,6 +236,10 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--model", default=DEFAULT_MODEL,
                         help=f"HF directory, .gguf file or {DEFAULT_MODEL!r} (default)")
     parser.add_argument("--dtype", default="auto", help="auto | float32 | bfloat16 | float16")
+    parser.add_argument("--quantization", choices=["int8"], default=None,
+                        help="specdec's engines as serve --quantization int8 (weight-only "
+                             "int8); llama.cpp then reads Q8_0 (--llama-cpp-precision same); "
+                             "transformers stays unquantised")
     parser.add_argument("--device", default="auto", help="auto | cpu | cuda | npu")
     parser.add_argument("--speculative-config", action="append", default=None,
                         help="a specdec method to measure (repeatable; default: ngram k=3 "
@@ -253,8 +258,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--llama-cpp-precision", default="same",
                         choices=["same", "file", *PRECISIONS],
                         help="weights llama.cpp reads: same (F32 for float32, F16 for 16-bit "
-                             "dtypes; a quantised GGUF is dequantised once into the cache), "
-                             "file (the GGUF as it is), or F32 / F16 / BF16")
+                             "dtypes, Q8_0 with --quantization int8; another GGUF type is "
+                             "converted once into the cache), file (the GGUF as it is), or "
+                             "F32 / F16 / BF16 / Q8_0")
     parser.add_argument("--max-model-len", type=int, default=None,
                         help="context length (default: min(2048, the model's))")
     parser.add_argument("--enforce-eager", action="store_true",
@@ -308,7 +314,8 @@ async def _compare(args: argparse.Namespace) -> tuple[dict[str, Any], int]:
     device = resolve_device(args.device)
     dtype = resolve_dtype(args.dtype, device)
     report = {
-        "model": args.model, "dtype": str(dtype).removeprefix("torch."), "device": str(device),
+        "model": args.model, "dtype": str(dtype).removeprefix("torch."),
+        "quantization": args.quantization, "device": str(device),
         "threads": args.threads, "max_tokens": args.max_tokens, "repeats": args.repeats,
         "prompts": {name: COMPARE_PROMPTS[name] for name in prompt_names},
         "systems": [{"name": s.name, "kind": s.kind, "description": s.description}
@@ -316,7 +323,8 @@ async def _compare(args: argparse.Namespace) -> tuple[dict[str, Any], int]:
         "skipped": [{"name": u.name, "kind": u.kind, "reason": u.reason} for u in unavailable],
         "rows": rows,
     }
-    print(f"model {args.model}, {report['dtype']} on {device}, {args.threads} threads, greedy, "
+    quantized = f" (weight-only {args.quantization})" if args.quantization else ""
+    print(f"model {args.model}, {report['dtype']}{quantized} on {device}, {args.threads} threads, greedy, "
           f"max_tokens {args.max_tokens}, {args.repeats} timed runs per system and prompt")
     print("\n".join(f"  {s.name}: {s.description}" for s in systems))
     print(format_table(rows, unavailable, prompt_names))

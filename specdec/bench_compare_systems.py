@@ -87,7 +87,7 @@ class SpecdecEngine:
     @classmethod
     async def start(cls, model_dir: Path, model: str, dtype: str, device: str,
                     spec: SpeculativeConfig | None, max_model_len: int,
-                    compile_forward: bool = False) -> SpecdecEngine:
+                    compile_forward: bool = False, quantization: str | None = None) -> SpecdecEngine:
         drafter, targets = None, ()
         if spec is not None:
             options = ModelOptions(target_model=model, dtype=dtype, device=device,
@@ -99,7 +99,8 @@ class SpecdecEngine:
         config = VerifierConfig(model=str(model_dir), dtype=dtype, device=device,
                                 max_model_len=max_model_len, max_num_seqs=1,
                                 num_gpu_blocks_override=num_blocks, speculative_config=spec,
-                                drafter_targets=targets, compile=compile_forward)
+                                drafter_targets=targets, compile=compile_forward,
+                                quantization=quantization)
         try:
             engine, _ = build_engine(config)
             await engine.start()

@@ -1,4 +1,5 @@
-"""A GGUF file at another precision: the same model, its weights stored as F32, F16 or BF16.
+"""A GGUF file at another precision: the same model, its weights stored as F32, F16, BF16 or
+Q8_0.
 
 `bench compare` runs llama.cpp on the model's GGUF. The default model ships only as Q4_1
 (with a Q8_0 embedding), while specdec runs it in bfloat16 or float32 after dequantising
@@ -6,7 +7,9 @@ that very file. Comparing speeds across precisions says little: llama.cpp reads 
 weights, specdec 16- or 32-bit ones. `convert_gguf` rewrites the file with every quantised
 tensor dequantised (by `gguf`, the library transformers uses for the same job) and stored at
 the precision asked for; the metadata (architecture, tokenizer, chat template) is copied
-unchanged. In F32 the result holds exactly the values specdec computes with.
+unchanged. In F32 the result holds exactly the values specdec computes with; Q8_0 (int8 in
+blocks of 32 with an F16 scale each) is llama.cpp's counterpart of specdec's weight-only
+int8 (`--quantization int8`: int8 with a scale per output channel).
 
 Terms: GGUF stores shapes innermost-first (`[in, out]` for a linear weight); numpy arrays
 from `GGUFReader` and the `dequantize` output are outermost-first (`[out, in]`).
@@ -23,14 +26,20 @@ logger = logging.getLogger(__name__)
 
 # precision name -> (numpy dtype the tensor is written in, llama.cpp's general.file_type)
 PRECISIONS: dict[str, tuple[str, int]] = {"F32": ("float32", 0), "F16": ("float16", 1),
-                                          "BF16": ("bfloat16", 32)}
+                                          "BF16": ("bfloat16", 32), "Q8_0": ("int8", 7)}
+# Elements of a Q8_0 block: a row of another width is stored F16 (as llama.cpp's own
+# quantiser falls back for such tensors).
+Q8_0_BLOCK = 32
 # Fields the writer makes itself, or that change with the precision.
 _DERIVED_FIELDS = ("GGUF.", "general.file_type")
 
 
-def precision_for_dtype(dtype_name: str) -> str:
+def precision_for_dtype(dtype_name: str, quantization: str | None = None) -> str:
     """The llama.cpp precision that matches a torch dtype: float32 -> F32, 16-bit -> F16
-    (llama.cpp's CPU kernels read F16 natively; bfloat16 and float16 weigh the same)."""
+    (llama.cpp's CPU kernels read F16 natively; bfloat16 and float16 weigh the same); with
+    weight-only int8, Q8_0."""
+    if quantization == "int8":
+        return "Q8_0"
     return "F32" if dtype_name == "float32" else "F16"
 
 
@@ -60,9 +69,12 @@ def convert_gguf(source: Path, destination: Path, precision: str) -> Path:
         values = values.reshape(tuple(reversed([int(n) for n in tensor.shape])))
         if values.ndim == 1:
             writer.add_tensor(tensor.name, values.astype(np.float32))
-        elif precision == "BF16":
-            raw = gguf.quants.quantize(values, gguf.GGMLQuantizationType.BF16)  # uint8 bytes
-            writer.add_tensor(tensor.name, raw, raw_dtype=gguf.GGMLQuantizationType.BF16)
+        elif precision == "BF16" or (precision == "Q8_0" and values.shape[-1] % Q8_0_BLOCK == 0):
+            kind = gguf.GGMLQuantizationType[precision]
+            raw = gguf.quants.quantize(values, kind)  # uint8 bytes
+            writer.add_tensor(tensor.name, raw, raw_shape=raw.shape, raw_dtype=kind)
+        elif precision == "Q8_0":
+            writer.add_tensor(tensor.name, values.astype(np.float16))
         else:
             writer.add_tensor(tensor.name, values.astype(numpy_dtype))
     writer.write_header_to_file()

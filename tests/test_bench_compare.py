@@ -156,3 +156,33 @@ def test_routed_from_the_command_line(capsys) -> None:
     for flag in ("--model", "--dtype", "--max-tokens", "--repeats", "--systems", "--json",
                  "--threads", "--speculative-config"):
         assert flag in printed, flag
+
+
+def test_quantization_reaches_specdecs_engines_and_llama_cpps_precision(
+        tiny_model: Path, tmp_path: Path, capsys, monkeypatch: pytest.MonkeyPatch) -> None:
+    from specdec import bench_compare_systems
+
+    built = []
+
+    def recording_build_engine(config):
+        built.append(config.quantization)
+        return build_engine(config)
+
+    build_engine = bench_compare_systems.build_engine
+    monkeypatch.setattr(bench_compare_systems, "build_engine", recording_build_engine)
+    output = tmp_path / "compare.json"
+    code = bench_compare.main([
+        "--model", str(tiny_model), "--dtype", "bfloat16", "--quantization", "int8", "--max-tokens", "8",
+        "--repeats", "1", "--prompt", "repeat", "--speculative-config", NGRAM,
+        "--systems", "specdec,specdec-ngram", "--threads", "1", "--disable-tqdm", "--json", str(output)])
+    printed = capsys.readouterr().out
+    assert code == 0, printed
+    assert built == ["int8"]  # plain runs on the ngram engine with k = 0
+    report = json.loads(output.read_text())
+    assert report["quantization"] == "int8" and "bfloat16 (weight-only int8)" in printed
+    assert {row["system"] for row in report["rows"]} == {"specdec", "specdec-ngram"}
+    # llama.cpp's like-for-like precision: Q8_0 beside weight-only int8.
+    args = bench_compare.build_parser().parse_args(["--dtype", "bfloat16", "--quantization", "int8"])
+    assert bench_compare.llama_cpp_precision(args) == "Q8_0"
+    args = bench_compare.build_parser().parse_args(["--dtype", "float32"])
+    assert bench_compare.llama_cpp_precision(args) == "F32"

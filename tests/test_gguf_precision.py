@@ -1,4 +1,4 @@
-"""`specdec.gguf_precision`: a quantised GGUF rewritten at F32 / F16 / BF16 keeps its
+"""`specdec.gguf_precision`: a quantised GGUF rewritten at F32 / F16 / BF16 / Q8_0 keeps its
 metadata and holds the dequantised values."""
 
 from __future__ import annotations
@@ -46,6 +46,7 @@ def _tensors(path: Path) -> dict[str, tuple[gguf.GGMLQuantizationType, np.ndarra
     ("F32", gguf.GGMLQuantizationType.F32, 0.0),
     ("F16", gguf.GGMLQuantizationType.F16, 1e-3),
     ("BF16", gguf.GGMLQuantizationType.BF16, 1e-2),
+    ("Q8_0", Q8, 2e-2),  # requantised: int8 steps of max|block| / 127
 ])
 def test_convert_dequantises_and_keeps_metadata(tmp_path: Path, precision: str,
                                                 matrix_type: gguf.GGMLQuantizationType,
@@ -65,7 +66,7 @@ def test_convert_dequantises_and_keeps_metadata(tmp_path: Path, precision: str,
     assert fields["tokenizer.ggml.tokens"].contents() == ["<a>", "<b>", "c"]
     assert fields["tokenizer.chat_template"].contents() == "{{ messages }}"
     assert fields["llama.block_count"].contents() == 1
-    assert fields["general.file_type"].contents() == {"F32": 0, "F16": 1, "BF16": 32}[precision]
+    assert fields["general.file_type"].contents() == {"F32": 0, "F16": 1, "BF16": 32, "Q8_0": 7}[precision]
     assert not (tmp_path / f"model.{precision}.gguf.partial").exists()
 
 
@@ -83,6 +84,22 @@ def test_at_precision_converts_once_and_keeps_a_matching_file(tmp_path: Path) ->
 
 
 def test_precision_for_dtype() -> None:
+    assert precision_for_dtype("bfloat16", "int8") == precision_for_dtype("float32", "int8") == "Q8_0"
     assert precision_for_dtype("float32") == "F32"
     assert precision_for_dtype("bfloat16") == "F16"
     assert precision_for_dtype("float16") == "F16"
+
+
+def test_q8_0_keeps_a_row_that_is_not_whole_blocks_in_f16(tmp_path: Path) -> None:
+    rng = np.random.default_rng(1)
+    odd = rng.standard_normal((3, 40)).astype(np.float32)  # 40 is not a multiple of Q8_0's 32
+    writer = gguf.GGUFWriter(tmp_path / "odd.gguf", "llama")
+    writer.add_tensor("blk.0.attn_k.weight", odd)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    kind, values = _tensors(convert_gguf(tmp_path / "odd.gguf", tmp_path / "odd.Q8_0.gguf", "Q8_0"))[
+        "blk.0.attn_k.weight"]
+    assert kind == gguf.GGMLQuantizationType.F16
+    np.testing.assert_allclose(values, odd, rtol=1e-3, atol=1e-3)
