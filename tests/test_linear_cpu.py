@@ -19,7 +19,7 @@ from torch import nn
 from specdec.cpu_extension import linear_supports
 from specdec.models.packed_linear import PackedLinear
 
-TILE_ROWS = 8  # kTileRows in linear_cpu.cpp
+TILE_ROWS = 10  # kTileRows in linear_cpu.cpp: more rows are split into balanced tiles
 # Relative error of one product against float64: fp32 summation, plus the output's rounding.
 TOLERANCES = {torch.float32: 2e-5, torch.bfloat16: 8e-3}
 
@@ -60,7 +60,7 @@ def _assert_close_to_exact(out: torch.Tensor, x: torch.Tensor, weight: torch.Ten
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("in_features,out_features", [(576, 960), (1536, 576), (48, 80), (33, 13), (100, 7), (16, 3),
                                                      (17, 47), (1, 32)])
-@pytest.mark.parametrize("num_rows", [1, 2, 3, 4, 5, TILE_ROWS, TILE_ROWS + 1, 13, 16, 129])
+@pytest.mark.parametrize("num_rows", [1, 2, 3, 4, 5, 8, 9, TILE_ROWS, TILE_ROWS + 1, 13, 16, 17, 21, 129])
 @pytest.mark.parametrize("bias", [False, True], ids=["no_bias", "bias"])
 def test_matches_float64(dtype: torch.dtype, in_features: int, out_features: int, num_rows: int,
                          bias: bool) -> None:
@@ -70,7 +70,7 @@ def test_matches_float64(dtype: torch.dtype, in_features: int, out_features: int
 
 
 @pytest.mark.parametrize(("dtype", "num_rows"), [
-    _with_kernel(dtype, n) for dtype in (torch.float32, torch.bfloat16) for n in (2, 4, 7, 9, 16, 32, 300)])
+    _with_kernel(dtype, n) for dtype in (torch.float32, torch.bfloat16) for n in (2, 4, 7, 9, 10, 11, 16, 17, 32, 300)])
 def test_a_row_is_bit_identical_alone_and_in_a_batch(dtype: torch.dtype, num_rows: int) -> None:
     # What makes a decode token's projections equal to the same token's in a verify window.
     x, weight, bias = _operands(num_rows, 576, 962, dtype, bias=True, seed=1)
@@ -199,7 +199,7 @@ def _int8_linear(x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor,
 
 @needs_int8
 @pytest.mark.parametrize("in_features,out_features", [(576, 960), (1536, 576), (48, 80), (33, 13), (17, 47), (1, 32)])
-@pytest.mark.parametrize("num_rows", [1, 3, TILE_ROWS, TILE_ROWS + 1, 16, 129])
+@pytest.mark.parametrize("num_rows", [1, 3, 9, TILE_ROWS, TILE_ROWS + 1, 17, 129])
 @pytest.mark.parametrize("bias", [False, True], ids=["no_bias", "bias"])
 def test_int8_weights_match_float64(in_features: int, out_features: int, num_rows: int, bias: bool) -> None:
     x, weight, scales, b = _int8_operands(num_rows, in_features, out_features, bias)
@@ -209,7 +209,7 @@ def test_int8_weights_match_float64(in_features: int, out_features: int, num_row
 
 
 @needs_int8
-@pytest.mark.parametrize("num_rows", [2, 7, 9, 16, 300])
+@pytest.mark.parametrize("num_rows", [2, 7, 9, 10, 11, 16, 17, 300])
 def test_an_int8_row_is_bit_identical_alone_and_in_a_batch(num_rows: int) -> None:
     x, weight, scales, bias = _int8_operands(num_rows, 576, 962, bias=True, seed=1)
     packed = torch.ops.specdec_cpu.pack_weight_int8(weight)
