@@ -2,8 +2,9 @@
 
 - `csrc/paged_attention_cpu.cpp`: paged attention in one call per layer (`attention_cpu`).
 - `csrc/linear_cpu.cpp`: the linear `torch.ops.specdec_cpu.linear` on a weight packed by
-  `torch.ops.specdec_cpu.pack_weight`, torch operators (so a compiled graph calls it without
-  Python in between), used by `PackedLinear`'s `cpu` kernel.
+  `torch.ops.specdec_cpu.pack_weight` (or, weight-only int8 with a scale per output column,
+  `pack_weight_int8`), torch operators (so a compiled graph calls it without Python in
+  between), used by `PackedLinear`'s `cpu` and `int8` kernels.
 - `csrc/decoder_cpu.cpp`: every decoder layer of a Llama-family model in one call, built on
   the two above (`specdec.models.cpu_stack`). `csrc/cpu_kernels.h` declares what the files
   share.

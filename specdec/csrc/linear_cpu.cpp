@@ -112,7 +112,7 @@ struct Bf16Ops {
 // the sign goes into the high byte, and unpacking the two byte vectors interleaves them into
 // 16-bit lanes. The packing orders the 64 bytes of a pair row so that the unpacks, which
 // work within 128-bit lanes, yield the pair row's two registers as Bf16Ops loads them. Five
-// instructions a pair row, shared by up to eight rows, for half the bytes to read.
+// instructions a pair row, shared by up to ten rows, for half the bytes to read.
 struct Int8Bf16Ops : Bf16Ops {
   using W = uint8_t;
   static constexpr int64_t kRowElements = 2 * kBlockColumns;  // bytes
