@@ -274,3 +274,17 @@ def test_scales_with_unquantised_weights_are_refused() -> None:
     packed = torch.ops.specdec_cpu.pack_weight(torch.zeros(4, 8, dtype=torch.bfloat16))
     with pytest.raises(RuntimeError, match="scales go with int8 weights only"):
         torch.ops.specdec_cpu.linear(torch.zeros(2, 8, dtype=torch.bfloat16), packed, None, 4, torch.ones(4))
+
+
+@needs_int8
+def test_a_compiled_int8_layer_calls_the_operator() -> None:
+    # Where the stack is not used (SPECDEC_CPU_STACK=0), a compiled forward traces the
+    # int8 layer: the operator with its scales, as eagerly.
+    torch.manual_seed(6)
+    packed = PackedLinear(nn.Linear(64, 40, bias=True).to(torch.bfloat16), "int8", keep_weight=False)
+    assert packed.own_int8 and packed.packed.dtype == torch.uint8
+    compiled = torch.compile(packed, dynamic=True)
+    with torch.inference_mode():
+        for num_rows in (1, 3, TILE_ROWS + 1, 130):
+            x = torch.randn(num_rows, 64).to(torch.bfloat16)
+            assert torch.equal(compiled(x), packed(x)), f"{num_rows} rows"

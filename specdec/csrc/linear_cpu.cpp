@@ -119,15 +119,27 @@ struct Int8Bf16Ops : Bf16Ops {
   __m512i low0, low1, high0, high1;  // bf16(m)'s low and high bytes, m = 0..63, 64..127
   const __m512i sign = _mm512_set1_epi8(static_cast<char>(0x80));
 
+  struct Tables {
+    alignas(64) uint8_t low[128];
+    alignas(64) uint8_t high[128];
+  };
+  // Made once (a function-local static), loaded into registers by each kernel call.
+  static const Tables& tables() {
+    static const Tables made = [] {
+      Tables t;
+      for (int m = 0; m < 128; ++m) {
+        const uint16_t bits = from_float<at::BFloat16>(static_cast<float>(m)).x;  // exact
+        t.low[m] = static_cast<uint8_t>(bits & 0xFF);
+        t.high[m] = static_cast<uint8_t>(bits >> 8);
+      }
+      return t;
+    }();
+    return made;
+  }
   Int8Bf16Ops() {
-    alignas(64) uint8_t low[128], high[128];
-    for (int m = 0; m < 128; ++m) {
-      const uint16_t bits = from_float<at::BFloat16>(static_cast<float>(m)).x;  // exact
-      low[m] = static_cast<uint8_t>(bits & 0xFF);
-      high[m] = static_cast<uint8_t>(bits >> 8);
-    }
-    low0 = _mm512_load_si512(low), low1 = _mm512_load_si512(low + 64);
-    high0 = _mm512_load_si512(high), high1 = _mm512_load_si512(high + 64);
+    const Tables& t = tables();
+    low0 = _mm512_load_si512(t.low), low1 = _mm512_load_si512(t.low + 64);
+    high0 = _mm512_load_si512(t.high), high1 = _mm512_load_si512(t.high + 64);
   }
   void load_row(const W* w, Vec& w0, Vec& w1) const {
     const __m512i codes = _mm512_loadu_si512(w);
