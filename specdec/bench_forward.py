@@ -34,6 +34,7 @@ PATHS: dict[str, tuple[torch.dtype, str | None, str]] = {
     "fp32-cpu": (torch.float32, "cpu", "eager"),
     "fp32-cpu-compiled": (torch.float32, "cpu", "compiled"),
     "fp32-stack": (torch.float32, "cpu", "stack"),
+    "fp32-int8-stack": (torch.float32, "int8", "stack"),
     "bf16": (torch.bfloat16, None, "eager"),
     "bf16-onednn": (torch.bfloat16, "mkldnn", "eager"),
     "bf16-compiled": (torch.bfloat16, "mkldnn", "compiled"),

@@ -84,8 +84,8 @@ def _register_fakes() -> None:
 
 def linear_supports(dtype: torch.dtype, int8_weights: bool = False) -> bool:
     """Whether `torch.ops.specdec_cpu.linear` has a kernel for rows of `dtype` on this machine
-    (its build needs AVX-512; bf16 also AVX512-BF16; int8 weights, for bf16 rows, also
-    AVX512-VBMI). Builds the extension on first use."""
+    (its build needs AVX-512; bf16 also AVX512-BF16; int8 weights also AVX512-VBMI).
+    Builds the extension on first use."""
     if load_extension() is None:
         return False
     return bool(torch.ops.specdec_cpu.linear_supports(dtype, int8_weights))

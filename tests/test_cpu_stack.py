@@ -58,8 +58,9 @@ def _tokens(count: int, seed: int, vocab_size: int = 96) -> list[int]:
 
 
 # (dtype, packed kernel): the stack's linears, fp32 or bf16, or weight-only int8 for bf16 rows.
-KERNELS = pytest.mark.parametrize(("dtype", "kernel"), [(torch.float32, "cpu"), (torch.bfloat16, "cpu"),
-                                                        (torch.bfloat16, "int8")], ids=["fp32", "bf16", "bf16-int8"])
+KERNELS = pytest.mark.parametrize(("dtype", "kernel"), [
+    (torch.float32, "cpu"), (torch.bfloat16, "cpu"), (torch.float32, "int8"), (torch.bfloat16, "int8")],
+    ids=["fp32", "bf16", "fp32-int8", "bf16-int8"])
 
 
 def _packed_model(model_dir: Path, dtype: torch.dtype, kernel: str) -> torch.nn.Module:
@@ -174,7 +175,7 @@ def test_a_sequence_computes_the_same_alone_and_batched(model_dir: Path, dtype: 
 def test_what_the_stack_leaves_to_the_model(model_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     model = load_model(model_dir, torch.float32, torch.device("cpu"))
     assert unsupported_reason(model) is None
-    pack_linears(model, "int8")  # weight-only int8 for fp32 rows: torch's kernel, not the C++ linear
+    pack_linears(model, "mkldnn")  # oneDNN's opaque layout: not the C++ linear's
     assert "a linear the C++ kernel cannot use" in unsupported_reason(model)
     assert make_cpu_stack(model) is None
     with pytest.raises(ValueError, match="cannot run this model"):
@@ -209,8 +210,8 @@ def test_bad_steps_are_refused(model_dir: Path) -> None:
 async def test_the_verifier_runs_the_stack_on_the_cpu(model_dir: Path, monkeypatch: pytest.MonkeyPatch,
                                                       caplog: pytest.LogCaptureFixture) -> None:
     """The stack is the CPU verifier's forward, compiling or not; with it turned off, the
-    compiled forward; quantised int8 in fp32 (torch's kernel), the model; every one answers the
-    same greedy tokens."""
+    compiled forward; every one answers the same greedy tokens. Quantised int8 runs the stack
+    too, where the int8 kernel is built (else the model)."""
     outputs = {}
     with caplog.at_level("INFO"):
         async with EngineHarness(model_dir, "cpu", k=3, compile=True) as engine:
@@ -218,8 +219,12 @@ async def test_the_verifier_runs_the_stack_on_the_cpu(model_dir: Path, monkeypat
             outputs["stack"] = [await generate(engine, prompt, greedy()) for prompt in PROMPTS]
             assert engine.spec.num_accepted_tokens > 0
     assert "(C++ decoder stack)" in caplog.text
-    async with EngineHarness(model_dir, "cpu", quantization="int8") as engine:
-        assert engine.runner.forward is engine.runner.model
+    async with EngineHarness(model_dir, "cpu", k=3, quantization="int8") as engine:
+        own_int8 = linear_supports(torch.float32, int8_weights=True)
+        assert isinstance(engine.runner.forward, CpuDecoderStack) == own_int8
+        for prompt in PROMPTS:  # fp32: speculation changes no token of the quantised model's
+            plain = await generate(engine, prompt, greedy(), num_speculative_tokens=0)
+            assert await generate(engine, prompt, greedy()) == plain
     monkeypatch.setenv(CPU_STACK_ENV, "0")
     async with EngineHarness(model_dir, "cpu", compile=True) as engine:
         assert isinstance(engine.runner.forward, CompiledForward)

@@ -175,19 +175,29 @@ def test_a_dtype_without_a_kernel_is_refused_by_the_layer() -> None:
         PackedLinear(nn.Linear(8, 4).to(torch.float16), "cpu", keep_weight=False)
 
 
-# Int8 weights (`pack_weight_int8`, weight-only quantisation) for bf16 rows.
-needs_int8 = pytest.mark.skipif(not linear_supports(torch.bfloat16, int8_weights=True),
-                                reason="no int8 kernel without AVX512-BF16 and AVX512-VBMI")
+# Int8 weights (`pack_weight_int8`, weight-only quantisation) for bf16 or fp32 rows.
+needs_int8 = pytest.mark.skipif(not linear_supports(torch.float32, int8_weights=True),
+                                reason="no int8 kernel without AVX512-VBMI")
 
 
-def _int8_operands(num_rows: int, in_features: int, out_features: int, bias: bool,
+def _with_int8_kernel(dtype: torch.dtype, *values: object) -> object:
+    """A parameter set that needs this machine's int8 kernel for rows of `dtype`."""
+    return pytest.param(dtype, *values, id="-".join(str(v).removeprefix("torch.") for v in (dtype, *values)),
+                        marks=pytest.mark.skipif(not linear_supports(dtype, int8_weights=True),
+                                                 reason=f"no int8 kernel for {dtype} rows here"))
+
+
+INT8_DTYPES = [_with_int8_kernel(dtype) for dtype in (torch.float32, torch.bfloat16)]
+
+
+def _int8_operands(num_rows: int, in_features: int, out_features: int, dtype: torch.dtype, bias: bool,
                    seed: int = 0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
-    """bf16 rows, int8 weights over the whole range [-127, 127], float32 scales, a bf16 bias."""
+    """Rows and a bias of `dtype`, int8 weights over the whole range [-127, 127], float32 scales."""
     generator = torch.Generator().manual_seed(seed)
-    x = torch.randn(num_rows, in_features, generator=generator).bfloat16()
+    x = torch.randn(num_rows, in_features, generator=generator).to(dtype)
     weight = torch.randint(-127, 128, (out_features, in_features), generator=generator, dtype=torch.int8)
     scales = torch.rand(out_features, generator=generator) / (127 * in_features**0.5)
-    b = torch.randn(out_features, generator=generator).bfloat16() if bias else None
+    b = torch.randn(out_features, generator=generator).to(dtype) if bias else None
     return x, weight, scales, b
 
 
@@ -197,21 +207,22 @@ def _int8_linear(x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor,
     return torch.ops.specdec_cpu.linear(x, packed, bias, weight.shape[0], scales)
 
 
-@needs_int8
+@pytest.mark.parametrize("dtype", INT8_DTYPES)
 @pytest.mark.parametrize("in_features,out_features", [(576, 960), (1536, 576), (48, 80), (33, 13), (17, 47), (1, 32)])
 @pytest.mark.parametrize("num_rows", [1, 3, 9, TILE_ROWS, TILE_ROWS + 1, 17, 129])
 @pytest.mark.parametrize("bias", [False, True], ids=["no_bias", "bias"])
-def test_int8_weights_match_float64(in_features: int, out_features: int, num_rows: int, bias: bool) -> None:
-    x, weight, scales, b = _int8_operands(num_rows, in_features, out_features, bias)
+def test_int8_weights_match_float64(dtype: torch.dtype, in_features: int, out_features: int, num_rows: int,
+                                    bias: bool) -> None:
+    x, weight, scales, b = _int8_operands(num_rows, in_features, out_features, dtype, bias)
     out = _int8_linear(x, weight, scales, b)
     # The weight the kernel multiplies by: each int8 step times its column's scale.
     _assert_close_to_exact(out, x, weight.double() * scales.double()[:, None], b)
 
 
-@needs_int8
-@pytest.mark.parametrize("num_rows", [2, 7, 9, 10, 11, 16, 17, 300])
-def test_an_int8_row_is_bit_identical_alone_and_in_a_batch(num_rows: int) -> None:
-    x, weight, scales, bias = _int8_operands(num_rows, 576, 962, bias=True, seed=1)
+@pytest.mark.parametrize(("dtype", "num_rows"), [
+    _with_int8_kernel(dtype, n) for dtype in (torch.float32, torch.bfloat16) for n in (2, 7, 9, 10, 11, 16, 17, 300)])
+def test_an_int8_row_is_bit_identical_alone_and_in_a_batch(dtype: torch.dtype, num_rows: int) -> None:
+    x, weight, scales, bias = _int8_operands(num_rows, 576, 962, dtype, bias=True, seed=1)
     packed = torch.ops.specdec_cpu.pack_weight_int8(weight)
     together = torch.ops.specdec_cpu.linear(x, packed, bias, 962, scales)
     alone = torch.cat([torch.ops.specdec_cpu.linear(x[row:row + 1], packed, bias, 962, scales)
@@ -220,9 +231,9 @@ def test_an_int8_row_is_bit_identical_alone_and_in_a_batch(num_rows: int) -> Non
     assert not differing, f"rows {differing} of {num_rows} differ"
 
 
-@needs_int8
-def test_int8_multithreaded_split_matches_one_thread() -> None:
-    x, weight, scales, bias = _int8_operands(3, 576, 4099, bias=True, seed=2)
+@pytest.mark.parametrize("dtype", INT8_DTYPES)
+def test_int8_multithreaded_split_matches_one_thread(dtype: torch.dtype) -> None:
+    x, weight, scales, bias = _int8_operands(3, 576, 4099, dtype, bias=True, seed=2)
     threads = torch.get_num_threads()
     try:
         torch.set_num_threads(1)
@@ -253,7 +264,7 @@ def test_the_int8_packing_stores_sign_and_magnitude_in_unpack_order() -> None:
     (torch.bfloat16, None, "need their scales"),
     (torch.bfloat16, torch.ones(5), "need their scales"),  # the wrong width
     (torch.bfloat16, torch.ones(4, dtype=torch.bfloat16), "need their scales"),
-    (torch.float32, torch.ones(4), "has no Float x int8 weights kernel"),
+    (torch.float16, torch.ones(4), "has no Half x int8 weights kernel"),
 ])
 def test_bad_int8_operands_are_refused(x_dtype: torch.dtype, scales: torch.Tensor | None, words: str) -> None:
     packed = torch.ops.specdec_cpu.pack_weight_int8(torch.ones(4, 8, dtype=torch.int8))
@@ -276,15 +287,15 @@ def test_scales_with_unquantised_weights_are_refused() -> None:
         torch.ops.specdec_cpu.linear(torch.zeros(2, 8, dtype=torch.bfloat16), packed, None, 4, torch.ones(4))
 
 
-@needs_int8
-def test_a_compiled_int8_layer_calls_the_operator() -> None:
+@pytest.mark.parametrize("dtype", INT8_DTYPES)
+def test_a_compiled_int8_layer_calls_the_operator(dtype: torch.dtype) -> None:
     # Where the stack is not used (SPECDEC_CPU_STACK=0), a compiled forward traces the
     # int8 layer: the operator with its scales, as eagerly.
     torch.manual_seed(6)
-    packed = PackedLinear(nn.Linear(64, 40, bias=True).to(torch.bfloat16), "int8", keep_weight=False)
+    packed = PackedLinear(nn.Linear(64, 40, bias=True).to(dtype), "int8", keep_weight=False)
     assert packed.own_int8 and packed.packed.dtype == torch.uint8
     compiled = torch.compile(packed, dynamic=True)
     with torch.inference_mode():
         for num_rows in (1, 3, TILE_ROWS + 1, 130):
-            x = torch.randn(num_rows, 64).to(torch.bfloat16)
+            x = torch.randn(num_rows, 64).to(dtype)
             assert torch.equal(compiled(x), packed(x)), f"{num_rows} rows"

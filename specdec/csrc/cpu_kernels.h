@@ -65,7 +65,7 @@ inline float exp_clamped(float x) {
 }
 
 // linear_cpu.cpp: y = x W^T + b on a weight packed by pack_weight (x's dtype) or, times a
-// float32 scale per output column, pack_weight_int8 (int8 weights for bf16 rows),
+// float32 scale per output column, pack_weight_int8 (int8 weights for bf16 or fp32 rows),
 // row-invariant (see there); also torch.ops.specdec_cpu.linear, .pack_weight, .pack_weight_int8.
 at::Tensor pack_weight(const at::Tensor& weight);
 at::Tensor pack_weight_int8(const at::Tensor& weight);

@@ -103,21 +103,21 @@ struct Bf16Ops {
   }
 };
 
+#endif
+
 #if defined(__AVX512VBMI__)
 #define SPECDEC_HAS_INT8_KERNEL 1
-// bf16 rows times weight-only int8 weights: the sums of the integer weights' products, then
-// each output column's scale. A weight q (|q| <= 127) is packed as one byte, sign and
-// magnitude, and becomes bf16 in registers, exactly (q needs at most 7 significant bits):
-// two byte lookups (vpermi2b on 128-entry tables) give the bf16's low and high bytes of |q|,
-// the sign goes into the high byte, and unpacking the two byte vectors interleaves them into
-// 16-bit lanes. The packing orders the 64 bytes of a pair row so that the unpacks, which
-// work within 128-bit lanes, yield the pair row's two registers as Bf16Ops loads them. Five
-// instructions a pair row, shared by up to ten rows, for half the bytes to read.
-struct Int8Bf16Ops : Bf16Ops {
-  using W = uint8_t;
-  static constexpr int64_t kRowElements = 2 * kBlockColumns;  // bytes
+// Weight-only int8: the sums of the integer weights' products with the rows, then each
+// output column's scale. A weight q (|q| <= 127) is packed as one byte, sign and magnitude,
+// and becomes bf16 in registers, exactly (q needs at most 7 significant bits): two byte
+// lookups (vpermi2b on 128-entry tables) give the bf16's low and high bytes of |q|, the sign
+// goes into the high byte, and unpacking the two byte vectors interleaves them into 16-bit
+// lanes. The packing orders the 64 bytes of a pair row so that the unpacks, which work
+// within 128-bit lanes, yield the pair row's two registers as Bf16Ops loads them. Five
+// instructions a pair row, shared by up to ten rows, for half the bytes of bf16 to read.
+struct Int8Codes {
   __m512i low0, low1, high0, high1;  // bf16(m)'s low and high bytes, m = 0..63, 64..127
-  const __m512i sign = _mm512_set1_epi8(static_cast<char>(0x80));
+  __m512i sign = _mm512_set1_epi8(static_cast<char>(0x80));
 
   struct Tables {
     alignas(64) uint8_t low[128];
@@ -136,21 +136,66 @@ struct Int8Bf16Ops : Bf16Ops {
     }();
     return made;
   }
-  Int8Bf16Ops() {
+  Int8Codes() {
     const Tables& t = tables();
     low0 = _mm512_load_si512(t.low), low1 = _mm512_load_si512(t.low + 64);
     high0 = _mm512_load_si512(t.high), high1 = _mm512_load_si512(t.high + 64);
   }
-  void load_row(const W* w, Vec& w0, Vec& w1) const {
+  // A pair row's 64 codes as bf16 bits: columns 0-15 and 16-31, a (k, k + 1) pair a lane.
+  void decode(const uint8_t* w, __m512i& w0, __m512i& w1) const {
     const __m512i codes = _mm512_loadu_si512(w);
     const __m512i low = _mm512_permutex2var_epi8(low0, codes, low1);  // the index's bit 7 is ignored
     const __m512i high = _mm512_ternarylogic_epi32(_mm512_permutex2var_epi8(high0, codes, high1), codes, sign,
                                                    0xF8);  // high | (codes & 0x80)
-    w0 = (__m512bh)_mm512_unpacklo_epi8(low, high);
-    w1 = (__m512bh)_mm512_unpackhi_epi8(low, high);
+    w0 = _mm512_unpacklo_epi8(low, high);
+    w1 = _mm512_unpackhi_epi8(low, high);
+  }
+};
+
+#if defined(SPECDEC_HAS_BF16_KERNEL)
+#define SPECDEC_HAS_INT8_BF16_KERNEL 1
+// bf16 rows: the decoded pairs go through vdpbf16ps as Bf16Ops's weights do.
+struct Int8Bf16Ops : Bf16Ops {
+  using W = uint8_t;
+  static constexpr int64_t kRowElements = 2 * kBlockColumns;  // bytes
+  Int8Codes codes;
+  void load_row(const W* w, Vec& w0, Vec& w1) const {
+    __m512i pairs0, pairs1;
+    codes.decode(w, pairs0, pairs1);
+    w0 = (__m512bh)pairs0, w1 = (__m512bh)pairs1;
   }
 };
 #endif
+
+// fp32 rows: each decoded bf16 widened to fp32 (exact: its bits in a lane's high half), and
+// a lane's two inputs k, k + 1 multiplied and added one after the other, in input order.
+struct Int8Fp32Ops {
+  using T = float;
+  using W = uint8_t;
+  static constexpr int64_t kPair = 2;
+  static constexpr int64_t kRowElements = 2 * kBlockColumns;  // bytes
+  struct Vec {
+    __m512 first, second;  // at k = 2p and 2p + 1
+  };
+  Int8Codes codes;
+  static Vec widen(__m512i pairs) {
+    return {_mm512_castsi512_ps(_mm512_slli_epi32(pairs, 16)),
+            _mm512_castsi512_ps(_mm512_and_si512(pairs, _mm512_set1_epi32(static_cast<int>(0xFFFF0000u))))};
+  }
+  void load_row(const W* w, Vec& w0, Vec& w1) const {
+    __m512i pairs0, pairs1;
+    codes.decode(w, pairs0, pairs1);
+    w0 = widen(pairs0), w1 = widen(pairs1);
+  }
+  static Vec broadcast(const T* x) { return {_mm512_set1_ps(x[0]), _mm512_set1_ps(x[1])}; }
+  // An odd width's last element, its pair's other half 0 (its weight is the packing's 0).
+  static Vec broadcast_last(const T* x) { return {_mm512_set1_ps(x[0]), _mm512_setzero_ps()}; }
+  static __m512 dot(__m512 acc, const Vec& w, const Vec& x) {
+    return _mm512_fmadd_ps(w.second, x.second, _mm512_fmadd_ps(w.first, x.first, acc));
+  }
+  static __m512 load_bias(const T* b, __mmask16 mask) { return _mm512_maskz_loadu_ps(mask, b); }
+  static void store(T* out, __m512 sums, __mmask16 mask) { _mm512_mask_storeu_ps(out, mask, sums); }
+};
 #endif
 
 // Columns [n, n + 32) of the MR input rows at x, from their packed block ([pairs, 32, kPair]),
@@ -254,11 +299,13 @@ void linear_rows(const at::Tensor& x, const at::Tensor& packed, const c10::optio
 
 bool linear_supports(at::ScalarType dtype, bool int8_weights) {
   if (int8_weights) {
-#if defined(SPECDEC_HAS_INT8_KERNEL)
-    return dtype == at::kBFloat16;
-#else
-    return false;
+#if defined(SPECDEC_HAS_INT8_BF16_KERNEL)
+    if (dtype == at::kBFloat16) return true;
 #endif
+#if defined(SPECDEC_HAS_INT8_KERNEL)
+    if (dtype == at::kFloat) return true;
+#endif
+    return false;
   }
 #if defined(__AVX512F__)
   if (dtype == at::kFloat) return true;
@@ -271,8 +318,8 @@ bool linear_supports(at::ScalarType dtype, bool int8_weights) {
 
 namespace {
 
-// Input elements a packed lane holds: a bf16 pair (also for int8 weights, which run with
-// bf16 rows), one fp32.
+// Input elements a packed lane holds: a bf16 pair (also an int8 pair, whatever the rows'
+// dtype), one fp32.
 int64_t pair_of(at::ScalarType weight_dtype) { return weight_dtype == at::kFloat ? 1 : 2; }
 
 void check_dtype(at::ScalarType dtype, bool int8_weights) {
@@ -302,10 +349,10 @@ at::Tensor pack_weight_int8(const at::Tensor& weight) {
   TORCH_CHECK(weight.dim() == 2 && weight.device().is_cpu() && weight.scalar_type() == at::kChar,
               "specdec_cpu::pack_weight_int8 expects a CPU int8 weight [out, in]; got ", weight.scalar_type(), " ",
               weight.sizes());
-  check_dtype(at::kBFloat16, true);
+  TORCH_CHECK(linear_supports(at::kFloat, true), "specdec_cpu::pack_weight_int8: no int8 kernel on this machine");
   TORCH_CHECK(weight.numel() == 0 || weight.min().item<int8_t>() > -128,
               "specdec_cpu::pack_weight_int8: weights must lie in [-127, 127] (symmetric int8)");
-  // Sign and magnitude, as Int8Bf16Ops reads them.
+  // Sign and magnitude, as Int8Codes reads them.
   const at::Tensor magnitude = weight.abs().to(at::kByte);
   const at::Tensor codes = at::where(weight < 0, magnitude.bitwise_or(0x80), magnitude);
   at::Tensor rows = blocked(codes, at::kByte);  // [blocks, pairs, 32, 2]
@@ -366,8 +413,13 @@ void linear_into(const at::Tensor& x, const at::Tensor& packed, const c10::optio
   const at::Tensor rows = x.is_contiguous() ? x : x.contiguous();
   const c10::optional<at::Tensor> b =
       bias.has_value() ? c10::optional<at::Tensor>(bias->is_contiguous() ? *bias : bias->contiguous()) : c10::nullopt;
+#if defined(SPECDEC_HAS_INT8_BF16_KERNEL)
+  if (packed.scalar_type() == at::kByte && x.scalar_type() == at::kBFloat16) {
+    return linear_rows<Int8Bf16Ops>(rows, packed, scales, b, out);
+  }
+#endif
 #if defined(SPECDEC_HAS_INT8_KERNEL)
-  if (packed.scalar_type() == at::kByte) return linear_rows<Int8Bf16Ops>(rows, packed, scales, b, out);
+  if (packed.scalar_type() == at::kByte) return linear_rows<Int8Fp32Ops>(rows, packed, scales, b, out);
 #endif
 #if defined(__AVX512F__)
   if (x.scalar_type() == at::kFloat) linear_rows<Fp32Ops>(rows, packed, c10::nullopt, b, out);

@@ -11,7 +11,7 @@ It takes the model as loaded and packed (`PackedLinear` with the `cpu` kernel or
 `int8` one, or plain linears), reads the weights in place, and has the model's forward
 contract, so the `ModelRunner` calls it as it calls the model. It runs fp32 and bf16 models
 without q/k norms (Llama, SmolLM2, Mistral, Qwen2) where the C++ linear has the dtype
-(weight-only int8: bf16 with AVX512-VBMI); `make_cpu_stack` says
+(weight-only int8: with AVX512-VBMI); `make_cpu_stack` says
 why not otherwise and the caller keeps the compiled or eager forward. Numerics and row
 invariance: see the C++ file (each step rounded as the eager model rounds it; a token's
 result does not depend on the other tokens of its step).

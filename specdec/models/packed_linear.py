@@ -18,11 +18,12 @@ in oneDNN's blocked layout reads several times faster for 1..8 rows). So after l
   sense that it computes the same products as `F.linear` (up to summation order).
 - `int8`: weight-only int8 (per output channel, symmetric, scale = max|w| / 127): half the
   bytes of bf16 to read. Lossy with respect to the checkpoint (the model changes a little);
-  speculation stays lossless with respect to the quantised model. bf16 models run it on
-  specdec's kernel (`pack_weight_int8`: the same blocks, the int8 weights turned to bf16 in
-  registers, the scale applied to the sums; row-invariant like `cpu`) where the machine has
-  AVX512-VBMI; otherwise `torch.ops.aten._weight_int8pack_mm`, which dequantises on the fly
-  but reads slower than the bf16 `cpu` kernel (see the README's performance section).
+  speculation stays lossless with respect to the quantised model. bf16 and fp32 models run
+  it on specdec's kernel (`pack_weight_int8`: the same blocks, the int8 weights turned to
+  bf16, or fp32, in registers, the scale applied to the sums; row-invariant like `cpu`)
+  where the machine has AVX512-VBMI (and AVX512-BF16 for bf16 rows); otherwise
+  `torch.ops.aten._weight_int8pack_mm`, which dequantises on the fly but reads slower than
+  the bf16 `cpu` kernel (see the README's performance section).
 
 A weight shared with another parameter (a tied LM head and embedding) stays referenced
 by the module, so a tied head costs its packed copy besides; any other original weight is
