@@ -169,8 +169,8 @@ struct Int8Bf16Ops : Bf16Ops {
 
 // fp32 rows: each decoded bf16 widened to fp32 (exact: its bits in a lane's high half), and
 // a lane's two inputs k, k + 1 multiplied and added one after the other, in input order.
-struct Int8Fp32Ops {
-  using T = float;
+// The bias and the stores are Fp32Ops's.
+struct Int8Fp32Ops : Fp32Ops {
   using W = uint8_t;
   static constexpr int64_t kPair = 2;
   static constexpr int64_t kRowElements = 2 * kBlockColumns;  // bytes
@@ -193,8 +193,6 @@ struct Int8Fp32Ops {
   static __m512 dot(__m512 acc, const Vec& w, const Vec& x) {
     return _mm512_fmadd_ps(w.second, x.second, _mm512_fmadd_ps(w.first, x.first, acc));
   }
-  static __m512 load_bias(const T* b, __mmask16 mask) { return _mm512_maskz_loadu_ps(mask, b); }
-  static void store(T* out, __m512 sums, __mmask16 mask) { _mm512_mask_storeu_ps(out, mask, sums); }
 };
 #endif
 
