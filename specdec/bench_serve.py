@@ -235,11 +235,13 @@ def build_parser() -> argparse.ArgumentParser:
                              "(e.g. off,on), are compared side by side over --rounds")
     parser.add_argument("--rounds", type=int, default=1,
                         help="with several --speculation settings: rounds of one run per "
-                             "setting, in alternating order, reported as per-round throughput "
-                             "ratios with a 95%% interval (default 1)")
+                             "setting (per pair of rounds an order drawn from --seed, then its "
+                             "reverse), reported as per-round throughput ratios with a 95%% "
+                             "interval (default 1)")
     parser.add_argument("--no-stream", action="store_true",
                         help="non-streaming requests (no TTFT / TPOT / ITL)")
-    parser.add_argument("--seed", type=int, default=0, help="seed of the Poisson arrivals")
+    parser.add_argument("--seed", type=int, default=0,
+                        help="seed of the Poisson arrivals and of the rounds' order")
     parser.add_argument("--api-key", default=None, help="sent as 'Authorization: Bearer KEY'")
     parser.add_argument("--metrics-url", default=None,
                         help="Prometheus endpoint with the speculation counters (default: "
@@ -324,7 +326,7 @@ def _compare_settings(args: argparse.Namespace, config: BenchConfig, settings: l
     def on_run(round_index: int, setting: str, summary: dict[str, Any]) -> None:
         print(format_run(round_index, setting, summary), flush=True)
 
-    runs = asyncio.run(run_rounds(settings, args.rounds, run_one, on_run))
+    runs = asyncio.run(run_rounds(settings, args.rounds, run_one, on_run, seed=args.seed))
     comparison = compare(settings, runs)
     print(format_comparison(comparison, args.rounds))
     if args.output_json:

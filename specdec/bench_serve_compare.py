@@ -2,15 +2,24 @@
 
 A machine's speed drifts between runs (memory bandwidth here moves by 2x within minutes),
 so two settings measured one after the other differ by more than a setting changes. Each
-round runs the same requests once per setting, in alternating order (off, on; then on,
-off; ...), and each round's throughput ratio against the first setting is taken within
-the round. The comparison reports those ratios, their mean with a 95% confidence interval
-(Student's t over the rounds) and the ratio of summed throughputs.
+round runs the same requests once per setting, and each round's throughput ratio against
+the first setting is taken within the round. The comparison reports those ratios, their
+mean with a 95% confidence interval (Student's t over the rounds) and the ratio of summed
+throughputs.
+
+The order: each pair of rounds runs the settings in an order drawn at random (seeded), then
+in its reverse, so every setting runs first as often as last. A fixed alternation (off, on;
+on, off; off, on; ...) lines the settings up with any drift whose period is about four runs:
+here it once reported speculation at c = 8 as 1.108x [1.054, 1.161] in eight rounds,
+while the same server, switching speculation on and off every second inside one run,
+measured 0.93-1.00x (drafts touched under 1% of the tokens, so nothing could have made 10%).
+A drawn order turns such a drift into spread, which the interval then shows.
 """
 
 from __future__ import annotations
 
 import math
+import random
 import statistics
 from collections.abc import Awaitable, Callable
 from typing import Any
@@ -47,21 +56,28 @@ def t95(degrees_of_freedom: int) -> float:
     return _T95[max(known)] if degrees_of_freedom <= 30 else 1.96
 
 
-def round_order(settings: list[str], round_index: int) -> list[str]:
-    """Alternating order: as given in even rounds, reversed in odd ones."""
-    return list(settings) if round_index % 2 == 0 else list(reversed(settings))
+def round_orders(settings: list[str], rounds: int, seed: int) -> list[list[str]]:
+    """The settings' order in each round: per pair of rounds a seeded random order, then its
+    reverse (see the module docstring)."""
+    rng = random.Random(seed)
+    orders: list[list[str]] = []
+    while len(orders) < rounds:
+        order = list(settings)
+        rng.shuffle(order)
+        orders += [order, order[::-1]]
+    return orders[:rounds]
 
 
 async def run_rounds(settings: list[str], rounds: int,
                      run_one: Callable[[str], Awaitable[dict[str, Any]]],
                      on_run: Callable[[int, str, dict[str, Any]], None] | None = None,
-                     ) -> list[dict[str, Any]]:
-    """Each round runs every setting once (`run_one(setting)` -> its summary); returns the
-    summaries tagged with "round" and "setting" (the --speculation value), in the order
-    they ran."""
+                     seed: int = 0) -> list[dict[str, Any]]:
+    """Each round runs every setting once (`run_one(setting)` -> its summary), in the order
+    `round_orders` draws from `seed`; returns the summaries tagged with "round" and
+    "setting" (the --speculation value), in the order they ran."""
     runs = []
-    for round_index in range(rounds):
-        for setting in round_order(settings, round_index):
+    for round_index, order in enumerate(round_orders(settings, rounds, seed)):
+        for setting in order:
             summary = await run_one(setting)
             runs.append({"round": round_index + 1, "setting": setting, **summary})
             if on_run is not None:
@@ -106,7 +122,7 @@ def format_run(round_index: int, setting: str, summary: dict[str, Any]) -> str:
 
 def format_comparison(comparison: dict[str, Any], rounds: int) -> str:
     reference = comparison["reference"]
-    lines = [f"{f' Comparison ({rounds} rounds, order alternated) ':-^72}",
+    lines = [f"{f' Comparison ({rounds} rounds, order drawn per pair, reversed) ':-^72}",
              f"{'speculation':<12}{'mean tok/s':>12}{f'vs {reference}':>10}{'95% CI':>20}"
              f"{'summed':>9}  per round"]
     for setting, entry in comparison["settings"].items():

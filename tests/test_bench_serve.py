@@ -13,7 +13,7 @@ import httpx
 import pytest
 
 from specdec import bench_serve
-from specdec.bench_serve_compare import compare
+from specdec.bench_serve_compare import compare, round_orders
 from specdec.bench_serve_report import parse_speculation_metrics
 from specdec.bench_serve_requests import SHIPPED_DATASETS, load_requests
 from tests.served_stack import ENV, ROOT, Stack, free_port, served_stack
@@ -115,7 +115,7 @@ def test_jsonl_dataset(stack: Stack, tmp_path: Path) -> None:
     assert [r["output_tokens"] for r in summary["requests"]] == [3, 5, 128, 3, 5, 128]
 
 
-def test_compares_speculation_settings_in_alternating_rounds(stack: Stack, tmp_path: Path) -> None:
+def test_compares_speculation_settings_in_balanced_rounds(stack: Stack, tmp_path: Path) -> None:
     output = tmp_path / "compare.json"
     result = bench("--base-url", stack.base_url, "--num-prompts", "4", "--max-concurrency", "2",
                    "--max-tokens", "16", "--speculation", "off,on", "--rounds", "2",
@@ -123,9 +123,10 @@ def test_compares_speculation_settings_in_alternating_rounds(stack: Stack, tmp_p
     assert result.returncode == 0, result.stderr
     runs = re.findall(r"^round (\d) speculation=(\w+): ([\d.]+) output tok/s", result.stdout,
                       re.MULTILINE)
-    assert [(r, setting) for r, setting, _ in runs] == [("1", "off"), ("1", "on"), ("2", "on"),
-                                                        ("2", "off")]
-    assert "Comparison (2 rounds, order alternated)" in result.stdout
+    # --seed 0 draws off, on for the first pair; its second round runs the reverse.
+    expected = [("1", "off"), ("1", "on"), ("2", "on"), ("2", "off")]
+    assert [(r, setting) for r, setting, _ in runs] == expected
+    assert "Comparison (2 rounds, order drawn per pair, reversed)" in result.stdout
     saved = json.loads(output.read_text())
     assert saved["settings"] == ["off", "on"] and saved["rounds"] == 2
     assert [(run["round"], run["setting"]) for run in saved["runs"]] == [
@@ -140,6 +141,18 @@ def test_compares_speculation_settings_in_alternating_rounds(stack: Stack, tmp_p
     assert on["ratios"] == pytest.approx([by_round[(r, "on")] / by_round[(r, "off")] for r in (1, 2)])
     assert on["ci95"][0] <= on["mean_ratio"] <= on["ci95"][1]
     assert saved["comparison"]["settings"]["off"]["ratios"] == [1.0, 1.0]
+
+
+def test_round_orders_are_drawn_per_pair_and_reversed() -> None:
+    settings = ["off", "on", "2"]
+    for seed in range(20):
+        orders = round_orders(settings, 9, seed)
+        assert len(orders) == 9 and orders == round_orders(settings, 9, seed)
+        assert all(sorted(order) == sorted(settings) for order in orders)
+        for first, second in zip(orders[0::2], orders[1::2]):
+            assert second == first[::-1]  # each setting first as often as last over a pair
+    # The draw varies with the seed (a fixed alternation would not).
+    assert len({tuple(map(tuple, round_orders(["off", "on"], 8, seed))) for seed in range(20)}) > 1
 
 
 def test_comparison_figures() -> None:
