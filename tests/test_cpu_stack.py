@@ -204,6 +204,13 @@ def test_bad_steps_are_refused(model_dir: Path) -> None:
             short = KVCache.allocate(model.config, 32, BLOCK_SIZE, torch.float32, torch.device("cpu"))
             short.key_caches = short.key_caches[:1]
             stack(input_ids, positions, short, metadata)
+        # The linears run unchecked inside the stack, so a bias of the wrong width is refused
+        # before the first layer (index 3: layer 0's qkv bias slot).
+        good = stack._layer_tensors[3]
+        stack._layer_tensors[3] = torch.zeros(5)
+        with pytest.raises(RuntimeError, match="a bias must be"):
+            stack(input_ids, positions, cache, metadata)
+        stack._layer_tensors[3] = good
         assert stack(input_ids, positions, cache, metadata).shape == (2, model.config.hidden_size)
 
 

@@ -71,7 +71,9 @@ at::Tensor pack_weight(const at::Tensor& weight);
 at::Tensor pack_weight_int8(const at::Tensor& weight);
 at::Tensor linear(const at::Tensor& x, const at::Tensor& packed, const c10::optional<at::Tensor>& bias,
                   int64_t out_features, const c10::optional<at::Tensor>& scales);
-// The same into `out` ([rows, out_features] contiguous, x's dtype).
+// The same into `out` ([rows, out_features] contiguous, x's dtype), unchecked: for a caller
+// that checked the packed weight (check_packed), the bias, x and out once for many calls (the
+// decoder stack checks every layer's before its first).
 void linear_out(const at::Tensor& x, const at::Tensor& packed, const c10::optional<at::Tensor>& scales,
                 const c10::optional<at::Tensor>& bias, at::Tensor& out);
 // Refuses (TORCH_CHECK) a tensor that is not pack_weight's (or pack_weight_int8's, with its

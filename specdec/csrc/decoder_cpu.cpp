@@ -25,6 +25,8 @@
 
 #include <ATen/Parallel.h>
 
+#include <utility>
+
 namespace specdec_cpu {
 namespace {
 
@@ -171,10 +173,16 @@ std::vector<at::Tensor> decoder_stack(
       TORCH_CHECK(!w[kind].numel() || (w[kind].scalar_type() == dtype && w[kind].is_contiguous()),
                   "decoder_stack: every norm weight and bias must be contiguous ", dtype);
     }
+    // The linears run unchecked (linear_out) on buffers sized from these widths.
     check_packed(w[kQkvWeight], optional_of(w[kQkvScales]), hidden_size, qkv_size, dtype);
     check_packed(w[kOWeight], optional_of(w[kOScales]), q_size, hidden_size, dtype);
     check_packed(w[kGateUpWeight], optional_of(w[kGateUpScales]), hidden_size, 2 * intermediate_size, dtype);
     check_packed(w[kDownWeight], optional_of(w[kDownScales]), intermediate_size, hidden_size, dtype);
+    for (const auto& [bias, width] : {std::pair{kQkvBias, qkv_size}, std::pair{kOBias, hidden_size},
+                                      std::pair{kGateUpBias, 2 * intermediate_size}, std::pair{kDownBias, hidden_size}}) {
+      TORCH_CHECK(!w[bias].numel() || (w[bias].dim() == 1 && w[bias].size(0) == width),
+                  "decoder_stack: a bias must be [out_features] of its linear");
+    }
     const at::Tensor& keys = key_caches[layer];
     const at::Tensor& values = value_caches[layer];
     TORCH_CHECK(keys.sizes() == key_caches[0].sizes() && values.sizes() == key_caches[0].sizes() &&

@@ -403,9 +403,10 @@ void check_inputs(const at::Tensor& x, const at::Tensor& packed, const c10::opti
   }
 }
 
-// linear_out once its inputs and `out` are known good.
-void linear_into(const at::Tensor& x, const at::Tensor& packed, const c10::optional<at::Tensor>& scales,
-                 const c10::optional<at::Tensor>& bias, at::Tensor& out) {
+}  // namespace
+
+void linear_out(const at::Tensor& x, const at::Tensor& packed, const c10::optional<at::Tensor>& scales,
+                const c10::optional<at::Tensor>& bias, at::Tensor& out) {
   if (x.size(0) == 0) return;
   // Already contiguous in the decoder stack: no copies (each would be a dispatcher trip).
   const at::Tensor rows = x.is_contiguous() ? x : x.contiguous();
@@ -427,22 +428,11 @@ void linear_into(const at::Tensor& x, const at::Tensor& packed, const c10::optio
 #endif
 }
 
-}  // namespace
-
-void linear_out(const at::Tensor& x, const at::Tensor& packed, const c10::optional<at::Tensor>& scales,
-                const c10::optional<at::Tensor>& bias, at::Tensor& out) {
-  TORCH_CHECK(out.dim() == 2 && out.size(0) == x.size(0) && out.is_contiguous() &&
-                  out.scalar_type() == x.scalar_type(),
-              "specdec_cpu::linear: out must be a contiguous [rows, out] tensor in x's dtype");
-  check_inputs(x, packed, scales, bias, out.size(1));
-  linear_into(x, packed, scales, bias, out);
-}
-
 at::Tensor linear(const at::Tensor& x, const at::Tensor& packed, const c10::optional<at::Tensor>& bias,
                   int64_t out_features, const c10::optional<at::Tensor>& scales) {
   check_inputs(x, packed, scales, bias, out_features);
   at::Tensor out = at::empty({x.size(0), out_features}, x.options());
-  linear_into(x, packed, scales, bias, out);
+  linear_out(x, packed, scales, bias, out);
   return out;
 }
 
