@@ -4,6 +4,14 @@ Loads the model once per path (dtype x linear kernel), then times forwards over 
 1 + k tokens against a cached context, alternating the paths so they see the same machine
 state; prints the median and the minimum per path, the weight-reading bound at each
 dtype, and with `--profile` the torch profiler's table for one path.
+
+The bound is the weight bytes over one read bandwidth measured at the end, but this
+machine's reads swing between ~28 and ~60 GB/s from one minute to the next, so a median
+forward over a whole run against a bandwidth measured once may compare a slow phase with a
+fast one (in one run 1.36x, where reads paired with the forwards gave 1.16x). So each
+repeat also reads as many bytes as the path's weights (a sum, just before and just after
+the path's forwards) and the table gives that read's median time and the median of each
+forward over its own repeat's faster read: the ratio that does not depend on the phase.
 """
 
 from __future__ import annotations
@@ -91,16 +99,17 @@ def _forward(path: Path, num_tokens: int, context_len: int) -> float:
     return time.perf_counter() - started
 
 
+def _read_seconds(data: torch.Tensor) -> float:
+    started = time.perf_counter()
+    data.sum()
+    return time.perf_counter() - started
+
+
 def read_bandwidth_gbps(num_bytes: int = 512 << 20, repeats: int = 5) -> float:
     """The best of `repeats` reads of a `num_bytes` fp32 tensor (a sum), in GB/s: what a
     matrix-vector product streaming its weights can reach at most, on these threads."""
     data = torch.ones(num_bytes // 4)
-    best = float("inf")
-    for _ in range(repeats):
-        started = time.perf_counter()
-        data.sum()
-        best = min(best, time.perf_counter() - started)
-    return num_bytes / best / 1e9
+    return num_bytes / min(_read_seconds(data) for _ in range(repeats)) / 1e9
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -134,22 +143,34 @@ def main(argv: list[str] | None = None) -> int:
             for num_tokens in shapes:
                 _forward(path, num_tokens, args.context_len)  # warm-up
         times: dict[tuple[str, int], list[float]] = {}
+        reads: dict[str, list[float]] = {}  # per repeat, the faster of the two paired reads
+        readable = torch.ones(max(path.weight_bytes for path in paths) // 4)
         for _ in range(args.repeats):
             for path in paths:
+                weights_worth = readable[:path.weight_bytes // 4]
+                before = _read_seconds(weights_worth)
                 for num_tokens in shapes:
                     times.setdefault((path.name, num_tokens), []).append(
                         _forward(path, num_tokens, args.context_len))
+                reads.setdefault(path.name, []).append(min(before, _read_seconds(weights_worth)))
+        del readable
         memory_gbps = args.memory_gbps or read_bandwidth_gbps()
         print(f"memory read bandwidth {memory_gbps:.1f} GB/s"
               f"{'' if args.memory_gbps else ' (measured)'}; bound = weight bytes / bandwidth")
         width = max(12, *(len(path.name) for path in paths))
-        print(f"{'path':{width}s} {'tokens':>6s} {'median ms':>10s} {'min ms':>8s} {'bound ms':>9s}")
+        print("read ms: reading as many bytes as the weights, paired with the forwards; "
+              "x read: the median of each forward over its repeat's read")
+        print(f"{'path':{width}s} {'tokens':>6s} {'median ms':>10s} {'min ms':>8s} {'bound ms':>9s} "
+              f"{'read ms':>8s} {'x read':>7s}")
         for path in paths:
             bound_ms = path.weight_bytes / (memory_gbps * 1e9) * 1e3
+            paired_reads = reads[path.name]
             for num_tokens in shapes:
                 samples = times[(path.name, num_tokens)]
+                over_read = statistics.median(sample / read for sample, read in zip(samples, paired_reads))
                 print(f"{path.name:{width}s} {num_tokens:6d} {statistics.median(samples) * 1e3:10.1f} "
-                      f"{min(samples) * 1e3:8.1f} {bound_ms:9.3f}")
+                      f"{min(samples) * 1e3:8.1f} {bound_ms:9.3f} {statistics.median(paired_reads) * 1e3:8.3f} "
+                      f"{over_read:7.3f}")
         if args.profile:
             path = next((p for p in paths if p.name == args.profile), None)
             if path is None:

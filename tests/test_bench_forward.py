@@ -24,6 +24,10 @@ def test_prints_each_path_and_shape(tmp_path: Path, capsys: pytest.CaptureFixtur
     assert sorted((row[0], int(row[1])) for row in rows) == sorted(
         (name, tokens) for name in names for tokens in (1, 4))
     assert all(float(row[2]) > 0 and float(row[4]) > 0 for row in rows)
+    # The read paired with each path's forwards, and each forward over its repeat's read.
+    assert all(len(row) == 7 and float(row[5]) > 0 and float(row[6]) > 0 for row in rows)
+    reads = {row[0]: float(row[5]) for row in rows}
+    assert reads["bf16-int8"] < reads["fp32"]  # fewer bytes read
     bounds = {row[0]: float(row[4]) for row in rows}
     assert bounds["bf16-int8"] < bounds["fp32"] / 2  # its linears' weights read as a byte each
     # The profile of the int8 path: specdec's kernel where it is built, else torch's.
