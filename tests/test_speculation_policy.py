@@ -2,13 +2,15 @@
 
 from __future__ import annotations
 
+import random
+
 import pytest
 
 from verifier_svc.speculation_policy import (FIRST_PROBE_INTERVAL, HOPEFUL_RATE,
                                              MAX_PROBE_INTERVAL, PROBE_BUDGET, PROBE_INTERVAL,
                                              AcceptanceStats, Candidate, SpeculationPolicy,
                                              _hopeful_share)
-from verifier_svc.step_cost import LinearCostModel, VerifyCostModel
+from verifier_svc.step_cost import LinearCostModel, VerifyCostModel, _solve_linear
 
 MS = 1e-3
 
@@ -46,6 +48,33 @@ def test_acceptance_is_conditional_per_position() -> None:
     assert stats.accepted == [2.0, 1.0, 1.0]
     assert stats.rate(1, prior=0.0, prior_weight=0.0) == 0.5
     assert stats.rate(5, prior=0.3, prior_weight=2.0) == 0.3  # never drafted: the prior
+
+
+def test_reused_rates_follow_every_recorded_draft() -> None:
+    """A plan reuses a sequence's estimates until a draft is recorded (its own or any other
+    sequence's, which moves the engine-wide prior): they always equal fresh ones."""
+    rng = random.Random(0)
+    policy = SpeculationPolicy(4)
+    for _ in range(300):
+        seq_id = rng.randrange(4)
+        if rng.random() < 0.5:
+            num_draft_tokens = rng.randrange(5)
+            policy.record_draft(seq_id, num_draft_tokens, rng.randrange(num_draft_tokens + 1))
+        if rng.random() < 0.05:
+            policy.forget(seq_id)
+        num_positions = rng.randrange(1, 5)
+        reused = policy.rates(seq_id, num_positions)
+        policy._rates.clear()
+        assert reused == policy.rates(seq_id, num_positions)
+
+
+def test_the_cost_fit_solves_its_system_exactly() -> None:
+    # A gram matrix of features (1, N, S) like the fit's, and one with a zero first pivot.
+    for matrix, solution in ((([[50.0, 500.0, 40.0], [500.0, 5200.0, 420.0], [40.0, 420.0, 60.0]]),
+                              [0.004, 0.0007, 0.0002]),
+                             ([[0.0, 2.0, 1.0], [2.0, 1.0, 0.0], [1.0, 0.0, 3.0]], [1.0, -2.0, 0.5])):
+        rhs = [sum(row[j] * solution[j] for j in range(3)) for row in matrix]
+        assert _solve_linear(matrix, rhs) == pytest.approx(solution, rel=1e-9)
 
 
 def test_cost_model_fits_base_and_slope() -> None:

@@ -103,10 +103,12 @@ class AcceptanceStats:
     decay: float
     reached: list[float] = field(default_factory=list)
     accepted: list[float] = field(default_factory=list)
+    version: int = 0  # drafts recorded: estimates made from these counts are current while it stays
 
     def record(self, num_draft_tokens: int, num_accepted: int) -> None:
         if num_draft_tokens == 0:
             return
+        self.version += 1
         self.reached = [count * self.decay for count in self.reached]
         self.accepted = [count * self.decay for count in self.accepted]
         if len(self.reached) < num_draft_tokens:
@@ -184,6 +186,9 @@ class SpeculationPolicy:
         self._proposals: dict[int, ProposalStats] = {}
         self._idle_steps: dict[int, int] = {}
         self._probe_waits: dict[int, int] = {}
+        # Per sequence, (engine stats' version, its stats' version, its rates): while no
+        # draft is recorded (a batch where nobody drafts) a plan reuses them.
+        self._rates: dict[int, tuple[int, int, list[float]]] = {}
         self._num_plans = 0
         self.verify_cost = VerifyCostModel()
         self.draft_cost = LinearCostModel(0.0)   # x: longest draft asked
@@ -223,18 +228,29 @@ class SpeculationPolicy:
         self._proposals.pop(seq_id, None)
         self._idle_steps.pop(seq_id, None)
         self._probe_waits.pop(seq_id, None)
+        self._rates.pop(seq_id, None)
 
     # ------------------------------------------------------------ planning
 
-    def rates(self, seq_id: int, num_positions: int) -> list[float]:
-        """Conditional acceptance estimates for positions 0..num_positions-1."""
+    def engine_rates(self, num_positions: int) -> list[float]:
+        """The engine-wide conditional acceptance estimates, every sequence's prior."""
+        return [self.engine_stats.rate(position, INITIAL_RATE, 1.0) for position in range(num_positions)]
+
+    def rates(self, seq_id: int, num_positions: int, engine_rates: list[float] | None = None) -> list[float]:
+        """Conditional acceptance estimates for positions 0..num_positions-1; `engine_rates`:
+        engine_rates(at least num_positions), when the caller has them."""
+        if engine_rates is None:
+            engine_rates = self.engine_rates(num_positions)
         stats = self._stats.get(seq_id)
+        if stats is None:
+            return engine_rates[:num_positions]
+        cached = self._rates.get(seq_id)
+        if (cached is not None and cached[0] == self.engine_stats.version and cached[1] == stats.version
+                and len(cached[2]) == num_positions):
+            return cached[2]
         rates: list[float] = []
         for position in range(num_positions):
-            prior = self.engine_stats.rate(position, INITIAL_RATE, 1.0)
-            if stats is None:
-                rates.append(prior)
-                continue
+            prior = engine_rates[position]
             if position > 0 and not stats.has_reached(position):
                 # A sequence whose drafts are accepted at the position before is expected to
                 # do as well here until measured: drafts that stop short of a position never
@@ -242,11 +258,14 @@ class SpeculationPolicy:
                 # one token among open ones.
                 prior = max(prior, rates[-1])
             rates.append(stats.rate(position, prior, PRIOR_WEIGHT))
+        self._rates[seq_id] = (self.engine_stats.version, stats.version, rates)
         return rates
 
-    def proposal_rate(self, seq_id: int) -> float:
-        """Estimated chance that asking the drafter for this sequence returns any tokens."""
-        prior = self.engine_proposals.rate(1.0, 1.0)
+    def proposal_rate(self, seq_id: int, prior: float | None = None) -> float:
+        """Estimated chance that asking the drafter for this sequence returns any tokens;
+        `prior`: the engine-wide chance, when the caller has it."""
+        if prior is None:
+            prior = self.engine_proposals.rate(1.0, 1.0)
         proposals = self._proposals.get(seq_id)
         return prior if proposals is None else proposals.rate(prior, PRIOR_WEIGHT)
 
@@ -277,10 +296,13 @@ class SpeculationPolicy:
         heap: list[tuple[float, int, int]] = []
         rates: list[list[float]] = []
         proposing: list[float] = []  # chance that an ask returns tokens to verify
+        # The priors once a plan, not once a sequence (the plan runs every step).
+        engine_rates = self.engine_rates(max(candidate.max_tokens for candidate in candidates))
+        engine_proposing = self.engine_proposals.rate(1.0, 1.0)
         for index, candidate in enumerate(candidates):
-            seq_rates = self.rates(candidate.seq_id, candidate.max_tokens)
+            seq_rates = self.rates(candidate.seq_id, candidate.max_tokens, engine_rates)
             rates.append(seq_rates)
-            proposing.append(self.proposal_rate(candidate.seq_id))
+            proposing.append(self.proposal_rate(candidate.seq_id, engine_proposing))
             if candidate.max_tokens > 0:
                 heapq.heappush(heap, (-proposing[index] * seq_rates[0], index, 0))
         longest = 0

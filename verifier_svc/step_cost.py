@@ -132,19 +132,16 @@ class VerifyCostModel:
 
 
 def _solve_linear(matrix: list[list[float]], rhs: list[float]) -> list[float]:
-    """x with matrix @ x = rhs, by Gaussian elimination with partial pivoting (a small,
-    well-conditioned system: the ridge keeps it positive definite). Overwrites its inputs."""
-    size = len(rhs)
-    for col in range(size):
-        pivot = max(range(col, size), key=lambda r: abs(matrix[r][col]))
-        matrix[col], matrix[pivot] = matrix[pivot], matrix[col]
-        rhs[col], rhs[pivot] = rhs[pivot], rhs[col]
-        for r in range(col + 1, size):
-            factor = matrix[r][col] / matrix[col][col]
-            for c in range(col, size):
-                matrix[r][c] -= factor * matrix[col][c]
-            rhs[r] -= factor * rhs[col]
-    solution = [0.0] * size
-    for r in range(size - 1, -1, -1):
-        solution[r] = (rhs[r] - sum(matrix[r][c] * solution[c] for c in range(r + 1, size))) / matrix[r][r]
-    return solution
+    """x with matrix @ x = rhs for a 3 x 3 system, by Cramer's rule (the ridge keeps the
+    matrix positive definite and well conditioned; written out, as the fit runs every step:
+    ~1 us against ~9 us for an elimination's Python loops)."""
+    (a, b, c), (d, e, f), (g, h, i) = matrix
+    r0, r1, r2 = rhs
+    minor_ei = e * i - f * h
+    minor_di = d * i - f * g
+    minor_dh = d * h - e * g
+    det = a * minor_ei - b * minor_di + c * minor_dh
+    x0 = (r0 * minor_ei - b * (r1 * i - f * r2) + c * (r1 * h - e * r2)) / det
+    x1 = (a * (r1 * i - f * r2) - r0 * minor_di + c * (d * r2 - r1 * g)) / det
+    x2 = (a * (e * r2 - r1 * h) - b * (d * r2 - r1 * g) + r0 * minor_dh) / det
+    return [x0, x1, x2]
