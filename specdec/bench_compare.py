@@ -4,7 +4,8 @@ One process, one model, the same prompts (the chat template's token ids), greedy
 max tokens and the same CPU thread count for torch and llama.cpp. Each system is warmed up on
 each prompt, then the systems take turns (the order rotates every repeat, so none always runs
 first); tokens/s is output tokens over the wall time of a request, prefill included, median
-over the repeats. Each row gives the ratio to specdec plain and to transformers plain, and
+over the repeats. Each row gives the ratio to specdec plain and to transformers plain (the
+median of each repeat's ratio: see bench_compare_report), and
 whether the output is identical to specdec plain's: token ids for specdec and transformers,
 text for llama.cpp. llama.cpp reads the weights at specdec's precision by default (F32 for
 float32, F16 for 16-bit dtypes, Q8_0 for weight-only int8; see `gguf_precision`), so the

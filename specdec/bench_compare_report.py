@@ -1,7 +1,11 @@
 """`bench compare`'s figures: per prompt and system, tokens/s, ratios and the identity check.
 
 tokens/s is the median over the timed runs of output tokens / wall seconds (prefill
-included). Outputs are compared with specdec plain's first run: by token ids where both
+included). A ratio to a baseline is the median over the repeats of the two systems'
+tokens/s in the same repeat (runs a few seconds apart), not the ratio of the medians: this
+machine's speed drifts by up to 1.5x within a minute, and two medians taken over different
+runs can land in different phases (ngram on open, six repeats, four runs: 0.94-1.00x by
+medians). Outputs are compared with specdec plain's first run: by token ids where both
 sides have them, else by text with the whitespace at the ends ignored.
 """
 
@@ -16,6 +20,15 @@ from specdec.bench_compare_systems import Generation, Unavailable
 
 def _tokens_per_s(runs: list[Generation]) -> float:
     return statistics.median(g.num_output_tokens / g.seconds for g in runs)
+
+
+def _ratio(runs: list[Generation], baseline: list[Generation]) -> float:
+    """The median over the repeats of the runs' tokens/s over the baseline's in the same
+    repeat; the ratio of the medians where the two did not run the same repeats."""
+    if len(runs) != len(baseline):
+        return _tokens_per_s(runs) / _tokens_per_s(baseline)
+    return statistics.median((run.num_output_tokens / run.seconds) / (base.num_output_tokens / base.seconds)
+                             for run, base in zip(runs, baseline))
 
 
 def same_output(run: Generation, reference: Generation) -> tuple[bool, int | None]:
@@ -34,12 +47,11 @@ def summarise(results: dict[str, dict[str, list[Generation]]],
     rows = []
     for prompt, by_system in results.items():
         reference = by_system.get("specdec")
-        baselines = {name: _tokens_per_s(by_system[name]) for name in ("specdec", "transformers")
-                     if name in by_system}
+        baselines = {name: by_system[name] for name in ("specdec", "transformers") if name in by_system}
         for name, runs in by_system.items():
             tokens_per_s = _tokens_per_s(runs)
-            ratios = {f"vs_{base}": round(tokens_per_s / value, 3)
-                      for base, value in baselines.items()}
+            ratios = {f"vs_{base}": round(_ratio(runs, baseline_runs), 3)
+                      for base, baseline_runs in baselines.items()}
             identical, first = None, None
             if reference is not None:
                 checks = [same_output(run, reference[0]) for run in runs]
