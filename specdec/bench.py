@@ -101,7 +101,7 @@ async def _generate(engine: Engine, prompt_ids: list[int], max_tokens: int,
     return RunResult(token_ids, time.perf_counter() - started, spec)
 
 
-async def _start(args: argparse.Namespace, spec: SpeculativeConfig, model_dir: Path,
+async def start_engine(args: argparse.Namespace, spec: SpeculativeConfig, model_dir: Path,
                  max_num_seqs: int = 4, adaptive: bool | None = None) -> tuple[Engine, object]:
     """A drafter server and an engine using it; `adaptive` None: the --speculation-policy flag."""
     if adaptive is None:
@@ -115,7 +115,7 @@ async def _start(args: argparse.Namespace, spec: SpeculativeConfig, model_dir: P
         num_gpu_blocks_override=args.num_gpu_blocks_override or 512,
         speculative_config=spec, drafter_targets=(f"127.0.0.1:{drafter_port}",),
         draft_timeout_s=args.draft_timeout_ms / 1000 if args.draft_timeout_ms else None,
-        adaptive_speculation=adaptive,
+        adaptive_speculation=adaptive, quantization=getattr(args, "quantization", None),
         compile=compile_by_default(args.device, 1, getattr(args, "enforce_eager", False)))
     try:
         engine, _ = build_engine(config)
@@ -133,7 +133,7 @@ async def _bench(args: argparse.Namespace) -> list[dict[str, object]]:
     assert spec is not None
     model_dir = resolve_model(args.model)
     tokenizer = load_tokenizer(model_dir)
-    engine, drafter = await _start(args, spec, model_dir)
+    engine, drafter = await start_engine(args, spec, model_dir)
     rows: list[dict[str, object]] = []
     try:
         for name in args.prompt or sorted(PROMPTS):
@@ -249,7 +249,7 @@ async def _bench_drafts(args: argparse.Namespace) -> list[dict[str, object]]:
     rows: list[dict[str, object]] = []
     for name, spec in _draft_specs(args.drafts, args.num_speculative_tokens, args.token_map):
         # Fixed speculation: every step drafts k tokens as a chain, so acceptance is per position.
-        engine, drafter = await _start(args, spec, model_dir, adaptive=False)
+        engine, drafter = await start_engine(args, spec, model_dir, adaptive=False)
         try:
             # Warm-up at full length in both modes: the first runs of each shape pay for
             # allocation and kernel selection, which would count against whichever mode came first.
