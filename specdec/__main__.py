@@ -24,6 +24,9 @@ def main(argv: list[str] | None = None) -> int:
     if argv[:2] == ["bench", "forward"]:  # and the verifier forward per kernel path
         from specdec import bench_forward
         return bench_forward.main(argv[2:])
+    if argv[:2] == ["bench", "concurrency"]:  # and speculation on / off inside one loaded engine
+        from specdec import bench_concurrency
+        return bench_concurrency.main(argv[2:])
     parser = argparse.ArgumentParser(prog="python -m specdec")
     commands = parser.add_subparsers(dest="command", required=True)
     from specdec import bench, launcher
@@ -34,7 +37,8 @@ def main(argv: list[str] | None = None) -> int:
         "bench", help="tokens/s with and without speculation; `bench serve --help`: load a "
                       "running server; `bench compare --help`: against transformers and "
                       "llama.cpp; `bench accuracy --help`: answers with and without "
-                      "speculation")
+                      "speculation; `bench concurrency --help`: on against off under load "
+                      "inside one engine; `bench forward --help`: one forward per kernel path")
     bench.add_bench_args(bench_parser)
     from specdec.train import cli as train_cli
 

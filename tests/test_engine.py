@@ -20,7 +20,7 @@ from tests.engine_driver import generate
 from tests.tiny_models import EOS_TOKEN_ID, make_tiny_llama
 from verifier_svc.builder import VerifierConfig, build_engine
 from verifier_svc import speculation_policy
-from verifier_svc.engine import Engine
+from verifier_svc.engine import Engine, StepRecord
 
 # Prompts with repeats, so the ngram drafter finds matches.
 PROMPTS = [
@@ -176,6 +176,33 @@ async def test_speculation_override_per_request(tiny_model: Path, device, expect
         output = await generate(engine, PROMPTS[0], greedy(), num_speculative_tokens=0)
         assert engine.spec.num_drafts == 0
     assert output == expected[0]
+
+
+@pytest.mark.parametrize("adaptive", [False, True])
+async def test_speculation_switched_off_for_the_engine(tiny_model: Path, device, expected,
+                                                       adaptive: bool) -> None:
+    """Switched off, no step drafts (nor probes) for any request; switched on again, the same
+    requests draft; every step is reported to the listener with the switch's state."""
+    async with EngineHarness(tiny_model, str(device), k=3, adaptive_speculation=adaptive) as engine:
+        records: list[StepRecord] = []
+        engine.step_listener = records.append
+        engine.speculation_enabled = False
+        off = await asyncio.gather(*(generate(engine, p, greedy()) for p in PROMPTS))
+        assert engine.spec.num_drafts == 0
+        engine.speculation_enabled = True
+        on = await asyncio.gather(*(generate(engine, p, greedy()) for p in PROMPTS))
+        assert engine.spec.num_drafts > 0
+    assert list(off) == expected and list(on) == expected
+    assert len(records) == engine.num_steps
+    off_steps = [r for r in records if not r.speculation_enabled]
+    on_steps = [r for r in records if r.speculation_enabled]
+    assert off_steps and on_steps and off_steps[-1].finished <= on_steps[0].started
+    assert all(r.num_draft_slots == 0 for r in off_steps) and any(r.num_draft_slots for r in on_steps)
+    # Every output token is counted once: the prompt's first sampled token at its last chunk.
+    assert sum(r.num_output_tokens for r in off_steps) == sum(r.num_output_tokens for r in on_steps) \
+        == len(PROMPTS) * MAX_TOKENS
+    assert all(r.num_prefill_tokens > 0 for r in records[:1]) and all(
+        r.started <= r.finished and 1 <= r.num_sequences <= len(PROMPTS) for r in records)
 
 
 async def test_seeded_sampling_is_reproducible(tiny_model: Path, device) -> None:

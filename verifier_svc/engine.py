@@ -29,6 +29,7 @@ import itertools
 import logging
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
@@ -47,7 +48,7 @@ from verifier_svc.speculation_policy import Candidate, SpeculationPolicy
 if TYPE_CHECKING:
     from verifier_svc.metrics import VerifierMetrics
 
-__all__ = ["Engine", "EngineError", "RequestOutput"]
+__all__ = ["Engine", "EngineError", "RequestOutput", "StepRecord"]
 
 logger = logging.getLogger(__name__)
 
@@ -60,6 +61,19 @@ DRAIN_POLL_S = 0.02
 # and a few iterations deliver it; a timed pause (1 ms was ~11% of a 9 ms CPU decode
 # step) is not needed.
 STEP_YIELD_ITERATIONS = 16
+
+
+@dataclass(frozen=True, slots=True)
+class StepRecord:
+    """One step, as `Engine.step_listener` sees it (times from `time.perf_counter`)."""
+
+    started: float
+    finished: float
+    speculation_enabled: bool
+    num_sequences: int       # scheduled this step
+    num_prefill_tokens: int  # tokens of chunks that do not sample (or sample a prompt's end)
+    num_draft_slots: int     # draft tokens planned (the drafter may have proposed fewer)
+    num_output_tokens: int   # tokens the step appended to its sequences
 
 
 class Engine:
@@ -89,6 +103,12 @@ class Engine:
         self._last_stats_log = time.monotonic()
         # Set by the server when metrics are exported; observed as requests finish.
         self.metrics: VerifierMetrics | None = None
+        # False: no sequence drafts, as if every request had asked for no speculation (the
+        # policy plans nothing and probes nothing); requests keep their own settings for
+        # when it is True again. `bench concurrency` switches it to compare in one run.
+        self.speculation_enabled = True
+        # Called after every step that ran (bench concurrency); None: nothing is counted.
+        self.step_listener: Callable[[StepRecord], None] | None = None
 
     # ------------------------------------------------------------ lifecycle
 
@@ -208,7 +228,7 @@ class Engine:
                 await asyncio.sleep(0)
 
     def _speculative_tokens_for(self, seq: Sequence) -> int:
-        if seq.max_speculative_tokens == 0 or self.drafter_pool is None:
+        if seq.max_speculative_tokens == 0 or self.drafter_pool is None or not self.speculation_enabled:
             return 0
         if self.drafter_pool.num_healthy() == 0:
             return 0
@@ -242,11 +262,23 @@ class Engine:
         return lambda seq: planned.get(seq.seq_id, 0)
 
     async def step(self) -> None:
+        started = time.perf_counter()
+        speculation_enabled = self.speculation_enabled
         plan = self.scheduler.schedule(self._plan_speculation())
         if not plan.scheduled:
             return
+        listener = self.step_listener
+        if listener is not None:
+            outputs_before = sum(item.seq.num_output_tokens for item in plan.scheduled)
+            num_prefill_tokens = sum(item.num_query_tokens for item in plan.scheduled
+                                     if item.num_query_tokens > 1 or not item.samples)
         try:
             await self._run_step(plan.scheduled)
+            if listener is not None:
+                listener(StepRecord(
+                    started, time.perf_counter(), speculation_enabled, len(plan.scheduled),
+                    num_prefill_tokens, sum(item.num_speculative_tokens for item in plan.scheduled),
+                    sum(item.seq.num_output_tokens for item in plan.scheduled) - outputs_before))
         except Exception as exc:
             # Only the sequences of this step fail; the next step serves the others. The
             # client gets a short message, the log the traceback.
