@@ -71,7 +71,7 @@ class StepRecord:
     finished: float
     speculation_enabled: bool
     num_sequences: int       # scheduled this step
-    num_prefill_tokens: int  # tokens of chunks that do not sample (or sample a prompt's end)
+    num_prefill_tokens: int  # tokens of prompt chunks: of more than one token, or not sampling
     num_draft_slots: int     # draft tokens planned (the drafter may have proposed fewer)
     num_output_tokens: int   # tokens the step appended to its sequences
 
