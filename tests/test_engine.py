@@ -116,8 +116,8 @@ async def test_adaptive_speculation_keeps_outputs(tiny_model: Path, device, expe
 async def test_a_sequences_first_drafter_ask_is_not_timed(tiny_model: Path, device,
                                                         monkeypatch: pytest.MonkeyPatch) -> None:
     """The first ask for a sequence carries its whole context: a one-time cost that the
-    policy's per-step drafting cost leaves out (one request at a time: each first ask is
-    alone in its step). Probes wait out their back-off only here (no wait priced beyond it),
+    policy's per-step drafting cost leaves out and times apart (one request at a time: each
+    first ask is alone in its step). Probes wait out their back-off only here (no wait priced beyond it),
     so that the tiny model, whose step is cheaper than a round trip, still asks after
     drafting stopped."""
     monkeypatch.setattr(speculation_policy, "MAX_PROBE_INTERVAL", 1)  # no priced wait
@@ -125,12 +125,17 @@ async def test_a_sequences_first_drafter_ask_is_not_timed(tiny_model: Path, devi
         policy, pool = engine.policy, engine.drafter_pool
         assert policy is not None and pool is not None
         timed: list[float] = []
-        observe, propose = policy.observe_drafting, pool.propose
+        first_asks: list[int] = []
+        observe, observe_first, propose = policy.observe_drafting, policy.observe_first_asks, pool.propose
         asks = 0
 
         def observe_and_note(max_draft_tokens: int, seconds: float) -> None:
             timed.append(seconds)
             observe(max_draft_tokens, seconds)
+
+        def observe_first_and_note(num_first_asks: int, seconds: float) -> None:
+            first_asks.append(num_first_asks)
+            observe_first(num_first_asks, seconds)
 
         async def counted_propose(*args: object, **kwargs: object) -> object:
             nonlocal asks
@@ -138,10 +143,12 @@ async def test_a_sequences_first_drafter_ask_is_not_timed(tiny_model: Path, devi
             return await propose(*args, **kwargs)
 
         policy.observe_drafting = observe_and_note  # type: ignore[method-assign]
+        policy.observe_first_asks = observe_first_and_note  # type: ignore[method-assign]
         pool.propose = counted_propose  # type: ignore[method-assign]
         for prompt in PROMPTS[:2]:
             await generate(engine, prompt, greedy())
     assert asks > 2 and len(timed) == asks - 2
+    assert first_asks == [1, 1]  # timed apart, to price a first probe where asking is dear
 
 
 async def test_concurrent_batch_equals_one_at_a_time(tiny_model: Path, device, expected) -> None:

@@ -354,6 +354,29 @@ def test_a_new_sequence_is_probed_early_wherever_probes_are_dear() -> None:
     assert not any(any(plan.values()) for plan in later)
 
 
+@pytest.mark.parametrize(("first_ask_s", "probed_early"), [(1.2 * MS, True), (6 * MS, False)])
+def test_a_new_sequences_first_probe_is_priced_where_asking_is_dear(first_ask_s: float,
+                                                                   probed_early: bool) -> None:
+    """A round trip carrying first asks costs ~1 ms for ngram (token ids) but ~6 ms for
+    EAGLE-3 (hidden states, then the head's passes) against a ~17 ms step of 16 sequences:
+    ~1 token of the step's throughput against ~6. Below FREE_FIRST_ASK_TOKENS the first
+    probe waits only for the back-off; above, it is priced like any probe, what the first
+    ask adds included, and at sixteen sequences that wait outlasts these 64 steps."""
+    policy = policy_with_cost(1 * MS, 1 * MS, draft_s=1 * MS)
+    for num_first_asks in (1, 2, 1, 3, 1):
+        policy.observe_first_asks(num_first_asks, first_ask_s + (num_first_asks - 1) * 0.5 * first_ask_s)
+    round_trip, extra = policy.first_ask_costs()
+    assert round_trip == pytest.approx(first_ask_s, rel=0.05) and extra > 0
+    candidates = [Candidate(seq_id, 3) for seq_id in range(16)]  # never asked
+    plans = [policy.plan(candidates) for _ in range(4 * PROBE_INTERVAL)]
+    first_probe_steps = {next((step for step, plan in enumerate(plans) if plan[seq_id]), None)
+                         for seq_id in range(16)}
+    if probed_early:
+        assert first_probe_steps == {FIRST_PROBE_INTERVAL - 1}
+    else:
+        assert first_probe_steps == {None}
+
+
 def test_a_drafter_that_proposes_nothing_stops_being_asked() -> None:
     """ngram finding no match returns no tokens: each ask cost a round trip for nothing."""
     policy = policy_with_cost(10 * MS, 0.2 * MS, draft_s=1.5 * MS)

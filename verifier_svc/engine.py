@@ -380,7 +380,7 @@ class Engine:
         finished, self._finished_for_drafter = self._finished_for_drafter, []
         # A sequence's first ask sends its whole context (and an EAGLE drafter prefills it):
         # a one-time cost, kept out of the per-step drafting cost the policy plans with.
-        steady = all(item.seq.num_drafter_calls > 0 for item in asked)
+        num_first_asks = sum(1 for item in asked if item.seq.num_drafter_calls == 0)
         for item in asked:
             item.seq.num_drafter_calls += 1
         started = time.perf_counter()
@@ -388,9 +388,11 @@ class Engine:
         seconds = time.perf_counter() - started
         if self.metrics is not None:
             self.metrics.observe_round_trip(seconds)
-        if self.policy is not None and steady:
+        if self.policy is not None and not num_first_asks:
             self.policy.observe_drafting(max(request.num_speculative_tokens for request in requests),
                                          seconds)
+        elif self.policy is not None:  # priced apart: for EAGLE a first ask is dear
+            self.policy.observe_first_asks(num_first_asks, seconds)
         return drafts
 
     def _build_inputs(self, scheduled: list[ScheduledSequence], drafts: dict[int, Draft],

@@ -54,7 +54,13 @@ tokens left after paying for their verification. Where verifying a token costs m
 0.9 of one, nothing a probe could find would pay, and the waits go to the maximum. A
 sequence's first probe is not priced: its estimate is other requests' rates until then, and
 at eight requests a priced first wait (256 steps) outlived the request, so a repeat prompt
-among open ones never drafted.
+among open ones never drafted. Unless asking is dear: the first ask for a sequence carries
+its whole context, for ngram a few hundred token ids, for EAGLE every context token's hidden
+states, which the drafter prefills before three passes of its head. Round trips that carry
+first asks are timed apart, and where one costs more than FREE_FIRST_ASK_TOKENS of the
+step's throughput the first probe is priced as the others are, what the first ask adds
+included (EAGLE-3 at eight requests: such a round trip ~6 ms against a 14 ms step, steps
+with first probes ran at 63-67% of plain ones' tokens/s, and on / off was 0.92-0.95x).
 
 Measured on a 2-core CPU with the default model: one request's extra verified token costs
 ~10% of its step (a probe every 16 steps: ~0.6%, the wait stays 16), but at eight
@@ -90,6 +96,11 @@ MAX_PROBE_INTERVAL = 256
 # The acceptance of a passage the drafter predicts well: what a probe may find. The budget
 # shrinks with the share of such a passage's gain that verifying its drafts would cost.
 HOPEFUL_RATE = 0.9
+# What a round trip carrying a first ask may cost, in tokens of the step's throughput, with
+# the sequence's first probe still unpriced: ngram's, its context's token ids and a lookup,
+# ~1 token at sixteen requests here; EAGLE-3's, its hidden states and three passes of its
+# head, ~3 at eight.
+FREE_FIRST_ASK_TOKENS = 2.0
 
 
 @dataclass(slots=True)
@@ -192,6 +203,8 @@ class SpeculationPolicy:
         self._num_plans = 0
         self.verify_cost = VerifyCostModel()
         self.draft_cost = LinearCostModel(0.0)   # x: longest draft asked
+        # Round trips that carried first asks, against how many: seconds = base + slope * count.
+        self.first_ask_cost = LinearCostModel(1.0)
 
     # ------------------------------------------------------------ measurements
 
@@ -222,6 +235,22 @@ class SpeculationPolicy:
 
     def observe_drafting(self, max_draft_tokens: int, seconds: float) -> None:
         self.draft_cost.observe(max_draft_tokens, seconds)
+
+    def observe_first_asks(self, num_first_asks: int, seconds: float) -> None:
+        """A round trip that carried `num_first_asks` sequences' first ask (their whole
+        context), kept apart from the steady drafting cost."""
+        self.first_ask_cost.observe(num_first_asks, seconds)
+
+    def first_ask_costs(self) -> tuple[float, float]:
+        """(seconds of a round trip carrying one sequence's first ask, what a first ask adds
+        to a steady round trip: the fit's slope or, where more, the first's time beyond a
+        steady round trip, as the slope is a prior's guess while the count has not varied);
+        zeros before any first ask was timed."""
+        if not self.first_ask_cost.has_data:
+            return 0.0, 0.0
+        base, per_first_ask = self.first_ask_cost.fit()
+        steady_base = self.draft_cost.fit()[0] if self.draft_cost.has_data else 0.0
+        return base + per_first_ask, max(per_first_ask, base + per_first_ask - steady_base)
 
     def forget(self, seq_id: int) -> None:
         self._stats.pop(seq_id, None)
@@ -334,23 +363,29 @@ class SpeculationPolicy:
         tokens_per_second = expected_tokens / seconds if seconds > 0 else 0.0
         token_cost = verify_slope * tokens_per_second  # one more verified token, in tokens
 
-        def affordable_wait(index: int) -> int:
-            """The wait that keeps candidate `index`'s share of the probes within budget."""
+        first_ask_round_trip, first_ask_seconds = self.first_ask_costs()
+
+        def affordable_wait(index: int, first_ask: bool) -> int:
+            """The wait that keeps candidate `index`'s share of the probes within budget;
+            `first_ask`: its probe would carry its first ask."""
             probe_seconds = proposing[index] * (verify_slope + verify_per_seq) + ask_seconds
+            if first_ask:
+                probe_seconds += first_ask_seconds
             loss = probe_seconds * tokens_per_second - proposing[index] * rates[index][0]
             budget = PROBE_BUDGET * _hopeful_share(candidates[index].max_tokens, token_cost)
             return _affordable_wait(loss, num_idle, budget * expected_tokens)
 
-        self._probe_idle(candidates, plan, affordable_wait)
+        self._probe_idle(candidates, plan, affordable_wait,
+                         first_ask_is_dear=first_ask_round_trip * tokens_per_second > FREE_FIRST_ASK_TOKENS)
         return plan
 
     def _probe_idle(self, candidates: list[Candidate], plan: dict[int, int],
-                    affordable_wait: Callable[[int], int]) -> None:
+                    affordable_wait: Callable[[int, bool], int], first_ask_is_dear: bool = False) -> None:
         """Plans one draft token for each sequence whose probe wait has passed, on a step
         that asks the drafter anyway or whose number the wait divides. The wait is the
-        back-off's or, where probes are dear, `affordable_wait(candidate index)` (see the
-        module docstring), priced only once the back-off has passed and only for a sequence
-        drafted for before."""
+        back-off's or, where probes are dear, `affordable_wait(candidate index, first ask)`
+        (see the module docstring), priced only once the back-off has passed and only for a
+        sequence drafted for before, or for any while first asks are dear."""
         asking = any(plan.values())
         for index, candidate in enumerate(candidates):
             seq_id = candidate.seq_id
@@ -368,7 +403,10 @@ class SpeculationPolicy:
             # other requests' rates, and whether a new request is predictable (a repeat
             # prompt among open ones) is worth one verified token to learn.
             unmeasured = seq_id not in self._proposals and seq_id not in self._stats
-            wait = backoff if unmeasured else max(backoff, affordable_wait(index))
+            if unmeasured and not first_ask_is_dear:
+                wait = backoff
+            else:
+                wait = max(backoff, affordable_wait(index, unmeasured))
             if idle >= wait and (asking or self._num_plans % wait == 0):
                 plan[seq_id] = 1
                 idle = 0
