@@ -377,6 +377,21 @@ def test_a_new_sequences_first_probe_is_priced_where_asking_is_dear(first_ask_s:
         assert first_probe_steps == {None}
 
 
+@pytest.mark.parametrize(("first_ask_extra_s", "drafts"), [(0.2 * MS, True), (30 * MS, False)])
+def test_a_new_sequences_first_draft_pays_its_first_ask(first_ask_extra_s: float, drafts: bool) -> None:
+    """One request, verification cheap: a new sequence drafts at once on the engine-wide
+    rates, unless its first ask (a draft model's prefill of the context: ~28 ms here, three
+    steps) costs more than its drafts could bring. Once asked, only steady costs count."""
+    policy = policy_with_cost(10 * MS, 0.2 * MS, draft_s=1 * MS)
+    for _ in range(5):
+        policy.observe_first_asks(1, 1 * MS + first_ask_extra_s)
+    assert policy.first_ask_costs()[1] == pytest.approx(first_ask_extra_s, rel=0.05)
+    assert (policy.plan([Candidate(7, 4)])[7] > 0) == drafts
+    policy.record_draft(7, 0, 0, num_requested=1)  # asked once (nothing proposed)
+    policy.record_draft(7, 1, 1)
+    assert policy.plan([Candidate(7, 4)])[7] > 0
+
+
 def test_a_drafter_that_proposes_nothing_stops_being_asked() -> None:
     """ngram finding no match returns no tokens: each ask cost a round trip for nothing."""
     policy = policy_with_cost(10 * MS, 0.2 * MS, draft_s=1.5 * MS)

@@ -204,7 +204,7 @@ class SpeculationPolicy:
         self.verify_cost = VerifyCostModel()
         self.draft_cost = LinearCostModel(0.0)   # x: longest draft asked
         # Round trips that carried first asks, against how many: seconds = base + slope * count.
-        self.first_ask_cost = LinearCostModel(1.0)
+        self.first_ask_cost = LinearCostModel(0.0)
 
     # ------------------------------------------------------------ measurements
 
@@ -243,8 +243,8 @@ class SpeculationPolicy:
 
     def first_ask_costs(self) -> tuple[float, float]:
         """(seconds of a round trip carrying one sequence's first ask, what a first ask adds
-        to a steady round trip: the fit's slope or, where more, the first's time beyond a
-        steady round trip, as the slope is a prior's guess while the count has not varied);
+        to a steady round trip: the fit's slope or, where more, a one-first-ask round trip's
+        time beyond a steady one, as the slope stays 0 while the count has not varied);
         zeros before any first ask was timed."""
         if not self.first_ask_cost.has_data:
             return 0.0, 0.0
@@ -321,6 +321,11 @@ class SpeculationPolicy:
         # round trip alone, and only probes drafted).
         expected_tokens, seconds = plain_tokens, plain_seconds + draft_base
 
+        # A sequence never asked for pays its first ask with its first draft (its context;
+        # for EAGLE and draft models the drafter's prefill of it).
+        first_ask_round_trip, first_ask_seconds = self.first_ask_costs()
+        never_asked = [candidate.seq_id not in self._proposals and candidate.seq_id not in self._stats
+                       for candidate in candidates]
         # Max-heap of (-expected tokens the next draft adds, candidate index, its position).
         heap: list[tuple[float, int, int]] = []
         rates: list[list[float]] = []
@@ -340,6 +345,8 @@ class SpeculationPolicy:
             gain = -negative_gain
             # Verification is paid only when the drafter proposes; the ask itself always.
             cost = proposing[index] * (verify_slope + (verify_per_seq if position == 0 else 0.0))
+            if position == 0 and never_asked[index]:
+                cost += first_ask_seconds
             if position + 1 > longest:
                 cost += draft_per_token
             if gain * seconds <= cost * expected_tokens:
@@ -363,7 +370,6 @@ class SpeculationPolicy:
         tokens_per_second = expected_tokens / seconds if seconds > 0 else 0.0
         token_cost = verify_slope * tokens_per_second  # one more verified token, in tokens
 
-        first_ask_round_trip, first_ask_seconds = self.first_ask_costs()
 
         def affordable_wait(index: int, first_ask: bool) -> int:
             """The wait that keeps candidate `index`'s share of the probes within budget;
