@@ -133,9 +133,9 @@ async def test_a_sequences_first_drafter_ask_is_not_timed(tiny_model: Path, devi
             timed.append(seconds)
             observe(max_draft_tokens, seconds)
 
-        def observe_first_and_note(num_first_asks: int, seconds: float) -> None:
+        def observe_first_and_note(num_first_asks: int, max_draft_tokens: int, seconds: float) -> None:
             first_asks.append(num_first_asks)
-            observe_first(num_first_asks, seconds)
+            observe_first(num_first_asks, max_draft_tokens, seconds)
 
         async def counted_propose(*args: object, **kwargs: object) -> object:
             nonlocal asks

@@ -392,7 +392,8 @@ class Engine:
             self.policy.observe_drafting(max(request.num_speculative_tokens for request in requests),
                                          seconds)
         elif self.policy is not None:  # priced apart: for EAGLE a first ask is dear
-            self.policy.observe_first_asks(num_first_asks, seconds)
+            self.policy.observe_first_asks(num_first_asks,
+                                           max(request.num_speculative_tokens for request in requests), seconds)
         return drafts
 
     def _build_inputs(self, scheduled: list[ScheduledSequence], drafts: dict[int, Draft],

@@ -29,9 +29,9 @@ What is measured, not assumed:
   tokens verified N and the sequences with drafts S: a sequence's first draft costs more
   than its later ones;
 - drafting time against the longest draft asked, fit the same way;
-- apart from it, round trips that carry a sequence's first ask (its whole context: for EAGLE
-  and draft models the drafter prefills it) against how many they carry: what a first ask
-  adds is charged to a never-asked sequence's first draft (the shipped draft model's first
+- apart from it, what a sequence's first ask (its whole context: for EAGLE and draft models
+  the drafter prefills it) adds to a round trip, a median over recent ones: it is charged to
+  a never-asked sequence's first draft (the shipped draft model's first
   ask cost 14-28 ms against an 8.6 ms step, and one request lost 7% to drafting at once);
 - per sequence, how often an ask returns any tokens at all (ngram finds no match on new
   text): an empty answer costs the round trip but no verification, so a draft's expected
@@ -80,7 +80,7 @@ import heapq
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from verifier_svc.step_cost import LinearCostModel, VerifyCostModel
+from verifier_svc.step_cost import FirstAskCost, LinearCostModel, VerifyCostModel
 
 # Weight of the engine-wide rate in a sequence's estimate, in drafts.
 PRIOR_WEIGHT = 2.0
@@ -207,8 +207,7 @@ class SpeculationPolicy:
         self._num_plans = 0
         self.verify_cost = VerifyCostModel()
         self.draft_cost = LinearCostModel(0.0)   # x: longest draft asked
-        # Round trips that carried first asks, against how many: seconds = base + slope * count.
-        self.first_ask_cost = LinearCostModel(0.0)
+        self.first_ask_cost = FirstAskCost()
 
     # ------------------------------------------------------------ measurements
 
@@ -240,21 +239,25 @@ class SpeculationPolicy:
     def observe_drafting(self, max_draft_tokens: int, seconds: float) -> None:
         self.draft_cost.observe(max_draft_tokens, seconds)
 
-    def observe_first_asks(self, num_first_asks: int, seconds: float) -> None:
+    def observe_first_asks(self, num_first_asks: int, max_draft_tokens: int, seconds: float) -> None:
         """A round trip that carried `num_first_asks` sequences' first ask (their whole
-        context), kept apart from the steady drafting cost."""
-        self.first_ask_cost.observe(num_first_asks, seconds)
+        context), kept apart from the steady drafting cost: what it took beyond a steady
+        round trip for the same longest draft is the first asks' share."""
+        self.first_ask_cost.observe(num_first_asks, seconds, self._steady_round_trip(max_draft_tokens))
+
+    def _steady_round_trip(self, max_draft_tokens: int) -> float:
+        if not self.draft_cost.has_data:
+            return 0.0
+        base, per_token = self.draft_cost.fit()
+        return base + per_token * max_draft_tokens
 
     def first_ask_costs(self) -> tuple[float, float]:
-        """(seconds of a round trip carrying one sequence's first ask, what a first ask adds
-        to a steady round trip: the fit's slope or, where more, a one-first-ask round trip's
-        time beyond a steady one, as the slope stays 0 while the count has not varied);
-        zeros before any first ask was timed."""
+        """(seconds of a one-token ask carrying one sequence's first ask, what a first ask
+        adds to a steady round trip); zeros before any first ask was timed."""
         if not self.first_ask_cost.has_data:
             return 0.0, 0.0
-        base, per_first_ask = self.first_ask_cost.fit()
-        steady_base = self.draft_cost.fit()[0] if self.draft_cost.has_data else 0.0
-        return base + per_first_ask, max(per_first_ask, base + per_first_ask - steady_base)
+        extra = self.first_ask_cost.per_first_ask()
+        return self._steady_round_trip(1) + extra, extra
 
     def forget(self, seq_id: int) -> None:
         self._stats.pop(seq_id, None)

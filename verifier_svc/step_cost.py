@@ -1,6 +1,6 @@
 """What a step costs, fit online: the verify step's time against the tokens it verifies and
-the sequences with drafts, and the drafter's time against the longest draft asked (used by
-verifier_svc/speculation_policy.py).
+the sequences with drafts, the drafter's time against the longest draft asked, and what a
+sequence's first ask adds to it (used by verifier_svc/speculation_policy.py).
 
 Both are exponentially weighted least-squares fits with a weak prior, so that a few
 observations at one size give a sane model, and both cap a timing at SPIKE_FACTOR times
@@ -8,6 +8,9 @@ their prediction (one spike is a bounded slowdown; a lasting one is still learnt
 """
 
 from __future__ import annotations
+
+import statistics
+from collections import deque
 
 # The cost model's prior: a forward over PRIOR_FLAT_TOKENS tokens costs twice a
 # one-token forward.
@@ -65,6 +68,30 @@ class LinearCostModel:
             return base, slope
         base = mean_y / (1.0 + prior_slope_fraction * mean_x)
         return base, base * prior_slope_fraction
+
+
+class FirstAskCost:
+    """What a sequence's first ask adds to a drafter round trip: the median, over the last
+    WINDOW round trips that carried first asks, of their time beyond a steady round trip per
+    first ask. A median, not a fit: first asks come about once a request, so one slow round
+    trip (the drafter's first call after start-up took ~5x the next ones) would sway a
+    decaying mean for the rest of a run."""
+
+    WINDOW = 32
+
+    def __init__(self) -> None:
+        self._extra_per_first_ask: deque[float] = deque(maxlen=self.WINDOW)
+
+    def observe(self, num_first_asks: int, seconds: float, steady_seconds: float) -> None:
+        self._extra_per_first_ask.append(max(0.0, seconds - steady_seconds) / num_first_asks)
+
+    @property
+    def has_data(self) -> bool:
+        return bool(self._extra_per_first_ask)
+
+    def per_first_ask(self) -> float:
+        """Seconds; 0 with no data."""
+        return statistics.median(self._extra_per_first_ask) if self._extra_per_first_ask else 0.0
 
 
 class VerifyCostModel:
