@@ -378,8 +378,9 @@ class Engine:
                          else item.seq.hidden_states[:item.seq.num_computed_tokens])
             for item in asked]
         finished, self._finished_for_drafter = self._finished_for_drafter, []
-        # A sequence's first ask sends its whole context (and an EAGLE drafter prefills it):
-        # a one-time cost, kept out of the per-step drafting cost the policy plans with.
+        # A sequence's first ask sends its whole context (and an EAGLE or draft-model drafter
+        # prefills it): a one-time cost, kept out of the per-step drafting cost the policy
+        # plans with and timed apart (the policy charges it to a new sequence's first draft).
         num_first_asks = sum(1 for item in asked if item.seq.num_drafter_calls == 0)
         for item in asked:
             item.seq.num_drafter_calls += 1

@@ -31,8 +31,8 @@ What is measured, not assumed:
 - drafting time against the longest draft asked, fit the same way;
 - apart from it, what a sequence's first ask (its whole context: for EAGLE and draft models
   the drafter prefills it) adds to a round trip, a median over recent ones: it is charged to
-  a never-asked sequence's first draft (the shipped draft model's first
-  ask cost 14-28 ms against an 8.6 ms step, and one request lost 7% to drafting at once);
+  a never-asked sequence's first draft (the shipped draft model's first ask cost 14-28 ms
+  against an 8.6 ms step, and one request lost 7% to drafting at once);
 - per sequence, how often an ask returns any tokens at all (ngram finds no match on new
   text): an empty answer costs the round trip but no verification, so a draft's expected
   gain and its verification cost both scale by that chance, and the acceptance counts
