@@ -378,27 +378,29 @@ class SpeculationPolicy:
         token_cost = verify_slope * tokens_per_second  # one more verified token, in tokens
 
 
-        def affordable_wait(index: int, first_ask: bool) -> int:
-            """The wait that keeps candidate `index`'s share of the probes within budget;
-            `first_ask`: its probe would carry its first ask."""
+        def affordable_wait(index: int) -> int:
+            """The wait that keeps candidate `index`'s share of the probes within budget (a
+            never-asked sequence's probe carries its first ask)."""
             probe_seconds = proposing[index] * (verify_slope + verify_per_seq) + ask_seconds
-            if first_ask:
+            if never_asked[index]:
                 probe_seconds += first_ask_seconds
             loss = probe_seconds * tokens_per_second - proposing[index] * rates[index][0]
             budget = PROBE_BUDGET * _hopeful_share(candidates[index].max_tokens, token_cost)
             return _affordable_wait(loss, num_idle, budget * expected_tokens)
 
-        self._probe_idle(candidates, plan, affordable_wait,
+        self._probe_idle(candidates, plan, affordable_wait, never_asked,
                          first_ask_is_dear=first_ask_round_trip * tokens_per_second > FREE_FIRST_ASK_TOKENS)
         return plan
 
     def _probe_idle(self, candidates: list[Candidate], plan: dict[int, int],
-                    affordable_wait: Callable[[int, bool], int], first_ask_is_dear: bool = False) -> None:
+                    affordable_wait: Callable[[int], int], never_asked: list[bool],
+                    first_ask_is_dear: bool) -> None:
         """Plans one draft token for each sequence whose probe wait has passed, on a step
         that asks the drafter anyway or whose number the wait divides. The wait is the
-        back-off's or, where probes are dear, `affordable_wait(candidate index, first ask)`
-        (see the module docstring), priced only once the back-off has passed and only for a
-        sequence drafted for before, or for any while first asks are dear."""
+        back-off's or, where probes are dear, `affordable_wait(candidate index)` (see the
+        module docstring), priced only once the back-off has passed and only for a sequence
+        asked for before, or for any while first asks are dear (`never_asked`: per
+        candidate)."""
         asking = any(plan.values())
         for index, candidate in enumerate(candidates):
             seq_id = candidate.seq_id
@@ -415,11 +417,10 @@ class SpeculationPolicy:
             # A sequence never drafted for is probed at the back-off alone: its estimate is
             # other requests' rates, and whether a new request is predictable (a repeat
             # prompt among open ones) is worth one verified token to learn.
-            unmeasured = seq_id not in self._proposals and seq_id not in self._stats
-            if unmeasured and not first_ask_is_dear:
+            if never_asked[index] and not first_ask_is_dear:
                 wait = backoff
             else:
-                wait = max(backoff, affordable_wait(index, unmeasured))
+                wait = max(backoff, affordable_wait(index))
             if idle >= wait and (asking or self._num_plans % wait == 0):
                 plan[seq_id] = 1
                 idle = 0
