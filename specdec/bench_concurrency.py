@@ -283,14 +283,14 @@ async def _switch(engine: Engine, period_s: float) -> None:
         await asyncio.sleep(period_s)
 
 
-async def _run(args: argparse.Namespace, levels: list[int]) -> list[dict[str, Any]]:
+async def _run(args: argparse.Namespace, levels: list[int],
+               requests: list[BenchRequest]) -> list[dict[str, Any]]:
     spec = SpeculativeConfig.parse(args.speculative_config)
     if spec is None:
         raise ConfigError("--speculative-config must name a method to compare with plain decoding",
                           param="speculative_config")
     model_dir = resolve_model(args.model)
     tokenizer = load_tokenizer(model_dir)
-    requests = load_requests(args.dataset, args.num_prompts, max_tokens=args.max_tokens)
     prompts = [_prompt_ids(request, tokenizer) for request in requests]
     longest = max(len(ids) for ids in prompts) + args.max_tokens + spec.num_speculative_tokens + 1
     if not args.max_model_len:
@@ -341,11 +341,11 @@ def main(argv: list[str] | None = None) -> int:
     if args.threads:
         torch.set_num_threads(args.threads)
     try:
-        load_requests(args.dataset, 1)
+        requests = load_requests(args.dataset, args.num_prompts, max_tokens=args.max_tokens)
     except ValueError as exc:
         parser.error(str(exc))
     try:
-        results = asyncio.run(_run(args, levels))
+        results = asyncio.run(_run(args, levels, requests))
     except ConfigError as exc:
         logger.error("%s", exc.message)
         return 2
