@@ -20,6 +20,8 @@ from specdec.cpu_extension import linear_supports
 from specdec.models.packed_linear import PackedLinear
 
 TILE_ROWS = 10  # kTileRows in linear_cpu.cpp: more rows are split into balanced tiles
+# kChunkMinRows and kMaxRowsChunked: rows in [8, 40] take the chunked, prefetching walk
+CHUNKED_ROWS = (8, 40)
 # Relative error of one product against float64: fp32 summation, plus the output's rounding.
 TOLERANCES = {torch.float32: 2e-5, torch.bfloat16: 8e-3}
 
@@ -69,11 +71,13 @@ def test_matches_float64(dtype: torch.dtype, in_features: int, out_features: int
     _assert_close_to_exact(out, x, weight, b)
 
 
-@pytest.mark.parametrize(("dtype", "num_rows"), [
-    _with_kernel(dtype, n) for dtype in (torch.float32, torch.bfloat16) for n in (2, 4, 7, 9, 10, 11, 16, 17, 32, 300)])
-def test_a_row_is_bit_identical_alone_and_in_a_batch(dtype: torch.dtype, num_rows: int) -> None:
-    # What makes a decode token's projections equal to the same token's in a verify window.
-    x, weight, bias = _operands(num_rows, 576, 962, dtype, bias=True, seed=1)
+@pytest.mark.parametrize(("dtype", "num_rows", "in_features"), [
+    _with_kernel(dtype, n, k) for dtype in (torch.float32, torch.bfloat16)
+    for n in (2, 4, 7, 9, 10, 11, 16, 17, 32, CHUNKED_ROWS[1], CHUNKED_ROWS[1] + 1, 300) for k in (576, 1537)])
+def test_a_row_is_bit_identical_alone_and_in_a_batch(dtype: torch.dtype, num_rows: int, in_features: int) -> None:
+    # What makes a decode token's projections equal to the same token's in a verify window
+    # (one row takes the plain walk, 8-40 the chunked one; 1537: an odd last pair row).
+    x, weight, bias = _operands(num_rows, in_features, 962, dtype, bias=True, seed=1)
     packed = torch.ops.specdec_cpu.pack_weight(weight)
     together = torch.ops.specdec_cpu.linear(x, packed, bias, 962)
     alone = torch.cat([torch.ops.specdec_cpu.linear(x[row:row + 1], packed, bias, 962) for row in range(num_rows)])
@@ -82,8 +86,9 @@ def test_a_row_is_bit_identical_alone_and_in_a_batch(dtype: torch.dtype, num_row
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_multithreaded_split_matches_one_thread(dtype: torch.dtype) -> None:
-    x, weight, bias = _operands(3, 576, 4099, dtype, bias=True, seed=2)
+@pytest.mark.parametrize("num_rows", [3, 12])  # the plain walk, the chunked one
+def test_multithreaded_split_matches_one_thread(dtype: torch.dtype, num_rows: int) -> None:
+    x, weight, bias = _operands(num_rows, 576, 4099, dtype, bias=True, seed=2)
     threads = torch.get_num_threads()
     try:
         torch.set_num_threads(1)
@@ -219,10 +224,11 @@ def test_int8_weights_match_float64(dtype: torch.dtype, in_features: int, out_fe
     _assert_close_to_exact(out, x, weight.double() * scales.double()[:, None], b)
 
 
-@pytest.mark.parametrize(("dtype", "num_rows"), [
-    _with_int8_kernel(dtype, n) for dtype in (torch.float32, torch.bfloat16) for n in (2, 7, 9, 10, 11, 16, 17, 300)])
-def test_an_int8_row_is_bit_identical_alone_and_in_a_batch(dtype: torch.dtype, num_rows: int) -> None:
-    x, weight, scales, bias = _int8_operands(num_rows, 576, 962, dtype, bias=True, seed=1)
+@pytest.mark.parametrize(("dtype", "num_rows", "in_features"), [
+    _with_int8_kernel(dtype, n, k) for dtype in (torch.float32, torch.bfloat16)
+    for n in (2, 7, 9, 10, 11, 16, 17, CHUNKED_ROWS[1], CHUNKED_ROWS[1] + 1, 300) for k in (576, 1537)])
+def test_an_int8_row_is_bit_identical_alone_and_in_a_batch(dtype: torch.dtype, num_rows: int, in_features: int) -> None:
+    x, weight, scales, bias = _int8_operands(num_rows, in_features, 962, dtype, bias=True, seed=1)
     packed = torch.ops.specdec_cpu.pack_weight_int8(weight)
     together = torch.ops.specdec_cpu.linear(x, packed, bias, 962, scales)
     alone = torch.cat([torch.ops.specdec_cpu.linear(x[row:row + 1], packed, bias, 962, scales)
@@ -232,8 +238,21 @@ def test_an_int8_row_is_bit_identical_alone_and_in_a_batch(dtype: torch.dtype, n
 
 
 @pytest.mark.parametrize("dtype", INT8_DTYPES)
-def test_int8_multithreaded_split_matches_one_thread(dtype: torch.dtype) -> None:
-    x, weight, scales, bias = _int8_operands(3, 576, 4099, dtype, bias=True, seed=2)
+def test_int8_rows_are_bit_identical_whatever_the_walk(dtype: torch.dtype) -> None:
+    # 45 rows go in tiles of 9, 40 in chunks of four tiles of 10, 9 in one tile, 1 alone:
+    # each row's outputs must not depend on which (see BlockOutput::store).
+    x, weight, scales, bias = _int8_operands(45, 576, 3072, dtype, bias=True, seed=3)
+    packed = torch.ops.specdec_cpu.pack_weight_int8(weight)
+    every = torch.ops.specdec_cpu.linear(x, packed, bias, 3072, scales)
+    for num_rows in (1, 7, CHUNKED_ROWS[0], 9, 11, CHUNKED_ROWS[1]):
+        some = torch.ops.specdec_cpu.linear(x[:num_rows], packed, bias, 3072, scales)
+        assert torch.equal(some, every[:num_rows]), f"{num_rows} rows"
+
+
+@pytest.mark.parametrize("dtype", INT8_DTYPES)
+@pytest.mark.parametrize("num_rows", [3, 12])  # the plain walk, the chunked one
+def test_int8_multithreaded_split_matches_one_thread(dtype: torch.dtype, num_rows: int) -> None:
+    x, weight, scales, bias = _int8_operands(num_rows, 576, 4099, dtype, bias=True, seed=2)
     threads = torch.get_num_threads()
     try:
         torch.set_num_threads(1)
