@@ -41,6 +41,7 @@ from drafter_svc.proposer import Proposal, ProposerInfo
 from specdec.attention import AttentionMetadata
 from specdec.block_manager import BlockManager
 from specdec.kv_cache import KVCache
+from specdec.logits_processor import argmax_rows
 from specdec.models.model_config import ModelConfig
 
 logger = logging.getLogger(__name__)
@@ -270,7 +271,7 @@ class ModelProposer:
             for item, row in zip(work, target_probs):
                 item.draft_probs.append(row)
         else:
-            draft_ids = logits.argmax(dim=-1)
+            draft_ids = argmax_rows(logits)
         for item, token_id in zip(work, self._to_target_ids(draft_ids).tolist()):
             item.draft_token_ids.append(token_id)
 

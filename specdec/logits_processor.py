@@ -15,6 +15,7 @@ argmax, so a greedy request only needs step 1.
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 from torch import Tensor
 
@@ -124,5 +125,16 @@ def target_probs_from_logits(
     processed = process_logits(logits, history_ids, draft_token_ids, params)  # [n, vocab]
     if params.is_greedy:
         target_probs = torch.zeros_like(processed)
-        return target_probs.scatter_(-1, processed.argmax(dim=-1, keepdim=True), 1.0)
+        return target_probs.scatter_(-1, argmax_rows(processed).unsqueeze(-1), 1.0)
     return processed.softmax(dim=-1)
+
+
+def argmax_rows(logits: Tensor) -> Tensor:
+    """Each row's argmax over the last dimension (int64, on `logits`' device): the first
+    maximal index, a NaN counting as maximal, as `torch.argmax` gives it. float32 / float64
+    on the CPU go through numpy: torch's CPU argmax walks a row in scalar code, 95 us for
+    the default model's 49,152 logits here against numpy's 6 us (8 rows: 347 against 35 us,
+    ~2.5% of an eight-sequence decode step)."""
+    if logits.device.type != "cpu" or logits.dtype not in (torch.float32, torch.float64):
+        return logits.argmax(dim=-1)
+    return torch.from_numpy(np.asarray(logits.detach().numpy().argmax(axis=-1)))

@@ -19,7 +19,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from specdec.logits_processor import process_logits
+from specdec.logits_processor import argmax_rows, process_logits
 from specdec.sampling_params import SamplingParams
 
 
@@ -87,11 +87,11 @@ def needs_only_argmax(params: SamplingParams) -> bool:
 def argmax_ids(logits: Tensor) -> list[int]:
     """Each row's argmax, as `verify` takes it for greedy requests (on the fp32 logits), in
     one call and one sync for a whole step's rows."""
-    return logits.float().argmax(dim=-1).tolist()
+    return argmax_rows(logits.float()).tolist()
 
 
 def _verify_greedy(processed_logits: Tensor, draft_token_ids: list[int]) -> list[int]:
-    return accept_greedy(processed_logits.argmax(dim=-1).tolist(), draft_token_ids)  # one sync
+    return accept_greedy(argmax_rows(processed_logits).tolist(), draft_token_ids)  # one sync
 
 
 def accept_greedy(target_argmax_ids: list[int], draft_token_ids: list[int]) -> list[int]:

@@ -9,6 +9,7 @@ import torch
 
 from specdec.logits_processor import (
     apply_repetition_penalty,
+    argmax_rows,
     process_logits,
     target_probs_from_logits,
 )
@@ -123,3 +124,23 @@ def test_large_vocab_half_precision_input() -> None:
     assert processed.dtype == torch.float32 and processed.shape == (5, 50_000)
     num_kept = (processed != NEG_INF).sum(-1)
     assert bool(((num_kept >= 1) & (num_kept <= 50)).all())
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16])
+def test_argmax_rows_is_torchs_argmax(dtype: torch.dtype) -> None:
+    # numpy on the CPU for float32 / 64 (torch's CPU argmax is ~15x slower there), torch's
+    # own elsewhere: the same indices either way, ties and NaNs included.
+    generator = torch.Generator().manual_seed(0)
+    logits = torch.randn(9, 49152, generator=generator).to(dtype)
+    logits[1, 7] = logits[1, 9000] = logits[1].max() + 1  # a tie: the first index
+    logits[2, 123] = float("nan")                         # a NaN is the maximum
+    logits[2, 456] = float("nan")
+    logits[3] = float("-inf")                             # every logit -inf: index 0
+    logits[4, 49151] = float("inf")
+    expected = logits.argmax(dim=-1)
+    got = argmax_rows(logits)
+    assert got.dtype == torch.int64 and got.tolist() == expected.tolist()
+    assert got[1] == 7 and got[2] == 123 and got[3] == 0 and got[4] == 49151
+    strided = logits[::2, ::3]  # a view that is not contiguous
+    assert argmax_rows(strided).tolist() == strided.argmax(dim=-1).tolist()
+    assert argmax_rows(logits[5]).item() == logits[5].argmax().item()  # one row, 1-D
