@@ -6,7 +6,7 @@ import random
 
 import pytest
 
-from verifier_svc.speculation_policy import (FIRST_PROBE_INTERVAL, HOPEFUL_RATE,
+from verifier_svc.speculation_policy import (COST_REFRESH_PLANS, FIRST_PROBE_INTERVAL, HOPEFUL_RATE,
                                              MAX_PROBE_INTERVAL, PROBE_BUDGET, PROBE_INTERVAL,
                                              AcceptanceStats, Candidate, SpeculationPolicy,
                                              _hopeful_share)
@@ -401,6 +401,53 @@ def test_one_slow_first_ask_does_not_price_the_rest() -> None:
     for _ in range(4):
         policy.observe_first_asks(1, 1, 1.1 * MS)
     assert policy.first_ask_costs()[1] == pytest.approx(0.1 * MS)
+
+
+def test_an_overestimated_round_trip_is_measured_again() -> None:
+    """Eight requests of 100 steps each. One slow round trip at start-up (40 ms against ~1)
+    made every first ask dear, the first probes' priced waits outlived the requests, and
+    with nobody asked the estimate was never corrected. After COST_REFRESH_PLANS plans
+    without an ask one sequence is asked anyway; its round trip (a first ask, cheaper than
+    the steady estimate) corrects the estimate, and new requests are probed again."""
+    policy = SpeculationPolicy(3)
+    for num_tokens in range(1, 17):
+        policy.observe_verify(num_tokens, num_tokens % 4, 8 * MS + 1 * MS * num_tokens)
+    policy.observe_drafting(1, 40 * MS)
+    policy.observe_first_asks(8, 3, 42 * MS)
+    for seq_id in range(1000, 1008):
+        teach(policy, seq_id, num_drafts=30, k=3, num_accepted=0)  # engine-wide rates: low
+    asked_at: list[int] = []
+    asked_before: set[int] = set()
+    for step in range(4 * COST_REFRESH_PLANS):
+        generation = step // 100  # every request lives 100 steps
+        candidates = [Candidate(generation * 8 + slot, 3) for slot in range(8)]
+        plan = policy.plan(candidates)
+        asked = [seq_id for seq_id, k in plan.items() if k]
+        if not asked:
+            continue
+        asked_at.append(step)
+        num_first = sum(1 for seq_id in asked if seq_id not in asked_before)
+        if num_first:
+            policy.observe_first_asks(num_first, 1, 1 * MS + 0.1 * MS * num_first)
+        else:
+            policy.observe_drafting(1, 1 * MS)
+        for seq_id in asked:
+            asked_before.add(seq_id)
+            policy.record_draft(seq_id, 1, 0, num_requested=1)
+    assert asked_at and asked_at[0] == COST_REFRESH_PLANS - 1
+    assert policy.draft_cost.fit()[0] < 10 * MS
+    assert len(asked_at) > 10  # once the estimate is right, new requests are probed again
+
+
+def test_a_cheap_round_trip_with_first_asks_corrects_the_steady_estimate() -> None:
+    """A round trip carrying first asks costs at least a steady one: one that took less
+    shows the steady estimate too high."""
+    policy = policy_with_cost(1 * MS, 1 * MS, draft_s=4 * MS)
+    policy.observe_first_asks(1, 1, 1.2 * MS)
+    assert policy.draft_cost.fit()[0] < 4 * MS
+    steady_before = policy.draft_cost.fit()
+    policy.observe_first_asks(1, 1, 30 * MS)  # dear: only the first-ask estimate takes it
+    assert policy.draft_cost.fit() == steady_before
 
 
 def test_a_drafter_that_proposes_nothing_stops_being_asked() -> None:

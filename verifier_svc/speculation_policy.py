@@ -66,6 +66,15 @@ step's throughput the first probe is priced as the others are, what the first as
 included (EAGLE-3 at eight requests: such a round trip ~6 ms against a 14 ms step, steps
 with first probes ran at 63-67% of plain ones' tokens/s, and on / off was 0.92-0.95x).
 
+The drafter's costs are measured only by asking, so prices can lock themselves in: at
+eight requests one run's round-trip estimate came out of its first few round trips at 4.0
+ms (1.0-1.4 in other runs), that made every probe and first ask dear, and for the rest of
+the run nobody was asked and the estimate stayed 4.0 ms (on / off 0.991x, one draft token,
+where a run with the estimate right drafted on 35% of its steps). So after COST_REFRESH_PLANS plans without an ask, one
+sequence is asked anyway (at eight requests ~0.02% of the throughput) and its round trip
+replaces the estimate; and a round trip with first asks that was cheaper than the steady
+estimate corrects it.
+
 Measured on a 2-core CPU with the default model: one request's extra verified token costs
 ~10% of its step (a probe every 16 steps: ~0.6%, the wait stays 16), but at eight
 requests whose step is compute-bound an extra token costs ~9% of the whole batch's step,
@@ -105,6 +114,10 @@ HOPEFUL_RATE = 0.9
 # ~1 token at sixteen requests here; EAGLE-3's, its hidden states and three passes of its
 # head, ~3 at eight.
 FREE_FIRST_ASK_TOKENS = 2.0
+# Plans without any ask after which one sequence is asked anyway, whatever the plan's
+# prices: the drafter's cost is measured only by asking, and a high estimate that stops
+# every ask would never be corrected (see the module docstring).
+COST_REFRESH_PLANS = 2 * MAX_PROBE_INTERVAL
 
 
 @dataclass(slots=True)
@@ -205,6 +218,8 @@ class SpeculationPolicy:
         # draft is recorded (a batch where nobody drafts) a plan reuses them.
         self._rates: dict[int, tuple[int, int, list[float]]] = {}
         self._num_plans = 0
+        self._last_ask_plan = 0  # the last plan that asked the drafter for anyone
+        self._draft_cost_stale = False  # a refresh asked: the next round trip replaces the fit
         self.verify_cost = VerifyCostModel()
         self.draft_cost = LinearCostModel(0.0)   # x: longest draft asked
         self.first_ask_cost = FirstAskCost()
@@ -237,13 +252,23 @@ class SpeculationPolicy:
         self.verify_cost.observe(num_tokens, num_drafting_seqs, seconds)
 
     def observe_drafting(self, max_draft_tokens: int, seconds: float) -> None:
+        if self._draft_cost_stale:  # re-measured after a spell without asks: start afresh
+            self.draft_cost, self._draft_cost_stale = LinearCostModel(0.0), False
         self.draft_cost.observe(max_draft_tokens, seconds)
 
     def observe_first_asks(self, num_first_asks: int, max_draft_tokens: int, seconds: float) -> None:
         """A round trip that carried `num_first_asks` sequences' first ask (their whole
         context), kept apart from the steady drafting cost: what it took beyond a steady
-        round trip for the same longest draft is the first asks' share."""
-        self.first_ask_cost.observe(num_first_asks, seconds, self._steady_round_trip(max_draft_tokens))
+        round trip for the same longest draft is the first asks' share. One that took less
+        than the steady estimate shows that estimate too high, and counts as a steady one."""
+        if self._draft_cost_stale:
+            # Re-measured after a spell without asks: this round trip, at most a steady
+            # one's plus the first asks, replaces the estimate.
+            self.observe_drafting(max_draft_tokens, seconds)
+        steady = self._steady_round_trip(max_draft_tokens)
+        self.first_ask_cost.observe(num_first_asks, seconds, steady)
+        if seconds < steady:
+            self.draft_cost.observe(max_draft_tokens, seconds)
 
     def _steady_round_trip(self, max_draft_tokens: int) -> float:
         if not self.draft_cost.has_data:
@@ -390,7 +415,25 @@ class SpeculationPolicy:
 
         self._probe_idle(candidates, plan, affordable_wait, never_asked,
                          first_ask_is_dear=first_ask_round_trip * tokens_per_second > FREE_FIRST_ASK_TOKENS)
+        if any(plan.values()):
+            self._last_ask_plan = self._num_plans
+        elif self._num_plans - self._last_ask_plan >= COST_REFRESH_PLANS:
+            self._refresh_cost(candidates, plan, never_asked)
         return plan
+
+    def _refresh_cost(self, candidates: list[Candidate], plan: dict[int, int], never_asked: list[bool]) -> None:
+        """Plans one draft token for one sequence that may draft (one asked before, whose
+        round trip is a steady one, where there is one), so that the drafter's round trip is
+        timed again; that timing replaces the estimate no ask had confirmed for so long."""
+        allowed = [index for index, candidate in enumerate(candidates) if candidate.max_tokens > 0]
+        if not allowed:
+            return
+        index = min(allowed, key=lambda index: never_asked[index])  # False (asked before) first
+        seq_id = candidates[index].seq_id
+        plan[seq_id] = 1
+        self._idle_steps[seq_id] = 0
+        self._last_ask_plan = self._num_plans
+        self._draft_cost_stale = True
 
     def _probe_idle(self, candidates: list[Candidate], plan: dict[int, int],
                     affordable_wait: Callable[[int], int], never_asked: list[bool],
