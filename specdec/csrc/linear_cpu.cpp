@@ -31,7 +31,7 @@
 // the next chunk into L2. At 8-16 rows a core multiplies about as fast as it can stream, and
 // without the prefetch the reads and the multiply-adds took turns. Measured on the default
 // model (2 cores, the two walks alternated in one process, weights from DRAM): the 121
-// matrices at 8 / 10 / 16 / 20 rows 0.97-1.20x / 1.04-1.23x / 1.04-1.30x / 1.06-1.24x in bf16,
+// matrices at 8 / 10 / 16 / 20 rows 0.97-1.20x / 1.04-1.23x / 1.11-1.30x / 1.09-1.24x in bf16,
 // 1.11-1.17x with int8 weights; the decoder stack and LM head at context 200, 8 sequences
 // 0.97-1.32x, 16 sequences 1.10-1.16x (more where the memory reads are slow at the time). A
 // prefetch into L1 gained nothing; below 8 rows the chunked walk lost (4-6 rows 0.88-0.96x),
