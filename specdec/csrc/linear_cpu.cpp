@@ -244,30 +244,33 @@ struct BlockOutput {
   }
 };
 
-// Columns [n, n + 32) of the MR input rows at x, from their packed block ([pairs, 32, kPair]),
-// times `scales` (int8 weights; else nullptr) plus `bias` (or nullptr). Each output lane sums
-// its products in input order in one fp32 register lane.
+// One tile's sums over pair rows [0, pairs) of a chunk at w, carried in `acc` (2 * MR
+// vectors: each row's lo then hi) from the chunk before; `last_odd`: K is odd and the chunk
+// ends the block, so its last pair row holds the final element alone. While summing, the
+// next chunk's lines are prefetched (`ahead`, or nullptr), `lines_per_step` a pair row.
 template <typename Ops, int MR>
-inline void block_rows(const Ops& ops, const typename Ops::W* block, const typename Ops::T* x,
-                       const float* scales, const typename Ops::T* bias, typename Ops::T* out, int64_t K,
-                       int64_t N, int64_t n) {
-  using T = typename Ops::T;
+inline void tile_chunk(const Ops& ops, const typename Ops::W* w, const typename Ops::T* x, int64_t K,
+                       int64_t p0, int64_t pairs, bool last_odd, __m512* acc, const char* ahead,
+                       int64_t lines_per_step) {
   using Vec = typename Ops::Vec;
   constexpr int64_t kPair = Ops::kPair;
   __m512 lo[MR], hi[MR];
-  for (int m = 0; m < MR; ++m) lo[m] = hi[m] = _mm512_setzero_ps();
-  const int64_t full_pairs = K / kPair;
-  const typename Ops::W* w = block;
+  for (int m = 0; m < MR; ++m) lo[m] = acc[2 * m], hi[m] = acc[2 * m + 1];
   Vec w0, w1;
-  for (int64_t p = 0; p < full_pairs; ++p, w += Ops::kRowElements) {
+  const int64_t full = last_odd ? pairs - 1 : pairs;
+  for (int64_t p = 0; p < full; ++p, w += Ops::kRowElements) {
+    if (ahead != nullptr) {
+      for (int64_t line = 0; line < lines_per_step; ++line) _mm_prefetch(ahead + line * 64, _MM_HINT_T1);
+      ahead += lines_per_step * 64;
+    }
     ops.load_row(w, w0, w1);
     for (int m = 0; m < MR; ++m) {
-      const Vec b = Ops::broadcast(x + m * K + p * kPair);
+      const Vec b = Ops::broadcast(x + m * K + (p0 + p) * kPair);
       lo[m] = Ops::dot(lo[m], w0, b);
       hi[m] = Ops::dot(hi[m], w1, b);
     }
   }
-  if (full_pairs * kPair < K) {
+  if (last_odd) {
     ops.load_row(w, w0, w1);
     for (int m = 0; m < MR; ++m) {
       const Vec b = Ops::broadcast_last(x + m * K + K - 1);
@@ -275,8 +278,23 @@ inline void block_rows(const Ops& ops, const typename Ops::W* block, const typen
       hi[m] = Ops::dot(hi[m], w1, b);
     }
   }
+  for (int m = 0; m < MR; ++m) acc[2 * m] = lo[m], acc[2 * m + 1] = hi[m];
+}
+
+// Columns [n, n + 32) of the MR input rows at x, from their packed block ([pairs, 32, kPair]),
+// times `scales` (int8 weights; else nullptr) plus `bias` (or nullptr): the whole block as
+// one chunk. Each output lane sums its products in input order in one fp32 register lane.
+template <typename Ops, int MR>
+inline void block_rows(const Ops& ops, const typename Ops::W* block, const typename Ops::T* x,
+                       const float* scales, const typename Ops::T* bias, typename Ops::T* out, int64_t K,
+                       int64_t N, int64_t n) {
+  constexpr int64_t kPair = Ops::kPair;
+  __m512 acc[2 * MR];
+  for (int i = 0; i < 2 * MR; ++i) acc[i] = _mm512_setzero_ps();
+  const int64_t pairs = (K + kPair - 1) / kPair;
+  tile_chunk<Ops, MR>(ops, block, x, K, 0, pairs, pairs * kPair > K, acc, nullptr, 0);
   const BlockOutput<Ops> output(scales, bias, N, n);
-  for (int m = 0; m < MR; ++m) output.store(lo[m], hi[m], out + m * N + n);
+  for (int m = 0; m < MR; ++m) output.store(acc[2 * m], acc[2 * m + 1], out + m * N + n);
 }
 
 // One call's operands, read once for every thread's walk.
@@ -336,43 +354,6 @@ void plain_walk(const Operands<Ops>& a, int64_t begin, int64_t end) {
 constexpr int64_t kChunkPairs = 64;
 // Rows from which the chunked walk pays (see the top of the file).
 constexpr int64_t kChunkMinRows = 8;
-
-// One tile's sums over pair rows [0, pairs) of a chunk at w, carried in `acc` (2 * MR
-// vectors: each row's lo then hi) from the chunk before; `last_odd`: K is odd and the chunk
-// ends the block, so its last pair row holds the final element alone. While summing, the
-// next chunk's lines are prefetched (`ahead`, or nullptr), `lines_per_step` a pair row.
-template <typename Ops, int MR>
-inline void tile_chunk(const Ops& ops, const typename Ops::W* w, const typename Ops::T* x, int64_t K,
-                       int64_t p0, int64_t pairs, bool last_odd, __m512* acc, const char* ahead,
-                       int64_t lines_per_step) {
-  using Vec = typename Ops::Vec;
-  constexpr int64_t kPair = Ops::kPair;
-  __m512 lo[MR], hi[MR];
-  for (int m = 0; m < MR; ++m) lo[m] = acc[2 * m], hi[m] = acc[2 * m + 1];
-  Vec w0, w1;
-  const int64_t full = last_odd ? pairs - 1 : pairs;
-  for (int64_t p = 0; p < full; ++p, w += Ops::kRowElements) {
-    if (ahead != nullptr) {
-      for (int64_t line = 0; line < lines_per_step; ++line) _mm_prefetch(ahead + line * 64, _MM_HINT_T1);
-      ahead += lines_per_step * 64;
-    }
-    ops.load_row(w, w0, w1);
-    for (int m = 0; m < MR; ++m) {
-      const Vec b = Ops::broadcast(x + m * K + (p0 + p) * kPair);
-      lo[m] = Ops::dot(lo[m], w0, b);
-      hi[m] = Ops::dot(hi[m], w1, b);
-    }
-  }
-  if (last_odd) {
-    ops.load_row(w, w0, w1);
-    for (int m = 0; m < MR; ++m) {
-      const Vec b = Ops::broadcast_last(x + m * K + K - 1);
-      lo[m] = Ops::dot(lo[m], w0, b);
-      hi[m] = Ops::dot(hi[m], w1, b);
-    }
-  }
-  for (int m = 0; m < MR; ++m) acc[2 * m] = lo[m], acc[2 * m + 1] = hi[m];
-}
 
 // Blocks [begin, end) in chunks of kChunkPairs pair rows, every tile (as plain_walk's)
 // taking a chunk in turn while the first prefetches the next chunk: the same sums in the
