@@ -43,9 +43,10 @@ from typing import Any
 
 import torch
 
-from specdec.bench_serve_requests import SHIPPED_DATASETS, BenchRequest, load_requests
 from drafter_svc.server import stop_drafter_server
+from gateway.chat import render_chat_prompt, tokenize_prompt
 from specdec.bench import start_engine
+from specdec.bench_serve_requests import SHIPPED_DATASETS, BenchRequest, load_requests
 from specdec.cli import add_engine_args, add_logging_args, add_model_args, setup_logging
 from specdec.config import SpeculativeConfig
 from specdec.errors import ConfigError
@@ -103,15 +104,14 @@ def _ratio(on: Rate, off: Rate) -> float | None:
     return on.tokens_per_s / off.tokens_per_s
 
 
-def by_batch_size(timed: list[tuple[StepRecord, float]]) -> tuple[float | None, list[dict[str, Any]]]:
-    """The decode steps' on / off ratio per batch size, and their mean weighted by the time
+def by_batch_size(decode: list[tuple[StepRecord, float]]) -> tuple[float | None, list[dict[str, Any]]]:
+    """The decode steps' (`decode`) on / off ratio per batch size, and their mean weighted by the time
     spent at each size (sizes where either setting ran fewer than MIN_STEPS_PER_SIZE steps
     are left out)."""
     sizes: dict[int, dict[bool, list[tuple[StepRecord, float]]]] = {}
-    for record, seconds in timed:
-        if record.num_prefill_tokens == 0:
-            sizes.setdefault(record.num_sequences, {True: [], False: []})[record.speculation_enabled].append(
-                (record, seconds))
+    for record, seconds in decode:
+        sizes.setdefault(record.num_sequences, {True: [], False: []})[record.speculation_enabled].append(
+            (record, seconds))
     rows, weighted, total = [], 0.0, 0.0
     for size in sorted(sizes):
         on, off = _rate(sizes[size][True]), _rate(sizes[size][False])
@@ -155,11 +155,10 @@ def paired_periods(timed: list[tuple[StepRecord, float]], seed: int = 0) -> dict
                      round(math.exp(means[int(0.975 * BOOTSTRAP_SAMPLES) - 1]), 4)]}
 
 
-def at_common_size(timed: list[tuple[StepRecord, float]]) -> dict[str, Any] | None:
-    """At the batch size most decode steps ran: off's steps, on's steps that drafted nothing
-    (what being on costs by itself: the plan) and on's steps that drafted (what drafts
-    bring), each with tokens/s and tokens a step."""
-    decode = [(record, seconds) for record, seconds in timed if record.num_prefill_tokens == 0]
+def at_common_size(decode: list[tuple[StepRecord, float]]) -> dict[str, Any] | None:
+    """At the batch size most decode steps (`decode`) ran: off's steps, on's steps that
+    drafted nothing (what being on costs by itself: the plan) and on's steps that drafted
+    (what drafts bring), each with tokens/s and tokens a step."""
     if not decode:
         return None
     size = statistics.mode(record.num_sequences for record, _ in decode)
@@ -178,17 +177,18 @@ def at_common_size(timed: list[tuple[StepRecord, float]]) -> dict[str, Any] | No
 
 def summarise(records: Seq[StepRecord], seed: int = 0) -> dict[str, Any]:
     timed = list(zip(records, step_seconds(records)))
+    decode = [t for t in timed if t[0].num_prefill_tokens == 0]
     summary: dict[str, Any] = {}
-    for name, items in (("all_steps", timed), ("decode_steps", [t for t in timed if t[0].num_prefill_tokens == 0])):
+    for name, items in (("all_steps", timed), ("decode_steps", decode)):
         on = _rate([t for t in items if t[0].speculation_enabled])
         off = _rate([t for t in items if not t[0].speculation_enabled])
         ratio = _ratio(on, off)
         summary[name] = {"off": rate_fields(off), "on": rate_fields(on),
                          "on_over_off": None if ratio is None else round(ratio, 4)}
-    ratio, sizes = by_batch_size(timed)
+    ratio, sizes = by_batch_size(decode)
     summary["by_batch_size"] = {"on_over_off": None if ratio is None else round(ratio, 4), "sizes": sizes}
     summary["paired_periods"] = paired_periods(timed, seed)
-    summary["at_common_size"] = at_common_size(timed)
+    summary["at_common_size"] = at_common_size(decode)
     return summary
 
 
@@ -258,12 +258,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _prompt_ids(request: BenchRequest, tokenizer: Any) -> list[int]:
+    """The ids the gateway would give the verifier for this request."""
     if request.messages is not None:
-        return tokenizer.apply_chat_template(request.messages, add_generation_prompt=True, tokenize=True,
-                                             return_dict=False)
-    if isinstance(request.prompt, list):
-        return list(request.prompt)
-    return tokenizer.encode(request.prompt)
+        return render_chat_prompt(tokenizer, request.messages)
+    return tokenize_prompt(tokenizer, request.prompt)
 
 
 async def _serve(engine: Engine, prompts: list[list[int]], params: SamplingParams, concurrency: int) -> None:
