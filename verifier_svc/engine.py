@@ -389,12 +389,12 @@ class Engine:
         seconds = time.perf_counter() - started
         if self.metrics is not None:
             self.metrics.observe_round_trip(seconds)
-        if self.policy is not None and not num_first_asks:
-            self.policy.observe_drafting(max(request.num_speculative_tokens for request in requests),
-                                         seconds)
-        elif self.policy is not None:  # priced apart: for EAGLE a first ask is dear
-            self.policy.observe_first_asks(num_first_asks,
-                                           max(request.num_speculative_tokens for request in requests), seconds)
+        if self.policy is not None:
+            longest = max(request.num_speculative_tokens for request in requests)
+            if num_first_asks:  # priced apart: for EAGLE a first ask is dear
+                self.policy.observe_first_asks(num_first_asks, longest, seconds)
+            else:
+                self.policy.observe_drafting(longest, seconds)
         return drafts
 
     def _build_inputs(self, scheduled: list[ScheduledSequence], drafts: dict[int, Draft],

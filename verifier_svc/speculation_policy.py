@@ -70,10 +70,10 @@ The drafter's costs are measured only by asking, so prices can lock themselves i
 eight requests one run's round-trip estimate came out of its first few round trips at 4.0
 ms (1.0-1.4 in other runs), that made every probe and first ask dear, and for the rest of
 the run nobody was asked and the estimate stayed 4.0 ms (on / off 0.991x, one draft token,
-where a run with the estimate right drafted on 35% of its steps). So after COST_REFRESH_PLANS plans without an ask, one
-sequence is asked anyway (at eight requests ~0.02% of the throughput) and its round trip
-replaces the estimate; and a round trip with first asks that was cheaper than the steady
-estimate corrects it.
+where a run with the estimate right drafted on 35% of its steps). So after
+COST_REFRESH_PLANS plans without an ask, one sequence is asked anyway (at eight requests
+~0.02% of the throughput) and its round trip replaces the estimate; and a round trip with
+first asks that was cheaper than the steady estimate corrects it.
 
 Measured on a 2-core CPU with the default model: one request's extra verified token costs
 ~10% of its step (a probe every 16 steps: ~0.6%, the wait stays 16), but at eight
@@ -271,9 +271,7 @@ class SpeculationPolicy:
             self.draft_cost.observe(max_draft_tokens, seconds)
 
     def _steady_round_trip(self, max_draft_tokens: int) -> float:
-        if not self.draft_cost.has_data:
-            return 0.0
-        base, per_token = self.draft_cost.fit()
+        base, per_token = self.draft_cost.fit()  # (0, 0) with no data
         return base + per_token * max_draft_tokens
 
     def first_ask_costs(self) -> tuple[float, float]:
