@@ -97,16 +97,26 @@ def test_fp32_is_close_to_exact_on_a_long_decode() -> None:
     assert (output - reference).abs().max().item() < 1e-5
 
 
+# (num_heads, num_kv_heads, head_dim): the default model's, then other query heads per KV
+# head and head sizes, so that a window's rows go in blocks of every size the kernel uses
+# (1 to 6 rows for head_dim 64, 1 to 4 for the others; 32 takes the any-size path).
+INVARIANCE_SHAPES = [(9, 3, 64), (8, 2, 64), (4, 4, 64), (10, 2, 64), (8, 2, 128), (6, 3, 32)]
+
+
+@pytest.mark.parametrize("num_heads,num_kv_heads,head_dim", INVARIANCE_SHAPES)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
-def test_a_verify_window_attends_as_one_token_decodes_would(dtype: torch.dtype) -> None:
+def test_a_verify_window_attends_as_one_token_decodes_would(dtype: torch.dtype, num_heads: int,
+                                                            num_kv_heads: int, head_dim: int) -> None:
     """Row invariance over a long context: each token of a verify window whose context crosses
     the kernel's chunk boundaries gets bit for bit what decoding it alone would, which is
-    what keeps greedy speculation identical to plain decoding."""
+    what keeps greedy speculation identical to plain decoding. The kernel takes a window's
+    rows (tokens x query heads per KV head) in blocks whose size depends on the window's
+    length, so this also holds each row to the same bits in every block size."""
     kernel = load_extension()
-    backend = CpuPagedAttention(kernel, 9, 3, 64)
+    backend = CpuPagedAttention(kernel, num_heads, num_kv_heads, head_dim)
     cached_len, window = 509, 6  # the window's contexts end on both sides of position 512
-    inputs, key_cache, value_cache = build_batch(9, 3, 64, 16, [(cached_len, window)], dtype, torch.int64,
-                                                 seed=11)
+    inputs, key_cache, value_cache = build_batch(num_heads, num_kv_heads, head_dim, 16, [(cached_len, window)],
+                                                 dtype, torch.int64, seed=11)
     metadata = inputs["metadata"]
     together = backend.forward(inputs["query"], inputs["key"], inputs["value"], key_cache.clone(),
                                value_cache.clone(), metadata)
