@@ -30,6 +30,7 @@ import torch
 
 from drafter_svc.proposer import ModelOptions
 from drafter_svc.server import start_drafter_server, stop_drafter_server
+from gateway.chat import render_chat_prompt
 from specdec.cli import add_engine_args, add_logging_args, add_model_args
 from specdec.config import SpeculativeConfig
 from specdec.device import resolve_device, resolve_dtype
@@ -137,9 +138,7 @@ async def _bench(args: argparse.Namespace) -> list[dict[str, object]]:
     rows: list[dict[str, object]] = []
     try:
         for name in args.prompt or sorted(PROMPTS):
-            prompt_ids = tokenizer.apply_chat_template(
-                [{"role": "user", "content": PROMPTS[name]}], add_generation_prompt=True,
-                tokenize=True, return_dict=False)
+            prompt_ids = render_chat_prompt(tokenizer, [{"role": "user", "content": PROMPTS[name]}])
             await _generate(engine, prompt_ids, 8, 0)  # warm-up
             runs: dict[str, list[RunResult]] = {"plain": [], spec.method: []}
             for _ in range(args.repeats):
@@ -242,8 +241,7 @@ def _aggregate(name: str, method: str, temperature: float, plain: list[RunResult
 async def _bench_drafts(args: argparse.Namespace) -> list[dict[str, object]]:
     model_dir = resolve_model(args.model)
     tokenizer = load_tokenizer(model_dir)
-    prompts = [tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True,
-                                             tokenize=True, return_dict=False)
+    prompts = [render_chat_prompt(tokenizer, [{"role": "user", "content": text}])
                for text in _prompt_texts(args.prompts, args.num_prompts)]
     temperatures = [float(t) for t in args.temperatures.split(",")]
     rows: list[dict[str, object]] = []

@@ -28,6 +28,7 @@ from typing import Any
 
 import torch
 
+from gateway.chat import render_chat_prompt
 from specdec.bench import PROMPTS
 from specdec.bench_compare_report import format_table, summarise
 from specdec.bench_compare_systems import (LLAMA_CPP_MISSING, Generation, LlamaCppSystem,
@@ -286,9 +287,8 @@ async def _compare(args: argparse.Namespace) -> tuple[dict[str, Any], int]:
     model_dir = resolve_model(args.model)
     tokenizer = load_tokenizer(model_dir)
     prompt_names = args.prompt or list(COMPARE_PROMPTS)
-    prompts = {name: tokenizer.apply_chat_template(
-        [{"role": "user", "content": COMPARE_PROMPTS[name]}], add_generation_prompt=True,
-        tokenize=True, return_dict=False) for name in prompt_names}
+    prompts = {name: render_chat_prompt(tokenizer, [{"role": "user", "content": COMPARE_PROMPTS[name]}])
+               for name in prompt_names}
     max_model_len = args.max_model_len or min(
         2048, load_model_config(model_dir).max_position_embeddings)
     longest = max(len(ids) for ids in prompts.values()) + args.max_tokens + 1 + max(
