@@ -399,7 +399,7 @@ class SpeculationPolicy:
         ask_seconds = 0.0 if longest else (draft_base + draft_per_token) / max(1, num_idle)
         tokens_per_second = expected_tokens / seconds if seconds > 0 else 0.0
         token_cost = verify_slope * tokens_per_second  # one more verified token, in tokens
-
+        hopeful_shares: dict[int, float] = {}  # by draft cap: the same for every sequence
 
         def affordable_wait(index: int) -> int:
             """The wait that keeps candidate `index`'s share of the probes within budget (a
@@ -408,8 +408,11 @@ class SpeculationPolicy:
             if never_asked[index]:
                 probe_seconds += first_ask_seconds
             loss = probe_seconds * tokens_per_second - proposing[index] * rates[index][0]
-            budget = PROBE_BUDGET * _hopeful_share(candidates[index].max_tokens, token_cost)
-            return _affordable_wait(loss, num_idle, budget * expected_tokens)
+            max_tokens = candidates[index].max_tokens
+            share = hopeful_shares.get(max_tokens)
+            if share is None:
+                share = hopeful_shares[max_tokens] = _hopeful_share(max_tokens, token_cost)
+            return _affordable_wait(loss, num_idle, PROBE_BUDGET * share * expected_tokens)
 
         self._probe_idle(candidates, plan, affordable_wait, never_asked,
                          first_ask_is_dear=first_ask_round_trip * tokens_per_second > FREE_FIRST_ASK_TOKENS)
