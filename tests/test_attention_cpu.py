@@ -99,8 +99,9 @@ def test_fp32_is_close_to_exact_on_a_long_decode() -> None:
 
 # (num_heads, num_kv_heads, head_dim): the default model's, then other query heads per KV
 # head and head sizes, so that a window's rows go in blocks of every size the kernel uses
-# (1 to 6 rows for head_dim 64, 1 to 4 for the others; 32 takes the any-size path).
-INVARIANCE_SHAPES = [(9, 3, 64), (8, 2, 64), (4, 4, 64), (10, 2, 64), (8, 2, 128), (6, 3, 32)]
+# (1 to 6 rows for head_dim 64, 1 to 4 for the others; 96 and 40 take the any-size path, 40
+# with a tail past its whole vectors).
+INVARIANCE_SHAPES = [(9, 3, 64), (8, 2, 64), (4, 4, 64), (10, 2, 64), (8, 2, 128), (12, 4, 96), (4, 2, 40)]
 
 
 @pytest.mark.parametrize("num_heads,num_kv_heads,head_dim", INVARIANCE_SHAPES)

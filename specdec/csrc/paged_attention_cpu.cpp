@@ -135,17 +135,6 @@ inline void prefetch_row(const T* row, int64_t head_dim) {
 // [max score, sum of e^(score - max), sum of e^(score - max) * value row (head_dim floats)].
 inline int64_t partial_width(int64_t head_dim) { return head_dim + 2; }
 
-// A query row's dot product with one cached row of any head_dim, compiled once for every
-// block size (not inlined into each): the compiler picks the order of a vectorised sum, and
-// a row's bits must not depend on the block it went in.
-template <typename T>
-__attribute__((noinline)) float dot_row(const float* query, const T* key, int64_t head_dim) {
-  float sum = 0.f;
-#pragma omp simd reduction(+ : sum)
-  for (int64_t d = 0; d < head_dim; ++d) sum += query[d] * to_float(key[d]);
-  return sum;
-}
-
 // A row's scores over the `seen` positions it may see -> e^(score - their max), the rest up
 // to `block_seen` zeros; the max and the sum of the exponentials out. The sum goes in an
 // order written out (lane i of sixteen takes positions i, i + 16, ... in turn, the lanes then
@@ -191,23 +180,29 @@ void attend_block(const float* queries, int64_t r0, int64_t head_dim, int64_t gr
   for (int64_t p = 0; p < block_seen; ++p) {
     const T* k = key_cache + rows_at[p];
     if (p + kPrefetchAhead < block_seen) prefetch_row(key_cache + rows_at[p + kPrefetchAhead], head_dim);
-    if constexpr (kHeadDim > 0 && kHeadDim % 16 == 0) {
-      Float16 s[MR];
-      for (int b = 0; b < MR; ++b) s[b] = Float16{};
-      for (int64_t d = 0; d < kHeadDim; d += 16) {
-        const Float16 kd = load16(k + d);
-        for (int b = 0; b < MR; ++b) s[b] += load16(q[b] + d) * kd;
+    // Each row's products summed in sixteen lanes over whole vectors of head_dim, the lanes
+    // reduced by sum_lanes4's tree, then any tail in order: the same bits in every block.
+    constexpr bool kWhole = kHeadDim > 0 && kHeadDim % 16 == 0;
+    const int64_t vector_end = kWhole ? kHeadDim : head_dim / 16 * 16;
+    Float16 s[MR];
+    for (int b = 0; b < MR; ++b) s[b] = Float16{};
+    for (int64_t d = 0; d < vector_end; d += 16) {
+      const Float16 kd = load16(k + d);
+      for (int b = 0; b < MR; ++b) s[b] += load16(q[b] + d) * kd;
+    }
+    // Four rows' lanes reduced at once; a row's tree is the same in any group of four.
+    for (int b0 = 0; b0 < MR; b0 += 4) {
+      const Float16 zero{};
+      float sums[4];
+      sum_lanes4(s[b0], b0 + 1 < MR ? s[b0 + 1] : zero, b0 + 2 < MR ? s[b0 + 2] : zero,
+                 b0 + 3 < MR ? s[b0 + 3] : zero, sums);
+      for (int b = b0; b < MR && b < b0 + 4; ++b) w[b][p] = sums[b - b0];
+    }
+    if constexpr (!kWhole) {
+      for (int64_t d = vector_end; d < head_dim; ++d) {
+        const float kd = to_float(k[d]);
+        for (int b = 0; b < MR; ++b) w[b][p] += q[b][d] * kd;
       }
-      // Four rows' lanes reduced at once; a row's tree is the same in any group of four.
-      for (int b0 = 0; b0 < MR; b0 += 4) {
-        const Float16 zero{};
-        float sums[4];
-        sum_lanes4(s[b0], b0 + 1 < MR ? s[b0 + 1] : zero, b0 + 2 < MR ? s[b0 + 2] : zero,
-                   b0 + 3 < MR ? s[b0 + 3] : zero, sums);
-        for (int b = b0; b < MR && b < b0 + 4; ++b) w[b][p] = sums[b - b0];
-      }
-    } else {
-      for (int b = 0; b < MR; ++b) w[b][p] = dot_row(q[b], k, head_dim);
     }
   }
   // e^(score - the row's max over what it sees); what it may not see weighs zero.
