@@ -42,6 +42,14 @@ inline c10::BFloat16 from_float<c10::BFloat16>(float v) {
 template <typename T>
 inline float round_to(float v) { return to_float(from_float<T>(v)); }
 
+// `total` rows split into as few parts of at most `most` rows as can hold them, balanced
+// (17 rows in parts of at most 10: 9 + 8): how many parts, and part `index`'s rows, the
+// larger parts first. The linear tiles and the attention's row blocks split this way.
+inline int64_t num_balanced_parts(int64_t total, int64_t most) { return (total + most - 1) / most; }
+inline int64_t balanced_part(int64_t total, int64_t parts, int64_t index) {
+  return total / parts + (index < total % parts ? 1 : 0);
+}
+
 // e^x in plain arithmetic the compiler vectorises, unlike std::exp: x = n ln2 + r with
 // |r| <= ln2 / 2, e^r by its degree-7 Taylor polynomial (relative error below 2e-7, about
 // fp32's rounding), 2^n by building the exponent bits. x is clamped to [-87, 88] (e^-87 ~

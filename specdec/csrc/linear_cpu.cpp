@@ -324,12 +324,12 @@ template <typename Ops>
 void plain_walk(const Operands<Ops>& a, int64_t begin, int64_t end) {
   const Ops ops;
   const int64_t M = a.M, K = a.K, N = a.N;
-  const int64_t tiles = (M + kTileRows - 1) / kTileRows;
+  const int64_t tiles = num_balanced_parts(M, kTileRows);
   for (int64_t block = begin; block < end; ++block) {
     const auto* wb = a.w + block * a.block_elements;
     const int64_t n = block * kBlockColumns;
     for (int64_t tile = 0, m = 0; tile < tiles; ++tile) {
-      const int64_t rows = M / tiles + (tile < M % tiles ? 1 : 0);
+      const int64_t rows = balanced_part(M, tiles, tile);
       const auto* xm = a.x + m * K;
       auto* ym = a.out + m * N;
       switch (rows) {
@@ -362,7 +362,7 @@ template <typename Ops>
 void chunked_walk(const Operands<Ops>& a, int64_t begin, int64_t end) {
   const Ops ops;
   const int64_t M = a.M, K = a.K, N = a.N;
-  const int64_t tiles = (M + kTileRows - 1) / kTileRows;
+  const int64_t tiles = num_balanced_parts(M, kTileRows);
   const bool odd = a.pairs_per_block * Ops::kPair > K;
   constexpr int64_t kRowBytes = static_cast<int64_t>(sizeof(typename Ops::W)) * Ops::kRowElements;
   constexpr int64_t kLinesPerStep = (kRowBytes + 63) / 64;
@@ -378,7 +378,7 @@ void chunked_walk(const Operands<Ops>& a, int64_t begin, int64_t end) {
       const char* ahead = reinterpret_cast<const char*>(chunk) + kChunkPairs * kRowBytes;
       if (ahead >= range_end) ahead = nullptr;  // this thread's last chunk
       for (int64_t tile = 0, m = 0; tile < tiles; ++tile) {
-        const int64_t rows = M / tiles + (tile < M % tiles ? 1 : 0);
+        const int64_t rows = balanced_part(M, tiles, tile);
         const auto* xm = a.x + m * K;
         const char* prefetch = tile == 0 ? ahead : nullptr;
         __m512* sums = acc + 2 * m;

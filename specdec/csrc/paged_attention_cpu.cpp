@@ -174,6 +174,8 @@ void attend_block(const float* queries, int64_t r0, int64_t head_dim, int64_t gr
                   const int64_t* row_seen, float* weights, int64_t chunk_len, int64_t num_heads,
                   int64_t kv_head, float* partials) {
   const int64_t width = partial_width(head_dim);
+  // head_dim a compiled-in multiple of 16: whole vectors only, the value sums in registers.
+  constexpr bool kWhole = kHeadDim > 0 && kHeadDim % 16 == 0;
   const float* q[MR];
   float* w[MR];
   for (int b = 0; b < MR; ++b) q[b] = queries + (r0 + b) * head_dim, w[b] = weights + b * chunk_len;
@@ -182,7 +184,6 @@ void attend_block(const float* queries, int64_t r0, int64_t head_dim, int64_t gr
     if (p + kPrefetchAhead < block_seen) prefetch_row(key_cache + rows_at[p + kPrefetchAhead], head_dim);
     // Each row's products summed in sixteen lanes over whole vectors of head_dim, the lanes
     // reduced by sum_lanes4's tree, then any tail in order: the same bits in every block.
-    constexpr bool kWhole = kHeadDim > 0 && kHeadDim % 16 == 0;
     const int64_t vector_end = kWhole ? kHeadDim : head_dim / 16 * 16;
     Float16 s[MR];
     for (int b = 0; b < MR; ++b) s[b] = Float16{};
@@ -217,7 +218,7 @@ void attend_block(const float* queries, int64_t r0, int64_t head_dim, int64_t gr
     dst[1] = totals[b];
     std::memcpy(dst + 2, sums, head_dim * sizeof(float));
   };
-  if constexpr (kHeadDim > 0 && kHeadDim % 16 == 0) {
+  if constexpr (kWhole) {
     constexpr int64_t kVecs = kHeadDim / 16;
     Float16 acc[MR][kVecs];
     for (int b = 0; b < MR; ++b)
@@ -302,9 +303,9 @@ void attend_chunk(const T* query, int64_t query_token_stride, int64_t query_head
     return std::max<int64_t>(0, std::min(chunk_len, first_query_position + r / group + 1 - chunk_start));
   };
   constexpr int64_t kMax = max_row_block<kHeadDim>();
-  const int64_t num_blocks = (rows + kMax - 1) / kMax;
+  const int64_t num_blocks = num_balanced_parts(rows, kMax);
   for (int64_t block = 0, r0 = 0; block < num_blocks; ++block) {
-    const int64_t mr = rows / num_blocks + (block < rows % num_blocks ? 1 : 0);
+    const int64_t mr = balanced_part(rows, num_blocks, block);
     int64_t row_seen[kMaxRowBlock];
     for (int64_t b = 0; b < mr; ++b) row_seen[b] = seen(r0 + b);
     const int64_t block_seen = row_seen[mr - 1];  // the block's last row sees most
