@@ -354,6 +354,58 @@ def test_a_new_sequence_is_probed_early_wherever_probes_are_dear() -> None:
     assert not any(any(plan.values()) for plan in later)
 
 
+def first_probe_steps(policy: SpeculationPolicy, num_slots: int, lifetime: int, num_steps: int,
+                      ) -> tuple[dict[int, tuple[int, int]], list[int]]:
+    """Runs `num_slots` request slots, each request living `lifetime` steps, slot i's first
+    starting at step i * lifetime / num_slots (requests arrive evenly). Returns per request
+    (arrival step, first probe step) and the steps that asked the drafter for first probes
+    alone; every ask proposes one rejected token."""
+    first_probe: dict[int, tuple[int, int]] = {}
+    lone_first_probe_steps: list[int] = []
+    for step in range(num_steps):
+        candidates = []
+        for slot in range(num_slots):
+            offset = step - slot * lifetime // num_slots
+            if offset >= 0:
+                seq_id = slot * 1000 + offset // lifetime
+                candidates.append(Candidate(seq_id, 3))
+                first_probe.setdefault(seq_id, (step - offset % lifetime, -1))
+        asked = [seq_id for seq_id, k in policy.plan(candidates).items() if k]
+        if asked and all(first_probe[seq_id][1] < 0 for seq_id in asked):
+            lone_first_probe_steps.append(step)
+        for seq_id in asked:
+            if first_probe[seq_id][1] < 0:
+                first_probe[seq_id] = (first_probe[seq_id][0], step)
+            policy.record_draft(seq_id, 1, 0, num_requested=1)
+    return first_probe, lone_first_probe_steps
+
+
+def test_frequent_new_sequences_share_their_first_probes_round_trips() -> None:
+    """Sixteen requests of 128 steps, a new one every 8 steps, a 1.2 ms round trip against a
+    20 ms step (~6%). First probes on every FIRST_PROBE_INTERVAL-th step would ask the
+    drafter for them alone on ~1 step in 8, ~0.7% of the throughput; they keep to every
+    PROBE_INTERVAL-th step instead, and each new sequence is still probed."""
+    policy = policy_with_cost(4 * MS, 1 * MS, draft_s=1.2 * MS)
+    for seq_id in range(100_000, 100_016):
+        teach(policy, seq_id, num_drafts=30, k=3, num_accepted=0)  # engine-wide rates: low
+    first_probe, lone_steps = first_probe_steps(policy, num_slots=16, lifetime=128, num_steps=8 * 128)
+    settled = [step for step in lone_steps if step >= 2 * 128]
+    assert settled and all((step + 1) % PROBE_INTERVAL == 0 for step in settled)
+    waits = [probed - arrived for arrived, probed in first_probe.values() if arrived >= 2 * 128 and probed >= 0]
+    assert len(waits) >= 5 * 16 and max(waits) < FIRST_PROBE_INTERVAL + PROBE_INTERVAL
+
+
+def test_one_request_at_a_time_is_probed_after_the_back_off() -> None:
+    """Requests one after another arrive on ~1% of the steps: a round trip for each one's
+    first probe is cheap over the run, so none waits beyond FIRST_PROBE_INTERVAL."""
+    policy = policy_with_cost(10 * MS, 0.2 * MS, draft_s=1.2 * MS)
+    for seq_id in range(100_000, 100_004):
+        teach(policy, seq_id, num_drafts=30, k=3, num_accepted=0)
+    first_probe, _ = first_probe_steps(policy, num_slots=1, lifetime=100, num_steps=6 * 100)
+    waits = [probed - arrived for arrived, probed in first_probe.values()]
+    assert len(waits) == 6 and max(waits) < 2 * FIRST_PROBE_INTERVAL
+
+
 @pytest.mark.parametrize(("first_ask_s", "probed_early"), [(1.2 * MS, True), (6 * MS, False)])
 def test_a_new_sequences_first_probe_is_priced_where_asking_is_dear(first_ask_s: float,
                                                                    probed_early: bool) -> None:

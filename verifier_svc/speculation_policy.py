@@ -45,7 +45,13 @@ a bad start (a repeat prompt whose first drafts miss) is back within a few steps
 one costs three extra probes in its life. Probes wait for a step that asks the drafter
 anyway, or for a step number divisible by the wait (a power of two): sequences that
 started at different times then probe together, and a batch where nobody drafts pays one
-drafter round trip per interval, not one per sequence per interval.
+drafter round trip per interval, not one per sequence per interval. New sequences' first
+probes keep to a grid too: every FIRST_PROBE_INTERVAL-th step while new sequences are rare,
+coarser (up to PROBE_INTERVAL) where they arrive so often that the round trips asked for
+first probes alone would cost more than FIRST_PROBE_ASK_BUDGET of the throughput. At
+sixteen requests here a request arrived every ~7 steps, and 32-37 steps of a 144-request
+run asked the drafter only for first probes, losing 25-63 tokens net (~1%); on a grid of
+PROBE_INTERVAL, 4 such steps lost 3.
 
 Probes are exploration, paid for in throughput, and where verification is dear they are
 spaced further. A probe's expected loss, in tokens of the planned step's throughput, is its
@@ -109,6 +115,12 @@ MAX_PROBE_INTERVAL = 256
 # The acceptance of a passage the drafter predicts well: what a probe may find. The budget
 # shrinks with the share of such a passage's gain that verifying its drafts would cost.
 HOPEFUL_RATE = 0.9
+# What the round trips made only for new sequences' first probes may cost together, as a
+# share of the throughput: past it first probes keep to a coarser grid of steps (up to
+# PROBE_INTERVAL), so more of them share a round trip.
+FIRST_PROBE_ASK_BUDGET = PROBE_BUDGET / 2
+# Per-plan forgetting of how often new sequences arrive.
+ARRIVAL_DECAY = 0.98
 # What a round trip carrying a first ask may cost, in tokens of the step's throughput, with
 # the sequence's first probe still unpriced: ngram's, its context's token ids and a lookup,
 # ~1 token at sixteen requests here; EAGLE-3's, its hidden states and three passes of its
@@ -187,6 +199,22 @@ def _affordable_wait(loss: float, num_idle: int, budget_tokens: float) -> int:
     return wait
 
 
+def _first_probe_grid(arrival_rate: float, round_trip_share: float) -> int:
+    """The steps (a power of two from FIRST_PROBE_INTERVAL to PROBE_INTERVAL) whose numbers
+    new sequences' first probes keep to when no other draft asks the drafter.
+
+    `arrival_rate`: the share of recent plans that saw a new sequence; `round_trip_share`: a
+    round trip's time over a plain step's. On a grid of G steps a round trip made only for
+    first probes comes on about min(arrival_rate, 1 / G) of the steps: the grid is the
+    finest at which that costs at most FIRST_PROBE_ASK_BUDGET of the throughput. One request
+    at a time never waits beyond FIRST_PROBE_INTERVAL; at sixteen, where a request arrives
+    every ~8 steps and a round trip is ~6% of a step, the grid is PROBE_INTERVAL."""
+    grid = FIRST_PROBE_INTERVAL
+    while grid < PROBE_INTERVAL and round_trip_share * min(arrival_rate, 1.0 / grid) > FIRST_PROBE_ASK_BUDGET:
+        grid *= 2
+    return grid
+
+
 def _hopeful_share(max_tokens: int, token_cost: float) -> float:
     """What drafting up to `max_tokens` would net on a passage accepted at HOPEFUL_RATE, as
     a share of its expected tokens, when each verified token costs `token_cost` tokens: 1
@@ -218,6 +246,7 @@ class SpeculationPolicy:
         # draft is recorded (a batch where nobody drafts) a plan reuses them.
         self._rates: dict[int, tuple[int, int, list[float]]] = {}
         self._num_plans = 0
+        self._arrival_rate = 0.0  # the share of recent plans that saw a new sequence (decayed)
         self._last_ask_plan = 0  # the last plan that asked the drafter for anyone
         self._draft_cost_stale = False  # a refresh asked: the next round trip replaces the fit
         self.verify_cost = VerifyCostModel()
@@ -414,7 +443,10 @@ class SpeculationPolicy:
                 share = hopeful_shares[max_tokens] = _hopeful_share(max_tokens, token_cost)
             return _affordable_wait(loss, num_idle, PROBE_BUDGET * share * expected_tokens)
 
-        self._probe_idle(candidates, plan, affordable_wait, never_asked,
+        first_probe_round_trip = first_ask_round_trip or draft_base + draft_per_token
+        first_probe_grid = _first_probe_grid(
+            self._arrival_rate, first_probe_round_trip / plain_seconds if plain_seconds > 0 else 0.0)
+        self._probe_idle(candidates, plan, affordable_wait, never_asked, first_probe_grid,
                          first_ask_is_dear=first_ask_round_trip * tokens_per_second > FREE_FIRST_ASK_TOKENS)
         if any(plan.values()):
             self._last_ask_plan = self._num_plans
@@ -438,16 +470,18 @@ class SpeculationPolicy:
 
     def _probe_idle(self, candidates: list[Candidate], plan: dict[int, int],
                     affordable_wait: Callable[[int], int], never_asked: list[bool],
-                    first_ask_is_dear: bool) -> None:
+                    first_probe_grid: int, first_ask_is_dear: bool) -> None:
         """Plans one draft token for each sequence whose probe wait has passed, on a step
-        that asks the drafter anyway or whose number the wait divides. The wait is the
-        back-off's or, where probes are dear, `affordable_wait(candidate index)` (see the
-        module docstring), priced only once the back-off has passed and only for a sequence
-        asked for before, or for any while first asks are dear (`never_asked`: per
-        candidate)."""
+        that asks the drafter anyway or whose number the wait divides (for a never-asked
+        sequence's unpriced first probe, `first_probe_grid`). The wait is the back-off's or,
+        where probes are dear, `affordable_wait(candidate index)` (see the module docstring),
+        priced only once the back-off has passed and only for a sequence asked for before,
+        or for any while first asks are dear (`never_asked`: per candidate)."""
         asking = any(plan.values())
+        arrived = False
         for index, candidate in enumerate(candidates):
             seq_id = candidate.seq_id
+            arrived = arrived or seq_id not in self._idle_steps
             if plan[seq_id] > 0 or candidate.max_tokens == 0:
                 self._idle_steps[seq_id] = 0
                 if plan[seq_id] > 0:
@@ -462,11 +496,12 @@ class SpeculationPolicy:
             # other requests' rates, and whether a new request is predictable (a repeat
             # prompt among open ones) is worth one verified token to learn.
             if never_asked[index] and not first_ask_is_dear:
-                wait = backoff
+                wait, grid = backoff, first_probe_grid
             else:
-                wait = max(backoff, affordable_wait(index))
-            if idle >= wait and (asking or self._num_plans % wait == 0):
+                wait = grid = max(backoff, affordable_wait(index))
+            if idle >= wait and (asking or self._num_plans % grid == 0):
                 plan[seq_id] = 1
                 idle = 0
                 self._probe_waits[seq_id] = min(2 * wait, PROBE_INTERVAL)
             self._idle_steps[seq_id] = idle
+        self._arrival_rate = self._arrival_rate * ARRIVAL_DECAY + (1.0 - ARRIVAL_DECAY) * arrived
