@@ -397,7 +397,14 @@ class SpeculationPolicy:
             rates.append(seq_rates)
             proposing.append(self.proposal_rate(candidate.seq_id, engine_proposing))
             if candidate.max_tokens > 0:
-                heapq.heappush(heap, (-proposing[index] * seq_rates[0], index, 0))
+                gain = proposing[index] * seq_rates[0]
+                # A first draft that does not pay at the least it can cost never will (the
+                # plan's tokens per second only rise as drafts are added): left out of the heap.
+                least_cost = proposing[index] * (verify_slope + verify_per_seq)
+                if never_asked[index]:
+                    least_cost += first_ask_seconds
+                if gain * seconds > least_cost * expected_tokens:
+                    heapq.heappush(heap, (-gain, index, 0))
         longest = 0
         while heap:
             negative_gain, index, position = heapq.heappop(heap)
@@ -489,14 +496,17 @@ class SpeculationPolicy:
                 continue
             idle = self._idle_steps.get(seq_id, 0) + 1
             backoff = self._probe_waits.get(seq_id, FIRST_PROBE_INTERVAL)
-            if idle < backoff:  # no probe yet, whatever it would cost
+            if idle < backoff or not (asking or self._num_plans % backoff == 0):
+                # No probe yet, whatever it would cost: every wait below is a power of two
+                # from the back-off up, so a step number the back-off does not divide is
+                # divided by none of them (the probes' cost is priced on fewer plans).
                 self._idle_steps[seq_id] = idle
                 continue
             # A sequence never drafted for is probed at the back-off alone: its estimate is
             # other requests' rates, and whether a new request is predictable (a repeat
             # prompt among open ones) is worth one verified token to learn.
             if never_asked[index] and not first_ask_is_dear:
-                wait, grid = backoff, first_probe_grid
+                wait, grid = backoff, max(backoff, first_probe_grid)
             else:
                 wait = grid = max(backoff, affordable_wait(index))
             if idle >= wait and (asking or self._num_plans % grid == 0):
