@@ -51,7 +51,7 @@ coarser (up to PROBE_INTERVAL) where they arrive so often that the round trips a
 first probes alone would cost more than FIRST_PROBE_ASK_BUDGET of the throughput. At
 sixteen requests here a request arrived every ~7 steps, and 32-37 steps of a 144-request
 run asked the drafter only for first probes, losing 25-63 tokens net (~1%); on a grid of
-PROBE_INTERVAL, 4 such steps lost 3.
+PROBE_INTERVAL two runs had 4 and 15 such steps, losing 3 and 9.
 
 Probes are exploration, paid for in throughput, and where verification is dear they are
 spaced further. A probe's expected loss, in tokens of the planned step's throughput, is its
@@ -208,7 +208,7 @@ def _first_probe_grid(arrival_rate: float, round_trip_share: float) -> int:
     first probes comes on about min(arrival_rate, 1 / G) of the steps: the grid is the
     finest at which that costs at most FIRST_PROBE_ASK_BUDGET of the throughput. One request
     at a time never waits beyond FIRST_PROBE_INTERVAL; at sixteen, where a request arrives
-    every ~8 steps and a round trip is ~6% of a step, the grid is PROBE_INTERVAL."""
+    every ~7 steps and a round trip is ~6% of a step, the grid is PROBE_INTERVAL."""
     grid = FIRST_PROBE_INTERVAL
     while grid < PROBE_INTERVAL and round_trip_share * min(arrival_rate, 1.0 / grid) > FIRST_PROBE_ASK_BUDGET:
         grid *= 2
@@ -499,7 +499,7 @@ class SpeculationPolicy:
             if idle < backoff or not (asking or self._num_plans % backoff == 0):
                 # No probe yet, whatever it would cost: every wait below is a power of two
                 # from the back-off up, so a step number the back-off does not divide is
-                # divided by none of them (the probes' cost is priced on fewer plans).
+                # divided by none of them (and a wait is priced only where it could fire).
                 self._idle_steps[seq_id] = idle
                 continue
             # A sequence never drafted for is probed at the back-off alone: its estimate is
