@@ -6,10 +6,10 @@ import random
 
 import pytest
 
+from verifier_svc.acceptance_stats import AcceptanceStats
 from verifier_svc.speculation_policy import (COST_REFRESH_PLANS, FIRST_PROBE_INTERVAL, HOPEFUL_RATE,
                                              MAX_PROBE_INTERVAL, PROBE_BUDGET, PROBE_INTERVAL,
-                                             AcceptanceStats, Candidate, SpeculationPolicy,
-                                             _hopeful_share)
+                                             Candidate, SpeculationPolicy, _hopeful_share)
 from verifier_svc.step_cost import LinearCostModel, VerifyCostModel, _solve_linear
 
 MS = 1e-3

@@ -23,7 +23,7 @@ What is measured, not assumed:
   request starts from what drafts achieved so far; at a position its drafts have not
   reached yet, a sequence is expected to do at least as well as at the one before),
   exponentially forgetting old drafts so a request that leaves a repetitive passage stops
-  drafting;
+  drafting (the counts: verifier_svc/acceptance_stats.py);
 - T(N, S), fit by exponentially weighted least squares (verifier_svc/step_cost.py) to
   decode steps' verify times (inputs, forward, logits, rejection sampling) against the
   tokens verified N and the sequences with drafts S: a sequence's first draft costs more
@@ -93,8 +93,9 @@ from __future__ import annotations
 
 import heapq
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
+from verifier_svc.acceptance_stats import AcceptanceStats, ProposalStats
 from verifier_svc.step_cost import FirstAskCost, LinearCostModel, VerifyCostModel
 
 # Weight of the engine-wide rate in a sequence's estimate, in drafts.
@@ -130,63 +131,6 @@ FREE_FIRST_ASK_TOKENS = 2.0
 # prices: the drafter's cost is measured only by asking, and a high estimate that stops
 # every ask would never be corrected (see the module docstring).
 COST_REFRESH_PLANS = 2 * MAX_PROBE_INTERVAL
-
-
-@dataclass(slots=True)
-class AcceptanceStats:
-    """Per-position conditional acceptance counts (decayed).
-
-    `reached[i]`: drafts that had a token at position i with every earlier token accepted;
-    `accepted[i]`: how many of those accepted it.
-    """
-
-    decay: float
-    reached: list[float] = field(default_factory=list)
-    accepted: list[float] = field(default_factory=list)
-    version: int = 0  # drafts recorded: estimates made from these counts are current while it stays
-
-    def record(self, num_draft_tokens: int, num_accepted: int) -> None:
-        if num_draft_tokens == 0:
-            return
-        self.version += 1
-        self.reached = [count * self.decay for count in self.reached]
-        self.accepted = [count * self.decay for count in self.accepted]
-        if len(self.reached) < num_draft_tokens:
-            grow = num_draft_tokens - len(self.reached)
-            self.reached.extend([0.0] * grow)
-            self.accepted.extend([0.0] * grow)
-        for position in range(min(num_accepted + 1, num_draft_tokens)):
-            self.reached[position] += 1.0
-        for position in range(num_accepted):
-            self.accepted[position] += 1.0
-
-    def has_reached(self, position: int) -> bool:
-        """Whether recent drafts (about one, decayed) had a token at `position` to verify."""
-        return position < len(self.reached) and self.reached[position] >= 0.5
-
-    def rate(self, position: int, prior: float, prior_weight: float) -> float:
-        """Estimated chance that the draft at `position` is accepted given the earlier ones were."""
-        reached = self.reached[position] if position < len(self.reached) else 0.0
-        accepted = self.accepted[position] if position < len(self.accepted) else 0.0
-        return (accepted + prior_weight * prior) / (reached + prior_weight)
-
-
-@dataclass(slots=True)
-class ProposalStats:
-    """How often the drafter, when asked, proposed anything (decayed counts): ngram finds
-    no match on new text, and an empty answer costs a round trip but no verification."""
-
-    decay: float
-    asked: float = 0.0
-    proposed: float = 0.0
-
-    def record(self, proposed: bool) -> None:
-        self.asked = self.asked * self.decay + 1.0
-        self.proposed = self.proposed * self.decay + (1.0 if proposed else 0.0)
-
-    def rate(self, prior: float, prior_weight: float) -> float:
-        return (self.proposed + prior_weight * prior) / (self.asked + prior_weight)
-
 
 
 def _affordable_wait(loss: float, num_idle: int, budget_tokens: float) -> int:
