@@ -397,7 +397,8 @@ def test_frequent_new_sequences_share_their_first_probes_round_trips() -> None:
 
 def test_one_request_at_a_time_is_probed_after_the_back_off() -> None:
     """Requests one after another arrive on ~1% of the steps: a round trip for each one's
-    first probe is cheap over the run, so none waits beyond FIRST_PROBE_INTERVAL."""
+    first probe is cheap over the run, so each is probed once its back-off has passed, on
+    the next step of the finest grid (FIRST_PROBE_INTERVAL each)."""
     policy = policy_with_cost(10 * MS, 0.2 * MS, draft_s=1.2 * MS)
     for seq_id in range(100_000, 100_004):
         teach(policy, seq_id, num_drafts=30, k=3, num_accepted=0)
