@@ -158,7 +158,9 @@ def paired_periods(timed: list[tuple[StepRecord, float]], seed: int = 0) -> dict
 def at_common_size(decode: list[tuple[StepRecord, float]]) -> dict[str, Any] | None:
     """At the batch size most decode steps (`decode`) ran: off's steps, on's steps that
     drafted nothing (what being on costs by itself: the plan) and on's steps that drafted
-    (what drafts bring), each with tokens/s and tokens a step."""
+    (what drafts bring), each with tokens/s and tokens a step. The drafting steps are split
+    again: those with drafts the policy planned to pay, and those that only probed (one
+    draft token a sequence to re-measure its acceptance: what exploring costs)."""
     if not decode:
         return None
     size = statistics.mode(record.num_sequences for record, _ in decode)
@@ -168,6 +170,10 @@ def at_common_size(decode: list[tuple[StepRecord, float]]) -> dict[str, Any] | N
         "on_without_drafts": [t for t in at_size if t[0].speculation_enabled and not t[0].num_draft_slots],
         "on_with_drafts": [t for t in at_size if t[0].speculation_enabled and t[0].num_draft_slots],
     }
+    groups["on_with_planned_drafts"] = [t for t in groups["on_with_drafts"]
+                                        if t[0].num_draft_slots > t[0].num_probes]
+    groups["on_with_probes_only"] = [t for t in groups["on_with_drafts"]
+                                     if t[0].num_draft_slots == t[0].num_probes]
     result: dict[str, Any] = {"sequences": size}
     for name, items in groups.items():
         rate = _rate(items)
@@ -230,6 +236,8 @@ def format_summary(concurrency: int, num_requests: int, seconds: float, period_s
         lines.append(f"  at {common['sequences']} sequences: off {group('off')}")
         lines.append(f"    on without drafts {group('on_without_drafts')}")
         lines.append(f"    on with drafts {group('on_with_drafts')}")
+        lines.append(f"      of which planned drafts {group('on_with_planned_drafts')}")
+        lines.append(f"      of which probes only {group('on_with_probes_only')}")
     return "\n".join(lines)
 
 

@@ -65,6 +65,25 @@ def test_ratios_of_a_known_run() -> None:
     assert common["off"]["tokens_per_s"] == 800.0 and common["on_with_drafts"]["tokens_per_s"] == 1000.0
 
 
+def test_drafting_steps_split_into_planned_drafts_and_probes_only() -> None:
+    """At the common batch size on's drafting steps are split by what they carried: a draft
+    the policy planned to pay (probes beside it or not), or probes alone (exploration)."""
+    records, clock = [], 0.0
+    # (on, seconds, output tokens, draft slots, probes among them)
+    for enabled, seconds, tokens, slots, probes in [(False, 0.010, 8, 0, 0)] * 3 + [
+            (True, 0.012, 12, 6, 0), (True, 0.013, 11, 5, 2), (True, 0.011, 8, 2, 2),
+            (True, 0.011, 9, 3, 3), (True, 0.010, 8, 0, 0)]:
+        records.append(StepRecord(clock, clock + seconds, enabled, 8, 0, slots, tokens, probes))
+        clock += seconds
+    common = summarise(records)["at_common_size"]
+    planned, probing = common["on_with_planned_drafts"], common["on_with_probes_only"]
+    assert common["on_with_drafts"]["steps"] == 4 and common["on_without_drafts"]["steps"] == 1
+    assert (planned["steps"], planned["tokens"], planned["draft_slots"]) == (2, 23, 11)
+    assert planned["seconds"] == pytest.approx(0.025)
+    assert (probing["steps"], probing["tokens"], probing["draft_slots"]) == (2, 17, 5)
+    assert probing["tokens_per_s"] == pytest.approx(17 / 0.022, abs=0.01)
+
+
 def test_runs_an_engine_and_reports_each_concurrency(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     model = make_tiny_llama(tmp_path / "tiny")
     out = tmp_path / "concurrency.json"
@@ -73,6 +92,7 @@ def test_runs_an_engine_and_reports_each_concurrency(tmp_path: Path, capsys: pyt
                  "--period", "0.005", "--ignore-eos", "--json", str(out)]) == 0
     printed = capsys.readouterr().out
     assert "concurrency 2: 6 requests" in printed and "concurrency 3: 6 requests" in printed
+    assert "of which planned drafts" in printed and "of which probes only" in printed
     runs = json.loads(out.read_text())["runs"]
     assert [run["concurrency"] for run in runs] == [2, 3]
     for run in runs:

@@ -205,6 +205,8 @@ async def test_speculation_switched_off_for_the_engine(tiny_model: Path, device,
     on_steps = [r for r in records if r.speculation_enabled]
     assert off_steps and on_steps and off_steps[-1].finished <= on_steps[0].started
     assert all(r.num_draft_slots == 0 for r in off_steps) and any(r.num_draft_slots for r in on_steps)
+    # Probes are one draft token each, among the step's slots; none while switched off.
+    assert all(r.num_probes <= r.num_draft_slots for r in records) and not any(r.num_probes for r in off_steps)
     # Every output token is counted once: the prompt's first sampled token at its last chunk.
     assert sum(r.num_output_tokens for r in off_steps) == sum(r.num_output_tokens for r in on_steps) \
         == len(PROMPTS) * MAX_TOKENS

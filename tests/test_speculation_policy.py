@@ -250,8 +250,13 @@ def test_a_new_sequence_starts_from_the_engine_wide_rates() -> None:
 def test_a_sequence_that_stopped_drafting_is_probed() -> None:
     policy = policy_with_cost(10 * MS, 0.2 * MS)  # a memory-bound step: a probe is cheap
     teach(policy, 1, num_drafts=30, k=4, num_accepted=0)
-    plans = [policy.plan([Candidate(1, 4)])[1] for _ in range(6 * PROBE_INTERVAL)]
+    plans, named_probes = [], []
+    for _ in range(6 * PROBE_INTERVAL):
+        plans.append(policy.plan([Candidate(1, 4)])[1])
+        named_probes.append(policy.last_probes)
     assert set(plans) == {0, 1}
+    # The plan names its probes (exploration apart from drafts it expects to pay).
+    assert named_probes == [[1] if k else [] for k in plans]
     # The wait backs off: the first probe soon after drafting stopped, then sparser, then
     # one per PROBE_INTERVAL steps.
     probes = [step for step, k in enumerate(plans) if k]
@@ -260,7 +265,7 @@ def test_a_sequence_that_stopped_drafting_is_probed() -> None:
     assert gaps == sorted(gaps) and gaps[0] < PROBE_INTERVAL and gaps[-3:] == [PROBE_INTERVAL] * 3
     # A probe that is accepted again brings drafting back.
     teach(policy, 1, num_drafts=20, k=1, num_accepted=1)
-    assert policy.plan([Candidate(1, 4)])[1] > 0
+    assert policy.plan([Candidate(1, 4)])[1] > 0 and policy.last_probes == []
 
 
 def test_idle_sequences_probe_together() -> None:

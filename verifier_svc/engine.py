@@ -74,6 +74,7 @@ class StepRecord:
     num_prefill_tokens: int  # tokens of prompt chunks: of more than one token, or not sampling
     num_draft_slots: int     # draft tokens planned (the drafter may have proposed fewer)
     num_output_tokens: int   # tokens the step appended to its sequences
+    num_probes: int = 0      # of the draft slots, the policy's probes (one token each)
 
 
 class Engine:
@@ -272,13 +273,17 @@ class Engine:
             outputs_before = sum(item.seq.num_output_tokens for item in plan.scheduled)
             num_prefill_tokens = sum(item.num_query_tokens for item in plan.scheduled
                                      if item.num_query_tokens > 1 or not item.samples)
+            probes = set(self.policy.last_probes) if self.policy is not None else set()
+            num_probes = sum(1 for item in plan.scheduled
+                             if item.num_speculative_tokens and item.seq.seq_id in probes)
         try:
             await self._run_step(plan.scheduled)
             if listener is not None:
                 listener(StepRecord(
                     started, time.perf_counter(), speculation_enabled, len(plan.scheduled),
                     num_prefill_tokens, sum(item.num_speculative_tokens for item in plan.scheduled),
-                    sum(item.seq.num_output_tokens for item in plan.scheduled) - outputs_before))
+                    sum(item.seq.num_output_tokens for item in plan.scheduled) - outputs_before,
+                    num_probes))
         except Exception as exc:
             # Only the sequences of this step fail; the next step serves the others. The
             # client gets a short message, the log the traceback.

@@ -190,6 +190,9 @@ class SpeculationPolicy:
         # draft is recorded (a batch where nobody drafts) a plan reuses them.
         self._rates: dict[int, tuple[int, int, list[float]]] = {}
         self._num_plans = 0
+        # The sequences the last plan gave a probe (one draft token to re-measure, or to
+        # time the drafter again) rather than a draft it expects to pay: exploration.
+        self.last_probes: list[int] = []
         self._arrival_rate = 0.0  # the share of recent plans that saw a new sequence (decayed)
         self._last_ask_plan = 0  # the last plan that asked the drafter for anyone
         self._draft_cost_stale = False  # a refresh asked: the next round trip replaces the fit
@@ -307,6 +310,7 @@ class SpeculationPolicy:
         `num_other_tokens`: tokens the forward runs besides these sequences' one token each
         (prefill chunks), which make the step slower and drafts relatively cheaper.
         """
+        self.last_probes = []
         if not self.verify_cost.has_data:
             return {c.seq_id: c.max_tokens for c in candidates}  # nothing measured yet
         self._num_plans += 1
@@ -415,6 +419,7 @@ class SpeculationPolicy:
         index = min(allowed, key=lambda index: never_asked[index])  # False (asked before) first
         seq_id = candidates[index].seq_id
         plan[seq_id] = 1
+        self.last_probes.append(seq_id)
         self._idle_steps[seq_id] = 0
         self._last_ask_plan = self._num_plans
         self._draft_cost_stale = True
@@ -455,6 +460,7 @@ class SpeculationPolicy:
                 wait = grid = max(backoff, affordable_wait(index))
             if idle >= wait and (asking or self._num_plans % grid == 0):
                 plan[seq_id] = 1
+                self.last_probes.append(seq_id)
                 idle = 0
                 self._probe_waits[seq_id] = min(2 * wait, PROBE_INTERVAL)
             self._idle_steps[seq_id] = idle
