@@ -43,6 +43,10 @@ SPEC_JSON = json.dumps({"method": "ngram", "num_speculative_tokens": K,
                         "prompt_lookup_min": 1, "prompt_lookup_max": 3})
 SPEC = SpeculativeConfig.parse(SPEC_JSON)
 DRAFT_TIMEOUT_S = 0.05
+# How long a drafter process may take to be connected: it imports torch and grpc while the
+# pool retries with a backoff of 0.5 s doubling to 10 s, so one that is up after ~15.5 s is
+# first seen at ~25.5 s. 20 s was once too short in CI.
+DRAFTER_PROCESS_START_S = 60.0
 # Repetitive prompts: the tiny model's greedy text loops, so ngram drafts get accepted.
 PROMPTS = [[5, 6, 7, 5, 6, 7, 5, 6], [10, 11, 10, 11, 10], [20, 21, 22, 23, 20, 21],
            [30, 31, 30], [40, 41, 42, 40, 41, 42, 40], [50, 51, 52, 53, 54, 50, 51]]
@@ -124,7 +128,7 @@ async def test_killed_drafter_loses_no_request_and_is_used_again_after_restart(
     verifier = await start(tiny_model, device, port)
     engine, pool = verifier.engine, verifier.engine.drafter_pool
     try:
-        assert await pool.wait_for_healthy(1, timeout_s=20)
+        assert await pool.wait_for_healthy(1, timeout_s=DRAFTER_PROCESS_START_S)
         reference = await generate_all(engine, max_tokens, k=0)
         runs = [Generation(engine, prompt, max_tokens) for prompt in PROMPTS]
         assert await until(lambda: engine.spec.num_drafts > 0
@@ -138,7 +142,7 @@ async def test_killed_drafter_loses_no_request_and_is_used_again_after_restart(
         assert outputs == reference
 
         drafter = start_drafter_process(port, tiny_model)  # same port: the pool reconnects
-        assert await pool.wait_for_healthy(1, timeout_s=30)
+        assert await pool.wait_for_healthy(1, timeout_s=DRAFTER_PROCESS_START_S)
         num_drafts = engine.spec.num_drafts
         assert await generate_all(engine, 40) == [tokens[:40] for tokens in reference]
         assert engine.spec.num_drafts > num_drafts  # speculating again
@@ -180,7 +184,7 @@ async def test_hung_drafter_costs_at_most_the_draft_deadline_per_step(
     verifier = await start(tiny_model, device, port)
     engine, pool = verifier.engine, verifier.engine.drafter_pool
     try:
-        assert await pool.wait_for_healthy(1, timeout_s=20)
+        assert await pool.wait_for_healthy(1, timeout_s=DRAFTER_PROCESS_START_S)
         reference = await generate_all(engine, max_tokens, k=0)
         runs = [Generation(engine, prompt, max_tokens) for prompt in PROMPTS]
         assert await until(lambda: engine.spec.num_drafts > 0, 20)
@@ -290,7 +294,7 @@ async def test_new_sequences_go_to_the_live_replica(tiny_model: Path, device) ->
     verifier = await start(tiny_model, device, doomed_port, survivor_port)
     engine, pool = verifier.engine, verifier.engine.drafter_pool
     try:
-        assert await pool.wait_for_healthy(2, timeout_s=20)
+        assert await pool.wait_for_healthy(2, timeout_s=DRAFTER_PROCESS_START_S)
         reference = await generate_all(engine, max_tokens, k=0)
         runs = [Generation(engine, prompt, max_tokens) for prompt in PROMPTS]
         assert [await run.task for run in runs] == reference
