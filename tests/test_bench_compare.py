@@ -17,7 +17,7 @@ from specdec.config import SpeculativeConfig
 from specdec.errors import ConfigError
 from tests.draft_checkpoints import make_draft_model
 from tests.tiny_models import make_tiny_llama
-from verifier_svc import speculation_policy
+from verifier_svc import probe_schedule
 
 NGRAM = ('{"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1, '
          '"prompt_lookup_max": 3}')
@@ -34,7 +34,7 @@ def test_compare_rows_figures_and_identity(tiny_model: Path, tmp_path: Path, cap
     # Probes wait out their back-off only (no wait priced beyond it): the tiny model's step is
     # cheaper than a drafter round trip, so speculation never pays and only probes would
     # draft, which the test needs.
-    monkeypatch.setattr(speculation_policy, "MAX_PROBE_INTERVAL", 1)  # no priced wait
+    monkeypatch.setattr(probe_schedule, "MAX_PROBE_INTERVAL", 1)  # no priced wait
     output = tmp_path / "compare.json"
     code = bench_compare.main([
         "--model", str(tiny_model), "--dtype", "float32", "--max-tokens", "24", "--repeats", "2",

@@ -26,7 +26,7 @@ from specdec.config import SpeculativeConfig
 from specdec.v1 import specdec_pb2_grpc
 from tests.tiny_models import make_tiny_llama
 from tests.verifier_harness import StartVerifier, request, slow_down, verifier_starter
-from verifier_svc import speculation_policy
+from verifier_svc import probe_schedule
 from verifier_svc.server import RunningVerifier
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -197,7 +197,7 @@ async def test_a_client_vanishing_while_the_drafter_answers(start: StartVerifier
     # Probes wait out their back-off only (no wait priced beyond it): the tiny model's step is
     # cheaper than a round trip, and the test needs steps that ask the drafter after
     # drafting stopped paying.
-    monkeypatch.setattr(speculation_policy, "MAX_PROBE_INTERVAL", 1)  # no priced wait
+    monkeypatch.setattr(probe_schedule, "MAX_PROBE_INTERVAL", 1)  # no priced wait
     spec = SpeculativeConfig.parse({"method": "ngram", "num_speculative_tokens": 3,
                                     "prompt_lookup_min": 1, "prompt_lookup_max": 3})
     assert spec is not None

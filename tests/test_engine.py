@@ -19,7 +19,7 @@ from specdec.sampling_params import SamplingParams
 from tests.engine_driver import generate
 from tests.tiny_models import EOS_TOKEN_ID, make_tiny_llama
 from verifier_svc.builder import VerifierConfig, build_engine
-from verifier_svc import speculation_policy
+from verifier_svc import probe_schedule
 from verifier_svc.engine import Engine, StepRecord
 
 # Prompts with repeats, so the ngram drafter finds matches.
@@ -120,7 +120,7 @@ async def test_a_sequences_first_drafter_ask_is_not_timed(tiny_model: Path, devi
     first ask is alone in its step). Probes wait out their back-off only here (no wait priced beyond it),
     so that the tiny model, whose step is cheaper than a round trip, still asks after
     drafting stopped."""
-    monkeypatch.setattr(speculation_policy, "MAX_PROBE_INTERVAL", 1)  # no priced wait
+    monkeypatch.setattr(probe_schedule, "MAX_PROBE_INTERVAL", 1)  # no priced wait
     async with EngineHarness(tiny_model, str(device), k=3, adaptive_speculation=True) as engine:
         policy, pool = engine.policy, engine.drafter_pool
         assert policy is not None and pool is not None

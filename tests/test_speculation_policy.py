@@ -7,9 +7,9 @@ import random
 import pytest
 
 from verifier_svc.acceptance_stats import AcceptanceStats
-from verifier_svc.speculation_policy import (COST_REFRESH_PLANS, FIRST_PROBE_INTERVAL, HOPEFUL_RATE,
-                                             MAX_PROBE_INTERVAL, PROBE_BUDGET, PROBE_INTERVAL,
-                                             Candidate, SpeculationPolicy, _hopeful_share)
+from verifier_svc.probe_schedule import (FIRST_PROBE_INTERVAL, HOPEFUL_RATE, MAX_PROBE_INTERVAL, PROBE_BUDGET,
+                                         PROBE_INTERVAL, hopeful_share)
+from verifier_svc.speculation_policy import COST_REFRESH_PLANS, Candidate, SpeculationPolicy
 from verifier_svc.step_cost import LinearCostModel, VerifyCostModel, _solve_linear
 
 MS = 1e-3
@@ -324,9 +324,9 @@ def test_probes_stop_where_no_passage_could_pay() -> None:
     """Where a verified token costs more than a well-predicted draft adds (HOPEFUL_RATE),
     finding such a passage would gain nothing: the waits go to MAX_PROBE_INTERVAL. Where it
     costs a tenth of a token (one request on a memory-bound CPU), they stay PROBE_INTERVAL."""
-    assert _hopeful_share(3, HOPEFUL_RATE + 0.01) == 0.0
-    assert _hopeful_share(3, 0.0) == 1.0
-    assert 0.8 < _hopeful_share(3, 0.1) < 0.9
+    assert hopeful_share(3, HOPEFUL_RATE + 0.01) == 0.0
+    assert hopeful_share(3, 0.0) == 1.0
+    assert 0.8 < hopeful_share(3, 0.1) < 0.9
     dear = policy_with_cost(1 * MS, 1 * MS)  # 16 sequences: a token costs ~0.94 of one
     candidates = [Candidate(seq_id, 3) for seq_id in range(16)]
     for candidate in candidates:
