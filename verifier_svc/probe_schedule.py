@@ -124,10 +124,6 @@ class ProbeSchedule:
     def start_plan(self) -> None:
         self.probed = []
 
-    def first_probe_grid(self, round_trip_share: float) -> int:
-        """See `first_probe_grid`; `round_trip_share`: a round trip over a plain step's time."""
-        return first_probe_grid(self._arrival_rate, round_trip_share)
-
     def probe_now(self, seq_id: int) -> None:
         """A probe planned outside the schedule (to time the drafter again)."""
         self.probed.append(seq_id)
@@ -139,14 +135,16 @@ class ProbeSchedule:
 
     def plan_probes(self, plan_number: int, candidates: list[Candidate], plan: dict[int, int],
                     priced_wait: Callable[[int], int], never_asked: list[bool],
-                    first_grid: int, first_ask_is_dear: bool) -> None:
+                    round_trip_share: float, first_ask_is_dear: bool) -> None:
         """Plans one draft token for each sequence whose probe wait has passed, on a step
         that asks the drafter anyway or whose number the wait divides (for a never-asked
-        sequence's unpriced first probe, `first_grid`). The wait is the back-off's or,
-        where probes are dear, `priced_wait(candidate index)` (see the module docstring),
-        priced only once the back-off has passed and only for a sequence asked for before,
-        or for any while first asks are dear (`never_asked`: per candidate)."""
+        sequence's unpriced first probe, the first-probe grid: see `first_probe_grid`, and
+        `round_trip_share`, a round trip over a plain step's time). The wait is the
+        back-off's or, where probes are dear, `priced_wait(candidate index)` (see the module
+        docstring), priced only once the back-off has passed and only for a sequence asked
+        for before, or for any while first asks are dear (`never_asked`: per candidate)."""
         asking = any(plan.values())
+        first_grid = first_probe_grid(self._arrival_rate, round_trip_share)
         arrived = False
         for index, candidate in enumerate(candidates):
             seq_id = candidate.seq_id

@@ -307,9 +307,8 @@ class SpeculationPolicy:
             return probe_schedule.affordable_wait(loss, num_idle, PROBE_BUDGET * share * expected_tokens)
 
         first_probe_round_trip = first_ask_round_trip or draft_base + draft_per_token
-        first_probe_grid = self.probes.first_probe_grid(
-            first_probe_round_trip / plain_seconds if plain_seconds > 0 else 0.0)
-        self.probes.plan_probes(self._num_plans, candidates, plan, priced_wait, never_asked, first_probe_grid,
+        self.probes.plan_probes(self._num_plans, candidates, plan, priced_wait, never_asked,
+                                first_probe_round_trip / plain_seconds if plain_seconds > 0 else 0.0,
                                 first_ask_is_dear=first_ask_round_trip * tokens_per_second > FREE_FIRST_ASK_TOKENS)
         if any(plan.values()):
             self._last_ask_plan = self._num_plans
