@@ -92,6 +92,50 @@ inline void sum_lanes4(Float16 a0, Float16 a1, Float16 a2, Float16 a3, float* su
   sums[3] = total[12];
 }
 
+// 32 bf16 widened to fp32 by interleaving each with a zero below it, per 128-bit lane L:
+// `lo` takes elements 8L..8L+3, `hi` 8L+4..8L+7 (lane 4L + k holds element 8L + k, resp.
+// 8L + 4 + k). unpacked_order puts two such vectors' lanes back in element order.
+inline void load32_unpacked(const c10::BFloat16* src, Float16& lo, Float16& hi) {
+  typedef uint16_t Bits32x16 __attribute__((vector_size(64)));
+  Bits32x16 x;
+  std::memcpy(&x, src, sizeof(x));
+  const Bits32x16 z{};
+  const Bits32x16 l = __builtin_shufflevector(z, x, 0, 32, 1, 33, 2, 34, 3, 35, 8, 40, 9, 41, 10, 42, 11, 43,
+                                              16, 48, 17, 49, 18, 50, 19, 51, 24, 56, 25, 57, 26, 58, 27, 59);
+  const Bits32x16 h = __builtin_shufflevector(z, x, 4, 36, 5, 37, 6, 38, 7, 39, 12, 44, 13, 45, 14, 46, 15, 47,
+                                              20, 52, 21, 53, 22, 54, 23, 55, 28, 60, 29, 61, 30, 62, 31, 63);
+  std::memcpy(&lo, &l, sizeof(lo));
+  std::memcpy(&hi, &h, sizeof(hi));
+}
+inline void unpacked_order(Float16 lo, Float16 hi, float* out) {
+  for (int L = 0; L < 4; ++L)
+    for (int k = 0; k < 4; ++k) out[8 * L + k] = lo[4 * L + k], out[8 * L + 4 + k] = hi[4 * L + k];
+}
+
+// The sums of sixteen vectors' lanes in one vector, each vector halved by the same tree as
+// sum_lanes4's (lane i + lane i + 8, then + 4, + 2, + 1), so a score's bits do not depend on
+// which of the two reduced it. The vectors come in `slot` order: position j of sixteen goes
+// in slot reduce16_slot(j) and its sum comes out in lane j.
+inline int reduce16_slot(int64_t j) { return static_cast<int>(j % 4 * 4 + j / 4); }
+inline Float16 reduce16(const float (*v)[16]) {
+  Float16 r[8], s[4], u[2];
+  for (int i = 0; i < 8; ++i) {
+    const Float16 a = load16(v[2 * i]), b = load16(v[2 * i + 1]);
+    r[i] = __builtin_shufflevector(a, b, 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23) +
+           __builtin_shufflevector(a, b, 8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31);
+  }
+  for (int i = 0; i < 4; ++i) {
+    s[i] = __builtin_shufflevector(r[2 * i], r[2 * i + 1], 0, 1, 2, 3, 8, 9, 10, 11, 16, 17, 18, 19, 24, 25, 26, 27) +
+           __builtin_shufflevector(r[2 * i], r[2 * i + 1], 4, 5, 6, 7, 12, 13, 14, 15, 20, 21, 22, 23, 28, 29, 30, 31);
+  }
+  for (int i = 0; i < 2; ++i) {
+    u[i] = __builtin_shufflevector(s[2 * i], s[2 * i + 1], 0, 1, 16, 17, 4, 5, 20, 21, 8, 9, 24, 25, 12, 13, 28, 29) +
+           __builtin_shufflevector(s[2 * i], s[2 * i + 1], 2, 3, 18, 19, 6, 7, 22, 23, 10, 11, 26, 27, 14, 15, 30, 31);
+  }
+  return __builtin_shufflevector(u[0], u[1], 0, 2, 16, 18, 4, 6, 20, 22, 8, 10, 24, 26, 12, 14, 28, 30) +
+         __builtin_shufflevector(u[0], u[1], 1, 3, 17, 19, 5, 7, 21, 23, 9, 11, 25, 27, 13, 15, 29, 31);
+}
+
 // Query rows handled together: each cached row loaded serves this many dot products or
 // updates, and their sums are independent chains the CPU overlaps. A segment's rows (its
 // tokens times the query heads sharing a KV head) go in as few blocks as this allows,
@@ -117,18 +161,25 @@ constexpr int64_t max_row_block() {
 // 30 layers' attention in a bf16 forward 0.84 -> 0.68 ms at 1 token, 1.58 -> 1.42 at 5;
 // unchanged at context 1000. 64 gained less (0.90 -> 0.84).
 constexpr int64_t kChunk = 128;
-// Cached positions ahead whose rows the score and value loops prefetch. The hardware did
+// Cached positions ahead whose rows the score and value loops prefetch, into L2. The hardware did
 // not keep up with rows read a head's slice at a time (128 of every 384 bytes for the default
 // model): 30 layers' attention in a bf16 forward 0.72 -> 0.61 ms at context 200, 3.22 ->
-// 2.66 ms at 1000, 4.12 -> 3.74 ms for a step of eight sequences (32 ahead measured the
-// same; a burst at the start of a unit, or before the layer's qkv projection, did not help).
-constexpr int64_t kPrefetchAhead = 16;
+// 2.66 ms at 1000, 4.12 -> 3.74 ms for a step of eight sequences (a burst at the start of a
+// unit, or before the layer's qkv projection, did not help). Into L1 (prefetcht0) 16 ahead,
+// until the score and value loops got faster (reduce16, load32_unpacked): then a batch's
+// attention, its rows evicted from the caches by the weights, took the time of its reads
+// plus its arithmetic, both halves unoverlapped (16 sequences at context 250: 7.4 ms, 3.5
+// with the rows in cache). An L1 prefetch holds a miss buffer of the few L1 has; into L2 the
+// rows stay in flight 32 ahead. The 30 layers alone, old and new alternated in one process,
+// rows not in cache: 16 sequences at context 250 / 1000, one token each, 1.16x / 1.22x (64
+// ahead 1.16x / 1.11x; into L1 16 ahead with the faster loops 0.99x / 0.99x).
+constexpr int64_t kPrefetchAhead = 32;
 
-// Asks for the cache lines of one cached row (head_dim elements at `row`).
+// Asks for the cache lines of one cached row (head_dim elements at `row`) into L2.
 template <typename T>
 inline void prefetch_row(const T* row, int64_t head_dim) {
   const char* bytes = reinterpret_cast<const char*>(row);
-  for (int64_t b = 0; b < head_dim * static_cast<int64_t>(sizeof(T)); b += 64) __builtin_prefetch(bytes + b);
+  for (int64_t b = 0; b < head_dim * static_cast<int64_t>(sizeof(T)); b += 64) __builtin_prefetch(bytes + b, 0, 2);
 }
 
 // One chunk's softmax over part of a query row's context, kept unnormalised for the merge:
@@ -179,27 +230,57 @@ void attend_block(const float* queries, int64_t r0, int64_t head_dim, int64_t gr
   const float* q[MR];
   float* w[MR];
   for (int b = 0; b < MR; ++b) q[b] = queries + (r0 + b) * head_dim, w[b] = weights + b * chunk_len;
-  for (int64_t p = 0; p < block_seen; ++p) {
-    const T* k = key_cache + rows_at[p];
-    if (p + kPrefetchAhead < block_seen) prefetch_row(key_cache + rows_at[p + kPrefetchAhead], head_dim);
-    // Each row's products summed in sixteen lanes over whole vectors of head_dim, the lanes
-    // reduced by sum_lanes4's tree, then any tail in order: the same bits in every block.
-    const int64_t vector_end = kWhole ? kHeadDim : head_dim / 16 * 16;
-    Float16 s[MR];
-    for (int b = 0; b < MR; ++b) s[b] = Float16{};
-    for (int64_t d = 0; d < vector_end; d += 16) {
-      const Float16 kd = load16(k + d);
-      for (int b = 0; b < MR; ++b) s[b] += load16(q[b] + d) * kd;
+  if constexpr (kWhole) {
+    // Sixteen positions at a time: each row's sixteen lane sums go to `lanes`, then one
+    // transposing reduction (reduce16) turns them into the sixteen scores at once, where a
+    // reduction per position (sum_lanes4) spent most of its shuffles on lanes it threw away.
+    // With the value rows widened by load32_unpacked, the 30 layers' attention with its rows
+    // in cache (bf16, old and new alternated in one process): 16 sequences at context 250
+    // 1.24x for one token each, 1.14x / 1.15x for two / four; one sequence 1.04-1.11x. The
+    // same bits as before (the same trees), checked over these cases.
+    alignas(64) float lanes[MR][16][16];
+    for (int64_t p0 = 0; p0 < block_seen; p0 += 16) {
+      const int64_t count = std::min<int64_t>(16, block_seen - p0);
+      for (int64_t j = 0; j < count; ++j) {
+        const int64_t p = p0 + j;
+        const T* k = key_cache + rows_at[p];
+        if (p + kPrefetchAhead < block_seen) prefetch_row(key_cache + rows_at[p + kPrefetchAhead], head_dim);
+        Float16 s[MR];
+        for (int b = 0; b < MR; ++b) s[b] = Float16{};
+        for (int64_t d = 0; d < kHeadDim; d += 16) {
+          const Float16 kd = load16(k + d);
+          for (int b = 0; b < MR; ++b) s[b] += load16(q[b] + d) * kd;
+        }
+        for (int b = 0; b < MR; ++b) std::memcpy(lanes[b][reduce16_slot(j)], &s[b], sizeof(Float16));
+      }
+      for (int64_t j = count; j < 16; ++j)
+        for (int b = 0; b < MR; ++b) std::memset(lanes[b][reduce16_slot(j)], 0, sizeof(Float16));
+      for (int b = 0; b < MR; ++b) {
+        const Float16 scores = reduce16(lanes[b]);
+        std::memcpy(w[b] + p0, &scores, count * sizeof(float));
+      }
     }
-    // Four rows' lanes reduced at once; a row's tree is the same in any group of four.
-    for (int b0 = 0; b0 < MR; b0 += 4) {
-      const Float16 zero{};
-      float sums[4];
-      sum_lanes4(s[b0], b0 + 1 < MR ? s[b0 + 1] : zero, b0 + 2 < MR ? s[b0 + 2] : zero,
-                 b0 + 3 < MR ? s[b0 + 3] : zero, sums);
-      for (int b = b0; b < MR && b < b0 + 4; ++b) w[b][p] = sums[b - b0];
-    }
-    if constexpr (!kWhole) {
+  } else {
+    for (int64_t p = 0; p < block_seen; ++p) {
+      const T* k = key_cache + rows_at[p];
+      if (p + kPrefetchAhead < block_seen) prefetch_row(key_cache + rows_at[p + kPrefetchAhead], head_dim);
+      // Each row's products summed in sixteen lanes over whole vectors of head_dim, the lanes
+      // reduced by sum_lanes4's tree, then any tail in order: the same bits in every block.
+      const int64_t vector_end = head_dim / 16 * 16;
+      Float16 s[MR];
+      for (int b = 0; b < MR; ++b) s[b] = Float16{};
+      for (int64_t d = 0; d < vector_end; d += 16) {
+        const Float16 kd = load16(k + d);
+        for (int b = 0; b < MR; ++b) s[b] += load16(q[b] + d) * kd;
+      }
+      // Four rows' lanes reduced at once; a row's tree is the same in any group of four.
+      for (int b0 = 0; b0 < MR; b0 += 4) {
+        const Float16 zero{};
+        float sums[4];
+        sum_lanes4(s[b0], b0 + 1 < MR ? s[b0 + 1] : zero, b0 + 2 < MR ? s[b0 + 2] : zero,
+                   b0 + 3 < MR ? s[b0 + 3] : zero, sums);
+        for (int b = b0; b < MR && b < b0 + 4; ++b) w[b][p] = sums[b - b0];
+      }
       for (int64_t d = vector_end; d < head_dim; ++d) {
         const float kd = to_float(k[d]);
         for (int b = 0; b < MR; ++b) w[b][p] += q[b][d] * kd;
@@ -220,20 +301,35 @@ void attend_block(const float* queries, int64_t r0, int64_t head_dim, int64_t gr
   };
   if constexpr (kWhole) {
     constexpr int64_t kVecs = kHeadDim / 16;
+    // bf16 value rows widened two vectors at a time by interleaving with zeros (one
+    // instruction a vector, where load16 takes two), their elements in unpacked order.
+    constexpr bool kUnpacked = std::is_same_v<T, c10::BFloat16> && kHeadDim % 32 == 0;
     Float16 acc[MR][kVecs];
     for (int b = 0; b < MR; ++b)
       for (int64_t i = 0; i < kVecs; ++i) acc[b][i] = Float16{};
     for (int64_t p = 0; p < block_seen; ++p) {
       const T* v = value_cache + rows_at[p];
       if (p + kPrefetchAhead < block_seen) prefetch_row(value_cache + rows_at[p + kPrefetchAhead], head_dim);
-      for (int64_t i = 0; i < kVecs; ++i) {
-        const Float16 vd = load16(v + 16 * i);
-        for (int b = 0; b < MR; ++b) acc[b][i] += w[b][p] * vd;
+      if constexpr (kUnpacked) {
+        for (int64_t i = 0; i < kVecs; i += 2) {
+          Float16 lo, hi;
+          load32_unpacked(v + 16 * i, lo, hi);
+          for (int b = 0; b < MR; ++b) acc[b][i] += w[b][p] * lo, acc[b][i + 1] += w[b][p] * hi;
+        }
+      } else {
+        for (int64_t i = 0; i < kVecs; ++i) {
+          const Float16 vd = load16(v + 16 * i);
+          for (int b = 0; b < MR; ++b) acc[b][i] += w[b][p] * vd;
+        }
       }
     }
     for (int b = 0; b < MR; ++b) {
       float sums[kHeadDim];
-      for (int64_t i = 0; i < kVecs; ++i) std::memcpy(sums + 16 * i, &acc[b][i], sizeof(Float16));
+      if constexpr (kUnpacked) {
+        for (int64_t i = 0; i < kVecs; i += 2) unpacked_order(acc[b][i], acc[b][i + 1], sums + 16 * i);
+      } else {
+        for (int64_t i = 0; i < kVecs; ++i) std::memcpy(sums + 16 * i, &acc[b][i], sizeof(Float16));
+      }
       write(b, sums);
     }
   } else {
@@ -285,10 +381,9 @@ void attend_chunk(const T* query, int64_t query_token_stride, int64_t query_head
   // Where each position of the chunk lies in the caches, walking the block table.
   const int64_t row_stride = num_kv_heads * head_dim;
   int64_t* const rows_at = row_offsets.data();
-  for (int64_t i = 0; i < chunk_len; ++i) {
-    const int64_t position = chunk_start + i;
-    rows_at[i] = (block_table[position / block_size] * block_size + position % block_size) * row_stride +
-                 kv_head * head_dim;
+  for (int64_t i = 0, block = chunk_start / block_size, offset = chunk_start % block_size; i < chunk_len; ++i) {
+    rows_at[i] = (block_table[block] * block_size + offset) * row_stride + kv_head * head_dim;
+    if (++offset == block_size) offset = 0, ++block;
   }
   for (int64_t j = 0; j < query_len; ++j) {
     for (int64_t i = 0; i < group; ++i) {
