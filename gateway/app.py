@@ -168,14 +168,20 @@ async def _collect_text(request: Request, texts: AsyncIterator[str]) -> str | No
     return None
 
 
-async def _sse(request: Request, chunks: AsyncIterator[dict], texts: AsyncIterator[str],
+async def _sse(chunks: AsyncIterator[dict], texts: AsyncIterator[str],
                on_finish: Callable[[], None]) -> AsyncIterator[str]:
-    """`data: {chunk}` events then `data: [DONE]`; checks for a disconnect after each."""
+    """`data: {chunk}` events then `data: [DONE]`.
+
+    A client that leaves is seen by starlette's StreamingResponse, which listens for the
+    disconnect beside the stream and cancels it (this generator's cleanup then cancels the
+    verifier call). Asking `request.is_disconnected()` after every chunk as well (a receive
+    under a cancel scope each time) was the largest piece of the gateway's event loop in a
+    py-spy profile at sixteen streams; without it the gateway's CPU time over one `bench
+    serve` run (48 prompts, c = 16) went from 153-186 to 112-168 ticks (mean -18%), CPU the
+    verifier's forward shares on a small machine."""
     try:
         async for chunk in chunks:
             yield f"data: {json.dumps(chunk, ensure_ascii=False)}\n\n"
-            if await request.is_disconnected():
-                return
         yield "data: [DONE]\n\n"
     except Exception as exc:  # headers are sent: the error travels as an event
         _, body = error_payload(exc)
@@ -240,7 +246,7 @@ async def _generate(request: Request, prompt_token_ids: list[int], sampling: Sam
     make_chunks = _chat_chunks if chat else _completion_chunks
     chunks = make_chunks(response_id, created, model, texts, result, include_usage)
     return StreamingResponse(
-        _sse(request, chunks, texts, lambda: state.metrics.observe_generation(result)),
+        _sse(chunks, texts, lambda: state.metrics.observe_generation(result)),
         media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
 
 
