@@ -74,24 +74,6 @@ inline Float16 load16(const c10::BFloat16* src) {
   return v;
 }
 
-// The four sums of a0..a3's lanes, by halving in a tree (a compiler's own reduction of a
-// vector is sixteen dependent scalar adds).
-inline void sum_lanes4(Float16 a0, Float16 a1, Float16 a2, Float16 a3, float* sums) {
-  const Float16 h01 = __builtin_shufflevector(a0, a1, 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23) +
-                      __builtin_shufflevector(a0, a1, 8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31);
-  const Float16 h23 = __builtin_shufflevector(a2, a3, 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23) +
-                      __builtin_shufflevector(a2, a3, 8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31);
-  // Lanes 4i..4i+3 hold four partial sums of a_i.
-  const Float16 q = __builtin_shufflevector(h01, h23, 0, 1, 2, 3, 8, 9, 10, 11, 16, 17, 18, 19, 24, 25, 26, 27) +
-                    __builtin_shufflevector(h01, h23, 4, 5, 6, 7, 12, 13, 14, 15, 20, 21, 22, 23, 28, 29, 30, 31);
-  const Float16 pairs = q + __builtin_shufflevector(q, q, 2, 3, 0, 1, 6, 7, 4, 5, 10, 11, 8, 9, 14, 15, 12, 13);
-  const Float16 total = pairs + __builtin_shufflevector(pairs, pairs, 1, 0, 3, 2, 5, 4, 7, 6, 9, 8, 11, 10, 13, 12, 15, 14);
-  sums[0] = total[0];
-  sums[1] = total[4];
-  sums[2] = total[8];
-  sums[3] = total[12];
-}
-
 // 32 bf16 widened to fp32 by interleaving each with a zero below it, per 128-bit lane L:
 // `lo` takes elements 8L..8L+3, `hi` 8L+4..8L+7 (lane 4L + k holds element 8L + k, resp.
 // 8L + 4 + k). unpacked_order puts two such vectors' lanes back in element order.
@@ -112,10 +94,11 @@ inline void unpacked_order(Float16 lo, Float16 hi, float* out) {
     for (int k = 0; k < 4; ++k) out[8 * L + k] = lo[4 * L + k], out[8 * L + 4 + k] = hi[4 * L + k];
 }
 
-// The sums of sixteen vectors' lanes in one vector, each vector halved by the same tree as
-// sum_lanes4's (lane i + lane i + 8, then + 4, + 2, + 1), so a score's bits do not depend on
-// which of the two reduced it. The vectors come in `slot` order: position j of sixteen goes
-// in slot reduce16_slot(j) and its sum comes out in lane j.
+// The sums of sixteen vectors' lanes in one vector, each vector halved by one tree written
+// out (lane i + lane i + 8, then + 4, + 2, + 1; a compiler's own reduction of a vector is
+// sixteen dependent scalar adds), so a score's bits do not depend on the other fifteen. The
+// vectors come in `slot` order: position j of sixteen goes in slot reduce16_slot(j) and its
+// sum comes out in lane j.
 inline int reduce16_slot(int64_t j) { return static_cast<int>(j % 4 * 4 + j / 4); }
 inline Float16 reduce16(const float (*v)[16]) {
   Float16 r[8], s[4], u[2];
@@ -230,60 +213,44 @@ void attend_block(const float* queries, int64_t r0, int64_t head_dim, int64_t gr
   const float* q[MR];
   float* w[MR];
   for (int b = 0; b < MR; ++b) q[b] = queries + (r0 + b) * head_dim, w[b] = weights + b * chunk_len;
-  if constexpr (kWhole) {
-    // Sixteen positions at a time: each row's sixteen lane sums go to `lanes`, then one
-    // transposing reduction (reduce16) turns them into the sixteen scores at once, where a
-    // reduction per position (sum_lanes4) spent most of its shuffles on lanes it threw away.
-    // With the value rows widened by load32_unpacked, the 30 layers' attention with its rows
-    // in cache (bf16, old and new alternated in one process): 16 sequences at context 250
-    // 1.24x for one token each, 1.14x / 1.15x for two / four; one sequence 1.04-1.11x. The
-    // same bits as before (the same trees), checked over these cases.
-    alignas(64) float lanes[MR][16][16];
-    for (int64_t p0 = 0; p0 < block_seen; p0 += 16) {
-      const int64_t count = std::min<int64_t>(16, block_seen - p0);
-      for (int64_t j = 0; j < count; ++j) {
-        const int64_t p = p0 + j;
-        const T* k = key_cache + rows_at[p];
-        if (p + kPrefetchAhead < block_seen) prefetch_row(key_cache + rows_at[p + kPrefetchAhead], head_dim);
-        Float16 s[MR];
-        for (int b = 0; b < MR; ++b) s[b] = Float16{};
-        for (int64_t d = 0; d < kHeadDim; d += 16) {
-          const Float16 kd = load16(k + d);
-          for (int b = 0; b < MR; ++b) s[b] += load16(q[b] + d) * kd;
-        }
-        for (int b = 0; b < MR; ++b) std::memcpy(lanes[b][reduce16_slot(j)], &s[b], sizeof(Float16));
-      }
-      for (int64_t j = count; j < 16; ++j)
-        for (int b = 0; b < MR; ++b) std::memset(lanes[b][reduce16_slot(j)], 0, sizeof(Float16));
-      for (int b = 0; b < MR; ++b) {
-        const Float16 scores = reduce16(lanes[b]);
-        std::memcpy(w[b] + p0, &scores, count * sizeof(float));
-      }
-    }
-  } else {
-    for (int64_t p = 0; p < block_seen; ++p) {
+  // Sixteen positions at a time: each row's products summed in sixteen lanes over whole
+  // vectors of head_dim go to `lanes`, then one transposing reduction (reduce16) turns them
+  // into the sixteen scores at once, where a reduction per position spent most of its
+  // shuffles on lanes it threw away; then any tail past the whole vectors, in order. A row's
+  // sums are the same in every block. With the value rows widened by load32_unpacked, the 30
+  // layers' attention with its rows in cache (bf16, old and new alternated in one process):
+  // 16 sequences at context 250 1.24x for one token each, 1.14x / 1.15x for two / four; one
+  // sequence 1.04-1.11x. The same bits as the reduction per position (the same trees),
+  // checked over these cases.
+  const int64_t vector_end = kWhole ? kHeadDim : head_dim / 16 * 16;
+  alignas(64) float lanes[MR][16][16];
+  for (int64_t p0 = 0; p0 < block_seen; p0 += 16) {
+    const int64_t count = std::min<int64_t>(16, block_seen - p0);
+    for (int64_t j = 0; j < count; ++j) {
+      const int64_t p = p0 + j;
       const T* k = key_cache + rows_at[p];
       if (p + kPrefetchAhead < block_seen) prefetch_row(key_cache + rows_at[p + kPrefetchAhead], head_dim);
-      // Each row's products summed in sixteen lanes over whole vectors of head_dim, the lanes
-      // reduced by sum_lanes4's tree, then any tail in order: the same bits in every block.
-      const int64_t vector_end = head_dim / 16 * 16;
       Float16 s[MR];
       for (int b = 0; b < MR; ++b) s[b] = Float16{};
       for (int64_t d = 0; d < vector_end; d += 16) {
         const Float16 kd = load16(k + d);
         for (int b = 0; b < MR; ++b) s[b] += load16(q[b] + d) * kd;
       }
-      // Four rows' lanes reduced at once; a row's tree is the same in any group of four.
-      for (int b0 = 0; b0 < MR; b0 += 4) {
-        const Float16 zero{};
-        float sums[4];
-        sum_lanes4(s[b0], b0 + 1 < MR ? s[b0 + 1] : zero, b0 + 2 < MR ? s[b0 + 2] : zero,
-                   b0 + 3 < MR ? s[b0 + 3] : zero, sums);
-        for (int b = b0; b < MR && b < b0 + 4; ++b) w[b][p] = sums[b - b0];
-      }
-      for (int64_t d = vector_end; d < head_dim; ++d) {
-        const float kd = to_float(k[d]);
-        for (int b = 0; b < MR; ++b) w[b][p] += q[b][d] * kd;
+      for (int b = 0; b < MR; ++b) std::memcpy(lanes[b][reduce16_slot(j)], &s[b], sizeof(Float16));
+    }
+    for (int64_t j = count; j < 16; ++j)
+      for (int b = 0; b < MR; ++b) std::memset(lanes[b][reduce16_slot(j)], 0, sizeof(Float16));
+    for (int b = 0; b < MR; ++b) {
+      const Float16 scores = reduce16(lanes[b]);
+      std::memcpy(w[b] + p0, &scores, count * sizeof(float));
+    }
+    if constexpr (!kWhole) {
+      for (int64_t p = p0; p < p0 + count; ++p) {
+        const T* k = key_cache + rows_at[p];
+        for (int64_t d = vector_end; d < head_dim; ++d) {
+          const float kd = to_float(k[d]);
+          for (int b = 0; b < MR; ++b) w[b][p] += q[b][d] * kd;
+        }
       }
     }
   }
