@@ -24,7 +24,6 @@ DEFAULT_PROMPT_LOOKUP = 5
 # config written for vLLM keeps working, and start-up warns about each one given.
 VLLM_FIELDS_UNUSED = (
     "draft_tensor_parallel_size",
-    "disable_by_batch_size",
     "quantization",
     "max_model_len",
     "revision",
@@ -45,6 +44,7 @@ _KNOWN_FIELDS = (
     "prompt_lookup_min",
     "prompt_lookup_max",
     "speculative_token_map",
+    "disable_by_batch_size",
 )
 
 
@@ -81,6 +81,9 @@ class SpeculativeConfig:
     # eagle, draft_model: a file of target token ids the draft's LM head is cut to (FR-Spec,
     # SGLang's --speculative-token-map); see specdec/token_map.py.
     speculative_token_map: str | None = None
+    # vLLM's: a step whose batch holds more requests than this drafts nothing (no asks, no
+    # probes), whatever the adaptive policy would do; None: no such limit.
+    disable_by_batch_size: int | None = None
 
     @classmethod
     def parse(cls, text: str | dict[str, Any] | None) -> SpeculativeConfig | None:
@@ -177,9 +180,11 @@ class SpeculativeConfig:
                 raise ConfigError(f"speculative config: speculative_token_map applies to "
                                   f"{' and '.join(TOKEN_MAP_METHODS)}, not {method!r}: {reason}",
                                   param="speculative_token_map")
+        # vLLM's bound: a limit of 1 would switch speculation off for any batch at all.
+        disable_by_batch_size = _require_int(raw, "disable_by_batch_size", 2)
         return cls(method=method, num_speculative_tokens=num_tokens, model=model,
                    prompt_lookup_min=lookup_min, prompt_lookup_max=lookup_max,
-                   speculative_token_map=token_map)
+                   speculative_token_map=token_map, disable_by_batch_size=disable_by_batch_size)
 
     def to_json(self) -> str:
         """The config as `--speculative-config` JSON, to pass to child processes."""
@@ -192,6 +197,8 @@ class SpeculativeConfig:
             raw["prompt_lookup_max"] = self.prompt_lookup_max
         if self.speculative_token_map is not None:
             raw["speculative_token_map"] = self.speculative_token_map
+        if self.disable_by_batch_size is not None:
+            raw["disable_by_batch_size"] = self.disable_by_batch_size
         return json.dumps(raw)
 
 
@@ -266,6 +273,9 @@ class EngineConfig:
     # Draft lengths chosen per step from measured acceptance and step cost
     # (verifier_svc.speculation_policy); False: always the request's k.
     adaptive_speculation: bool = True
+    # The speculative config's disable_by_batch_size: a step whose running batch holds more
+    # requests than this drafts for none of them. None: no limit.
+    disable_by_batch_size: int | None = None
 
     def __post_init__(self) -> None:
         for name in ("max_model_len", "max_num_seqs", "max_num_batched_tokens", "block_size"):

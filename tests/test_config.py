@@ -26,6 +26,7 @@ VALID = [
     ('{"model": "/m/tiny-llama", "num_speculative_tokens": 2}', "draft_model", 2, "/m/tiny-llama", None, None),
     ('{"model": "[ngram]", "num_speculative_tokens": 2}', "ngram", 2, None, 5, 5),
     # A field vLLM knows but specdec does not use is accepted (with a warning).
+    ('{"method": "ngram", "num_speculative_tokens": 2, "revision": "main"}', "ngram", 2, None, 5, 5),
     ('{"method": "ngram", "num_speculative_tokens": 2, "disable_by_batch_size": 4}', "ngram", 2, None, 5, 5),
 ]
 
@@ -66,6 +67,9 @@ INVALID = [
     ('{"method": "eagle", "model": "/m/e", "num_speculative_tokens": 2, "prompt_lookup_min": 2}',
      "prompt_lookup_min"),
     ('{"method": "ngram", "num_speculative_tokens": 2, "num_lookahead": 3}', "num_lookahead"),
+    # vLLM's bound (ge=2): a limit of 1 would leave speculation off for any batch.
+    ('{"method": "ngram", "num_speculative_tokens": 2, "disable_by_batch_size": 1}', "disable_by_batch_size"),
+    ('{"method": "ngram", "num_speculative_tokens": 2, "disable_by_batch_size": "8"}', "disable_by_batch_size"),
 ]
 
 
@@ -75,6 +79,13 @@ def test_invalid_configs_name_the_field(text: str, field: str) -> None:
         SpeculativeConfig.parse(text)
     assert info.value.param == field
     assert field in info.value.message or field.replace("_", "-") in info.value.message
+
+
+def test_disable_by_batch_size_is_kept_and_passed_on() -> None:
+    config = SpeculativeConfig.parse('{"method": "ngram", "num_speculative_tokens": 2, '
+                                     '"disable_by_batch_size": 12}')
+    assert config is not None and config.disable_by_batch_size == 12
+    assert SpeculativeConfig.parse('{"method": "ngram", "num_speculative_tokens": 2}').disable_by_batch_size is None
 
 
 def test_invalid_method_lists_allowed_values() -> None:

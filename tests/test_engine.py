@@ -214,6 +214,25 @@ async def test_speculation_switched_off_for_the_engine(tiny_model: Path, device,
         r.started <= r.finished and 1 <= r.num_sequences <= len(PROMPTS) for r in records)
 
 
+@pytest.mark.parametrize("adaptive", [False, True])
+async def test_a_batch_above_disable_by_batch_size_drafts_nothing(tiny_model: Path, device, expected,
+                                                                adaptive: bool) -> None:
+    """vLLM's disable_by_batch_size: while more than two requests run, no step drafts (nor
+    probes); once the short requests end, the two long ones draft again. Outputs unchanged."""
+    spec = SpeculativeConfig.parse({"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1,
+                                    "prompt_lookup_max": 3, "disable_by_batch_size": 2})
+    short = 6
+    async with EngineHarness(tiny_model, str(device), k=3, speculative_config=spec,
+                             adaptive_speculation=adaptive) as engine:
+        records: list[StepRecord] = []
+        engine.step_listener = records.append
+        outputs = await asyncio.gather(*(generate(engine, prompt, greedy(short if index < 2 else MAX_TOKENS))
+                                         for index, prompt in enumerate(PROMPTS)))
+    assert list(outputs) == [expected[0][:short], expected[1][:short], expected[2], expected[3]]
+    assert all(r.num_draft_slots == 0 for r in records if r.num_sequences > 2)
+    assert any(r.num_draft_slots for r in records if r.num_sequences <= 2)
+
+
 async def test_seeded_sampling_is_reproducible(tiny_model: Path, device) -> None:
     params = SamplingParams(temperature=0.8, top_p=0.9, top_k=20, seed=1234, max_tokens=16,
                             ignore_eos=True)

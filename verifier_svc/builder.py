@@ -138,7 +138,9 @@ def build_engine(config: VerifierConfig) -> tuple[Engine, ServedModel]:
                                  or default_draft_timeout_s(config.speculative_config),
                                  max_waiting_requests=config.max_waiting_requests,
                                  request_timeout_s=config.request_timeout_s,
-                                 adaptive_speculation=config.adaptive_speculation)
+                                 adaptive_speculation=config.adaptive_speculation,
+                                 disable_by_batch_size=config.speculative_config.disable_by_batch_size
+                                 if config.speculative_config is not None else None)
     if num_blocks * config.block_size < max_model_len:
         raise ConfigError(f"the KV cache holds {num_blocks * config.block_size} tokens, less "
                           f"than one sequence of --max-model-len {max_model_len}; raise "

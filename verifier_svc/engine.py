@@ -249,6 +249,11 @@ class Engine:
 
     def _plan_speculation(self) -> Callable[[Sequence], int]:
         """The draft length of each running sequence this step (adaptive, or its cap)."""
+        limit = self.config.disable_by_batch_size
+        if limit is not None and len(self.scheduler.running) > limit:
+            # vLLM's disable_by_batch_size: so large a batch drafts nothing, not even the
+            # policy's probes, and the drafter is not asked.
+            return _no_draft
         if self.policy is None:
             return self._speculative_tokens_for
         candidates: list[Candidate] = []
@@ -477,6 +482,10 @@ class Engine:
 
 
 _NO_DRAFT = Draft(token_ids=[], probs=None)
+
+
+def _no_draft(seq: Sequence) -> int:
+    return 0
 
 
 def _truncate(draft: Draft, num_tokens: int) -> Draft:
