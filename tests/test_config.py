@@ -27,6 +27,7 @@ VALID = [
     ('{"model": "[ngram]", "num_speculative_tokens": 2}', "ngram", 2, None, 5, 5),
     # A field vLLM knows but specdec does not use is accepted (with a warning).
     ('{"method": "ngram", "num_speculative_tokens": 2, "revision": "main"}', "ngram", 2, None, 5, 5),
+    # vLLM's batch-size limit, which specdec honours (test_engine.py).
     ('{"method": "ngram", "num_speculative_tokens": 2, "disable_by_batch_size": 4}', "ngram", 2, None, 5, 5),
 ]
 
@@ -81,10 +82,11 @@ def test_invalid_configs_name_the_field(text: str, field: str) -> None:
     assert field in info.value.message or field.replace("_", "-") in info.value.message
 
 
-def test_disable_by_batch_size_is_kept_and_passed_on() -> None:
+def test_disable_by_batch_size_is_kept_and_passed_on(caplog: pytest.LogCaptureFixture) -> None:
     config = SpeculativeConfig.parse('{"method": "ngram", "num_speculative_tokens": 2, '
                                      '"disable_by_batch_size": 12}')
     assert config is not None and config.disable_by_batch_size == 12
+    assert "not used" not in caplog.text
     assert SpeculativeConfig.parse('{"method": "ngram", "num_speculative_tokens": 2}').disable_by_batch_size is None
 
 
