@@ -187,7 +187,7 @@ async def test_a_failing_forward_fails_only_its_step(start: StartVerifier) -> No
         assert second_tokens == await collect(stub.Generate(request([8, 9, 10], 20)))
     assert info.value.code() == grpc.StatusCode.INTERNAL
     details = info.value.details()
-    assert "RuntimeError" in details and len(details) < 200
+    assert "engine step" in details and len(details) < 200
     assert "Traceback" not in details and "internal detail" not in details
     assert len(second_tokens) == 20
 
@@ -216,7 +216,7 @@ async def test_a_client_vanishing_while_the_drafter_answers(start: StartVerifier
             # Holds one step in its proposal phase until a client of that step is gone.
             if armed.is_set() and not proposing.is_set():
                 proposing.set()
-                deadline = time.monotonic() + 2.0
+                deadline = time.monotonic() + 30.0  # a hang guard
                 while engine.num_requests == 2 and time.monotonic() < deadline:
                     await asyncio.sleep(0.001)
             return await propose(*args)
@@ -233,7 +233,7 @@ async def test_a_client_vanishing_while_the_drafter_answers(start: StartVerifier
             await vanishing.read()
             first = await staying.read()
             armed.set()
-            await asyncio.wait_for(proposing.wait(), 2.0)
+            await asyncio.wait_for(proposing.wait(), 30.0)  # a hang guard
             vanishing.cancel()
             rest: list[int] = []
             while (response := await staying.read()) is not grpc.aio.EOF:

@@ -18,8 +18,10 @@ inputs are built.
 Request lifecycle: at most `max_num_seqs + max_waiting_requests` requests are in flight;
 one more is refused with `OverloadedError`. A request ends by finishing, by `abort` (its
 client went away or timed out) or by failing: a step that raises fails only the sequences
-it ran, with a short `EngineError`. On shutdown `stop_accepting`, `drain`, then
-`abort_all` for whatever outlived the grace period.
+it ran, with a short `EngineError` (INTERNAL; the gateway answers 500), or every request in
+flight when it raised before the scheduler's plan said which sequences it runs. Either
+way the loop goes on serving new requests, and no block stays taken. On shutdown
+`stop_accepting`, `drain`, then `abort_all` for whatever outlived the grace period.
 """
 
 from __future__ import annotations
@@ -221,6 +223,7 @@ class Engine:
             except asyncio.CancelledError:
                 raise
             except Exception:
+                # `step` fails its own requests; this is for a failure of that handling.
                 logger.exception("engine step failed")
             # The forward blocked the loop: let gRPC admit new calls and deliver
             # cancellations, which take several loop iterations each (one sleep(0) would
@@ -270,34 +273,59 @@ class Engine:
     async def step(self) -> None:
         started = time.perf_counter()
         speculation_enabled = self.speculation_enabled
-        plan = self.scheduler.schedule(self._plan_speculation())
-        if not plan.scheduled:
-            return
-        listener = self.step_listener
-        if listener is not None:
-            outputs_before = sum(item.seq.num_output_tokens for item in plan.scheduled)
-            num_prefill_tokens = sum(item.num_query_tokens for item in plan.scheduled
-                                     if item.num_query_tokens > 1 or not item.samples)
-            probes = set(self.policy.last_probes) if self.policy is not None else set()
-            num_probes = sum(1 for item in plan.scheduled
-                             if item.num_speculative_tokens and item.seq.seq_id in probes)
+        # None until the scheduler has planned: a failure before then cannot say which
+        # sequences it concerns.
+        scheduled: list[ScheduledSequence] | None = None
         try:
-            await self._run_step(plan.scheduled)
+            scheduled = self.scheduler.schedule(self._plan_speculation()).scheduled
+            if not scheduled:
+                return
+            listener = self.step_listener
+            if listener is not None:
+                outputs_before = sum(item.seq.num_output_tokens for item in scheduled)
+                num_prefill_tokens = sum(item.num_query_tokens for item in scheduled
+                                         if item.num_query_tokens > 1 or not item.samples)
+                probes = set(self.policy.last_probes) if self.policy is not None else set()
+                num_probes = sum(1 for item in scheduled
+                                 if item.num_speculative_tokens and item.seq.seq_id in probes)
+            await self._run_step(scheduled)
             if listener is not None:
                 listener(StepRecord(
-                    started, time.perf_counter(), speculation_enabled, len(plan.scheduled),
-                    num_prefill_tokens, sum(item.num_speculative_tokens for item in plan.scheduled),
-                    sum(item.seq.num_output_tokens for item in plan.scheduled) - outputs_before,
+                    started, time.perf_counter(), speculation_enabled, len(scheduled),
+                    num_prefill_tokens, sum(item.num_speculative_tokens for item in scheduled),
+                    sum(item.seq.num_output_tokens for item in scheduled) - outputs_before,
                     num_probes))
-        except Exception as exc:
-            # Only the sequences of this step fail; the next step serves the others. The
-            # client gets a short message, the log the traceback.
-            logger.exception("engine step failed; failing its %d sequences", len(plan.scheduled))
-            error = EngineError(f"the engine step serving this request failed "
-                                f"({type(exc).__name__}); the request was aborted")
-            for item in plan.scheduled:
-                if not item.seq.is_finished:
-                    self._fail(item.seq, error)
+        except Exception:
+            self._fail_step(scheduled)
+
+    def _fail_step(self, scheduled: list[ScheduledSequence] | None) -> None:
+        """Fails what the failed step concerned, so that no request waits on a loop that
+        would only fail again: the step's sequences, or, when the failure came before the
+        scheduler's plan (in the plan, the policy), every request in flight, whose state
+        (blocks taken, queues left half-moved) is then unknown. Called in an `except`."""
+        if scheduled is None:
+            sequences = list(self._sequences.values())
+            logger.exception("engine step failed before its plan; failing all %d requests",
+                             len(sequences))
+        else:
+            sequences = [item.seq for item in scheduled]
+            logger.exception("engine step failed; failing its %d sequences", len(sequences))
+        # The client gets a short message, the log the traceback.
+        error = EngineError("the engine step serving this request failed; the request was "
+                            "aborted")
+        for seq in sequences:
+            if seq.seq_id in self._sequences:  # not finished or aborted during the step
+                try:
+                    self._fail(seq, error)
+                except Exception:  # the client has its error; fail the others all the same
+                    logger.exception("failing request %s raised", seq.request_id)
+        # Whatever the scheduler still holds for no request (a failure between its own
+        # bookkeeping steps) is freed: it would keep blocks and keep the loop stepping.
+        scheduler = self.scheduler
+        for seq in [*scheduler.running, *scheduler.waiting]:
+            if seq.seq_id not in self._sequences:
+                scheduler.block_manager.free(seq)
+                (scheduler.running if seq in scheduler.running else scheduler.waiting).remove(seq)
 
     async def _run_step(self, scheduled: list[ScheduledSequence]) -> None:
         hidden_layer_ids = self.hidden_layer_ids
@@ -462,9 +490,12 @@ class Engine:
 
     def _fail(self, seq: Sequence, error: SpecdecError) -> None:
         queue = self._queues.get(seq.seq_id)
-        self.abort(seq.seq_id)
-        if queue is not None:
-            queue.put_nowait(error)
+        try:
+            self.abort(seq.seq_id)
+        finally:
+            # Whatever the abort met, the client hears of the failure: nothing hangs.
+            if queue is not None:
+                queue.put_nowait(error)
 
     def _maybe_log_stats(self) -> None:
         now = time.monotonic()
