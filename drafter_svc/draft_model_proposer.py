@@ -88,7 +88,8 @@ def build_draft_model_method(config: SpeculativeConfig, options: ModelOptions
     info = ProposerInfo(method="draft_model",
                         max_num_speculative_tokens=config.num_speculative_tokens,
                         vocab_size=model.config.vocab_size,
-                        tokenizer_fingerprint=tokenizer_fingerprint(tokenizer))
+                        tokenizer_fingerprint=tokenizer_fingerprint(tokenizer),
+                        max_model_len=model.max_positions)
     pool = DraftKVPool(model.config, options.num_blocks, options.block_size, dtype, device)
     logger.info("draft_model %s: %d layers, vocab %d%s, k=%d, %s on %s%s", model_dir,
                 model.config.num_hidden_layers, model.config.vocab_size,

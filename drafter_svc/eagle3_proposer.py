@@ -52,7 +52,8 @@ def build_eagle3_method(config: SpeculativeConfig, options: ModelOptions) -> Cal
     info = ProposerInfo(method="eagle3", max_num_speculative_tokens=config.num_speculative_tokens,
                         hidden_state_layer_ids=layer_ids,
                         vocab_size=target.config.vocab_size, tokenizer_fingerprint=fingerprint,
-                        hidden_state_width=len(layer_ids) * target.config.hidden_size)
+                        hidden_state_width=len(layer_ids) * target.config.hidden_size,
+                        max_model_len=max_positions)
     pool = DraftKVPool(head.config, options.num_blocks, options.block_size, dtype, device)
     # A reduced draft vocabulary is a token map: draft id i is target id i + d2t[i].
     token_map = (None if head.d2t is None

@@ -88,6 +88,6 @@ def build_eagle_method(config: SpeculativeConfig, options: ModelOptions) -> Call
     info = ProposerInfo(method="eagle", max_num_speculative_tokens=config.num_speculative_tokens,
                         hidden_state_layer_ids=(FINAL_HIDDEN_STATE,),
                         vocab_size=target.config.vocab_size, tokenizer_fingerprint=fingerprint,
-                        hidden_state_width=target.config.hidden_size)
+                        hidden_state_width=target.config.hidden_size, max_model_len=max_positions)
     pool = DraftKVPool(head.config, options.num_blocks, options.block_size, dtype, device)
     return lambda: EagleProposer(head, info, pool, device, dtype, options, token_map)

@@ -13,8 +13,11 @@ no draft state, so for it rollback is a no-op.
 
 from __future__ import annotations
 
+import json
+import logging
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import TYPE_CHECKING, Protocol
 
 import numpy as np
@@ -25,6 +28,12 @@ from specdec.errors import ConfigError
 
 if TYPE_CHECKING:  # torch is imported only by methods that run a model
     import torch
+
+logger = logging.getLogger(__name__)
+
+# The ngram method's longest context when neither --max-model-len nor a target model
+# directory says: the default model's (SmolLM2's max_position_embeddings).
+DEFAULT_NGRAM_MAX_MODEL_LEN = 8192
 
 
 @dataclass(frozen=True, slots=True)
@@ -41,6 +50,9 @@ class ProposerInfo:
     # Columns of SequenceUpdate.hidden_states (all layers asked for, concatenated); not in
     # GetInfo: the servicer checks incoming rows against it. 0 when no states are needed.
     hidden_state_width: int = 0
+    # Longest context the method accepts and drafts for (not in GetInfo: the servicer
+    # refuses to hold longer ones); 0 = not given, the servicer's default applies.
+    max_model_len: int = 0
 
 
 @dataclass(slots=True)
@@ -87,7 +99,8 @@ class Proposer(Protocol):
 
 @dataclass(frozen=True)
 class ModelOptions:
-    """Drafter flags for the model methods (draft_model, eagle, eagle3); ngram ignores them."""
+    """Drafter flags for the model methods (draft_model, eagle, eagle3); ngram reads only
+    target_model (for its vocabulary and length) and max_model_len."""
 
     # The target the drafts are for: eagle heads borrow its embedding and lm_head and
     # report its tokenizer; eagle3 derives its default layer ids from its depth.
@@ -98,7 +111,8 @@ class ModelOptions:
     # The draft KV pool, shared by all streams: num_blocks x block_size token slots.
     num_blocks: int = 512
     block_size: int = 16
-    # Longest context drafted for (RoPE table size); None: the model's max_position_embeddings.
+    # Longest context accepted and drafted for (RoPE table size); None: the model's
+    # max_position_embeddings (ngram: the target's, else DEFAULT_NGRAM_MAX_MODEL_LEN).
     max_model_len: int | None = None
     # Sample drafts from the draft distribution and send it as draft_probs (default: greedy).
     draft_sampling: bool = False
@@ -115,12 +129,15 @@ class ModelOptions:
 
 
 class TokenHistory:
-    """A growing int64 token array with amortised O(1) appends (capacity doubles)."""
+    """A growing int32 token array with amortised O(1) appends (capacity doubles).
+
+    int32 halves the memory of int64: the servicer refuses ids of 2**31 and above.
+    """
 
     __slots__ = ("_buffer", "_length")
 
     def __init__(self, initial_capacity: int = 256) -> None:
-        self._buffer = np.empty(max(initial_capacity, 16), dtype=np.int64)
+        self._buffer = np.empty(max(initial_capacity, 16), dtype=np.int32)
         self._length = 0
 
     def __len__(self) -> int:
@@ -132,7 +149,7 @@ class TokenHistory:
             return
         needed = self._length + num_new
         if needed > self._buffer.shape[0]:
-            grown = np.empty(max(needed, 2 * self._buffer.shape[0]), dtype=np.int64)
+            grown = np.empty(max(needed, 2 * self._buffer.shape[0]), dtype=np.int32)
             grown[:self._length] = self._buffer[:self._length]
             self._buffer = grown
         self._buffer[self._length:needed] = token_ids
@@ -152,13 +169,19 @@ class NgramMethod:
     _histories: dict[int, TokenHistory] = field(default_factory=dict)
 
     @classmethod
-    def from_config(cls, config: SpeculativeConfig) -> NgramMethod:
+    def from_config(cls, config: SpeculativeConfig,
+                    options: ModelOptions | None = None) -> NgramMethod:
+        """`options`: --max-model-len and the target model, whose vocabulary bounds the ids."""
         assert config.prompt_lookup_min is not None and config.prompt_lookup_max is not None
+        vocab_size, target_len = (0, 0) if options is None else target_limits(options.target_model)
+        max_model_len = ((options.max_model_len if options is not None else None)
+                         or target_len or DEFAULT_NGRAM_MAX_MODEL_LEN)
         return cls(
             proposer=NgramProposer(config.prompt_lookup_min, config.prompt_lookup_max,
                                    config.num_speculative_tokens),
             info=ProposerInfo(method="ngram",
-                              max_num_speculative_tokens=config.num_speculative_tokens),
+                              max_num_speculative_tokens=config.num_speculative_tokens,
+                              vocab_size=vocab_size, max_model_len=max_model_len),
         )
 
     def context_len(self, seq_id: int) -> int | None:
@@ -187,6 +210,26 @@ class NgramMethod:
         self._histories.clear()
 
 
+def target_limits(target_model: str) -> tuple[int, int]:
+    """(vocab_size, max_position_embeddings) from a target model directory's config.json.
+
+    (0, 0) when `target_model` is not a local directory (a model name is never resolved
+    here: ngram downloads nothing and imports no torch). The launcher passes the resolved
+    directory, so its ngram drafter knows the verifier's vocabulary and reports it in
+    GetInfo, where the verifier checks it.
+    """
+    path = Path(target_model).expanduser() / "config.json"
+    if not path.is_file():
+        return 0, 0
+    try:
+        config = json.loads(path.read_text())
+        config = config.get("text_config", config)  # multimodal configs nest the LM's
+        return int(config.get("vocab_size") or 0), int(config.get("max_position_embeddings") or 0)
+    except (OSError, ValueError, TypeError, AttributeError) as exc:
+        logger.warning("ngram: cannot read the target's limits from %s: %s", path, exc)
+        return 0, 0
+
+
 def proposer_factory(config: SpeculativeConfig,
                      options: ModelOptions | None = None) -> Callable[[], Proposer]:
     """Checks the method at start-up; returns a callable making a fresh Proposer per stream.
@@ -195,8 +238,8 @@ def proposer_factory(config: SpeculativeConfig,
     each stream's Proposer holds only its sequences' state and block tables.
     """
     if config.method == "ngram":
-        NgramMethod.from_config(config)  # validates the lookup bounds once, at start-up
-        return lambda: NgramMethod.from_config(config)
+        method = NgramMethod.from_config(config, options)  # validates once, at start-up
+        return lambda: NgramMethod(method.proposer, method.info)
     options = options or ModelOptions()
     if config.method == "draft_model":
         from drafter_svc.draft_model_proposer import build_draft_model_method

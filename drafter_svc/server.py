@@ -1,4 +1,4 @@
-"""The drafter process: a grpc.aio server with Drafter, health and reflection."""
+"""The drafter process: a grpc.aio server with Drafter, health and (when asked) reflection."""
 
 from __future__ import annotations
 
@@ -8,10 +8,16 @@ import logging
 
 from drafter_svc.metrics import DrafterMetrics
 from drafter_svc.proposer import ModelOptions, proposer_factory
-from drafter_svc.servicer import DrafterServicer
+from drafter_svc.servicer import (
+    DEFAULT_MAX_SEQS_PER_STREAM,
+    DEFAULT_SEQ_IDLE_TIMEOUT_S,
+    DrafterServicer,
+    StreamLimits,
+)
 from specdec.config import SpeculativeConfig
 from specdec.errors import ConfigError
 from specdec.grpc_server import GrpcServer, run_until_signalled
+from specdec.internal_auth import add_internal_auth_args, check_server_token, load_internal_token
 from specdec.tls import GrpcTlsConfig, add_grpc_tls_args, grpc_tls_from_args
 from specdec.v1 import specdec_pb2, specdec_pb2_grpc
 
@@ -26,23 +32,28 @@ async def start_drafter_server(config: SpeculativeConfig, host: str = "127.0.0.1
                                options: ModelOptions | None = None,
                                tls: GrpcTlsConfig | None = None,
                                metrics_port: int | None = None,
+                               limits: StreamLimits | None = None,
+                               internal_token: str | None = None,
+                               enable_reflection: bool = False,
                                ) -> tuple[GrpcServer, int]:
     """Builds the proposer, binds host:port (0 = any free port) and starts serving.
 
     Model methods load their weights here (`options`: target model, dtype, device, KV pool).
     With `tls` carrying a server certificate the port accepts TLS only. With
     `metrics_port`, Prometheus metrics are served over HTTP at /metrics there.
+    With `internal_token`, every call but the health check must carry it (None: open).
     Returns the started server and the bound port; health reports SERVING once started.
     """
     make_proposer = proposer_factory(config, options)
     info = make_proposer().info
-    server = GrpcServer([DRAFTER_SERVICE_NAME])
+    server = GrpcServer([DRAFTER_SERVICE_NAME], internal_token=internal_token,
+                        enable_reflection=enable_reflection)
     metrics = None
     if metrics_port is not None:
         metrics = DrafterMetrics(config.method)
         metrics.serve(host, metrics_port)
-    specdec_pb2_grpc.add_DrafterServicer_to_server(DrafterServicer(make_proposer, info, metrics),
-                                                   server.server)
+    specdec_pb2_grpc.add_DrafterServicer_to_server(
+        DrafterServicer(make_proposer, info, metrics, limits), server.server)
     try:
         bound_port = await server.start(host, port,
                                         tls.server_credentials() if tls is not None else None)
@@ -86,7 +97,16 @@ def build_arg_parser() -> argparse.ArgumentParser:
     parser.add_argument("--block-size", type=int, default=defaults.block_size,
                         help="tokens per draft KV block (default %(default)s)")
     parser.add_argument("--max-model-len", type=int, default=None,
-                        help="longest context to draft for (default: the model's maximum)")
+                        help="longest context held and drafted for; longer ones get no drafts "
+                             "(default: the model's maximum; ngram: the --target-model "
+                             "directory's, else 8192)")
+    parser.add_argument("--max-seqs-per-stream", type=int, default=DEFAULT_MAX_SEQS_PER_STREAM,
+                        help="sequences one verifier stream may hold; a new one evicts the least "
+                             "recently updated (at least the verifier's --max-num-seqs; default "
+                             "%(default)s)")
+    parser.add_argument("--seq-idle-timeout-s", type=float, default=DEFAULT_SEQ_IDLE_TIMEOUT_S,
+                        help="evict the state of a sequence not updated for this long "
+                             "(default %(default)s)")
     parser.add_argument("--draft-sampling", action="store_true",
                         help="sample drafts and send their probabilities (default: greedy drafts)")
     parser.add_argument("--seed", type=int, default=defaults.seed,
@@ -95,13 +115,18 @@ def build_arg_parser() -> argparse.ArgumentParser:
                         choices=("debug", "info", "warning", "error"),
                         help="logging level (default %(default)s)")
     add_grpc_tls_args(parser, client=False)
+    add_internal_auth_args(parser)
     return parser
 
 
 async def serve(config: SpeculativeConfig, host: str, port: int, options: ModelOptions,
-                tls: GrpcTlsConfig | None = None, metrics_port: int | None = None) -> None:
+                tls: GrpcTlsConfig | None = None, metrics_port: int | None = None,
+                limits: StreamLimits | None = None, internal_token: str | None = None,
+                enable_reflection: bool = False) -> None:
     server, _ = await start_drafter_server(config, host, port, options=options, tls=tls,
-                                           metrics_port=metrics_port)
+                                           metrics_port=metrics_port, limits=limits,
+                                           internal_token=internal_token,
+                                           enable_reflection=enable_reflection)
     await run_until_signalled(server)
 
 
@@ -121,8 +146,14 @@ def main(argv: list[str] | None = None) -> int:
                                num_blocks=args.num_blocks, block_size=args.block_size,
                                max_model_len=args.max_model_len,
                                draft_sampling=args.draft_sampling, seed=args.seed)
-        asyncio.run(serve(config, args.host, args.port, options, grpc_tls_from_args(args),
-                          args.metrics_port))
+        limits = StreamLimits(max_seqs_per_stream=args.max_seqs_per_stream,
+                              seq_idle_timeout_s=args.seq_idle_timeout_s)
+        tls = grpc_tls_from_args(args)
+        internal_token = load_internal_token(args.internal_token_file)
+        check_server_token(internal_token, args.host, args.insecure_no_internal_token,
+                           tls_enabled=tls is not None and tls.server_enabled)
+        asyncio.run(serve(config, args.host, args.port, options, tls, args.metrics_port, limits,
+                          internal_token, args.enable_reflection))
     except ConfigError as exc:
         logger.error("%s", exc.message)
         return 2

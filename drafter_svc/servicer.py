@@ -12,20 +12,34 @@ Methods that declared target layers (GetInfo.hidden_state_layer_ids) get each up
 `hidden_states` decoded and checked: [rows, hidden_state_width] where rows cover the
 context positions the drafter has no row for yet, all but the last (see the proto). A
 missing or malformed tensor is INVALID_ARGUMENT for the stream, like any malformed request.
+
+Bounds (a stream must not hold unbounded memory, whoever opened it):
+- a token id at or above the vocabulary size (GetInfo's vocab_size; 2**31 when the method
+  knows none) is INVALID_ARGUMENT naming sequences.new_token_ids, so no such id is ever
+  held or proposed; more sequences in one message than --max-seqs-per-stream likewise;
+- a context longer than the method's max-model-len is not held and never drafted for: its
+  state is dropped and the sequence is remembered without tokens (so the verifier is not
+  asked to resend it every step) until it finishes. A drafter configured for shorter
+  contexts than its verifier costs speed on those sequences, not the stream;
+- a stream holds at most --max-seqs-per-stream sequences: a new one evicts the least
+  recently updated; a sequence not updated for --seq-idle-timeout-s is evicted too. An
+  evicted sequence's next incremental update is answered needs_resync, as after a restart.
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
+from collections import OrderedDict
 from collections.abc import AsyncIterator, Callable
-
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import grpc
 
-from drafter_svc.proposer import Proposer, ProposerInfo
-from specdec.errors import InvalidRequestError, SpecdecError
+from drafter_svc.proposer import DEFAULT_NGRAM_MAX_MODEL_LEN, Proposal, Proposer, ProposerInfo
+from specdec.errors import ConfigError, InvalidRequestError, SpecdecError
 from specdec.grpc_status import error_details, status_for
 from specdec.v1 import specdec_pb2, specdec_pb2_grpc
 
@@ -35,17 +49,133 @@ if TYPE_CHECKING:
     from drafter_svc.metrics import DrafterMetrics
 
 HIDDEN_STATES_FIELD = "sequences.hidden_states"
+TOKEN_IDS_FIELD = "sequences.new_token_ids"
 _HIDDEN_STATE_DTYPES = ("float32", "bfloat16", "float16")
+# Above any verifier's --max-num-seqs default (256), so a stream from one never evicts.
+DEFAULT_MAX_SEQS_PER_STREAM = 1024
+# A running sequence is updated every verifier step; one quiet this long was leaked.
+DEFAULT_SEQ_IDLE_TIMEOUT_S = 300.0
+# Ids accepted when the method knows no vocabulary (ngram without a target directory):
+# what int32 holds, the token arrays' dtype.
+UNKNOWN_VOCAB_ID_LIMIT = 1 << 31
+# A stream that keeps overflowing logs its evictions at most this often.
+_FULL_WARNING_INTERVAL_S = 60.0
 
 logger = logging.getLogger(__name__)
 
 
+@dataclass(frozen=True, slots=True)
+class StreamLimits:
+    """What one Propose stream may hold (drafter flags); the model's own limits (vocabulary,
+    max-model-len) come from ProposerInfo."""
+
+    max_seqs_per_stream: int = DEFAULT_MAX_SEQS_PER_STREAM
+    seq_idle_timeout_s: float = DEFAULT_SEQ_IDLE_TIMEOUT_S
+
+    def __post_init__(self) -> None:
+        if self.max_seqs_per_stream < 1:
+            raise ConfigError(f"--max-seqs-per-stream must be >= 1, got {self.max_seqs_per_stream}",
+                              param="max_seqs_per_stream")
+        if not self.seq_idle_timeout_s > 0:
+            raise ConfigError(f"--seq-idle-timeout-s must be > 0, got {self.seq_idle_timeout_s}",
+                              param="seq_idle_timeout_s")
+
+
+def token_id_limit(info: ProposerInfo) -> int:
+    return info.vocab_size or UNKNOWN_VOCAB_ID_LIMIT
+
+
+def max_model_len(info: ProposerInfo) -> int:
+    return info.max_model_len or DEFAULT_NGRAM_MAX_MODEL_LEN
+
+
+class SequenceTable:
+    """The sequences one stream holds, least recently updated first (see the module docstring).
+
+    Every held sequence is in the table; `too_long` ones hold no state in the proposer.
+    """
+
+    def __init__(self, proposer: Proposer, limits: StreamLimits,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self.proposer = proposer
+        self.limits = limits
+        self._clock = clock
+        self._last_seen: OrderedDict[int, float] = OrderedDict()
+        self.too_long: set[int] = set()
+        self.num_evicted = 0
+        self._last_full_warning = float("-inf")
+
+    def __len__(self) -> int:
+        return len(self._last_seen)
+
+    def num_tokens(self) -> int:
+        """Tokens held for this stream's sequences."""
+        return sum(self.proposer.context_len(seq_id) or 0 for seq_id in self._last_seen)
+
+    def touch(self, seq_id: int) -> None:
+        """seq_id was just updated; a new one first evicts the least recently updated ones."""
+        if seq_id in self._last_seen:
+            self._last_seen.move_to_end(seq_id)
+        else:
+            evicted = False
+            while len(self._last_seen) >= self.limits.max_seqs_per_stream:
+                self._evict(next(iter(self._last_seen)))
+                evicted = True
+            now = self._clock()
+            if evicted and now - self._last_full_warning >= _FULL_WARNING_INTERVAL_S:
+                self._last_full_warning = now
+                logger.warning("a Propose stream holds %d sequences, the most allowed: the "
+                               "least recently updated are evicted (%d so far; "
+                               "--max-seqs-per-stream must be at least the verifier's "
+                               "--max-num-seqs)", self.limits.max_seqs_per_stream,
+                               self.num_evicted)
+        self._last_seen[seq_id] = self._clock()
+
+    def mark_too_long(self, seq_id: int) -> None:
+        self.proposer.remove_sequence(seq_id)
+        self.touch(seq_id)
+        self.too_long.add(seq_id)
+
+    def remove(self, seq_id: int) -> None:
+        self._last_seen.pop(seq_id, None)
+        self.too_long.discard(seq_id)
+        self.proposer.remove_sequence(seq_id)
+
+    def evict_idle(self) -> int:
+        """Evicts the sequences not updated for seq_idle_timeout_s; returns how many."""
+        oldest_kept = self._clock() - self.limits.seq_idle_timeout_s
+        num_evicted = 0
+        while self._last_seen:
+            seq_id, seen = next(iter(self._last_seen.items()))
+            if seen > oldest_kept:
+                break
+            self._evict(seq_id)
+            num_evicted += 1
+        if num_evicted:
+            logger.info("evicted %d sequences not updated for %.0f s", num_evicted,
+                        self.limits.seq_idle_timeout_s)
+        return num_evicted
+
+    def _evict(self, seq_id: int) -> None:
+        self.remove(seq_id)
+        self.num_evicted += 1
+
+
 class DrafterServicer(specdec_pb2_grpc.DrafterServicer):
     def __init__(self, proposer_factory: Callable[[], Proposer], info: ProposerInfo,
-                 metrics: DrafterMetrics | None = None) -> None:
+                 metrics: DrafterMetrics | None = None, limits: StreamLimits | None = None,
+                 clock: Callable[[], float] = time.monotonic) -> None:
         self._proposer_factory = proposer_factory
         self._info = info
         self._metrics = metrics
+        self.limits = limits or StreamLimits()
+        self._clock = clock
+        self.tables: set[SequenceTable] = set()  # one per open stream
+
+    def held(self) -> tuple[int, int]:
+        """(sequences, tokens) held by all open streams."""
+        return (sum(len(table) for table in self.tables),
+                sum(table.num_tokens() for table in self.tables))
 
     async def GetInfo(self, request: specdec_pb2.GetDrafterInfoRequest,
                       context: grpc.aio.ServicerContext) -> specdec_pb2.DrafterInfo:
@@ -62,6 +192,10 @@ class DrafterServicer(specdec_pb2_grpc.DrafterServicer):
                       context: grpc.aio.ServicerContext
                       ) -> AsyncIterator[specdec_pb2.ProposeResponse]:
         proposer = self._proposer_factory()
+        table = SequenceTable(proposer, self.limits, self._clock)
+        self.tables.add(table)
+        # A stream that goes quiet is swept too: its sequences cannot wait for its next message.
+        sweeper = asyncio.create_task(_sweep_idle(table))
         peer = context.peer()
         logger.info("Propose stream opened by %s", peer)
         metrics = self._metrics
@@ -71,7 +205,7 @@ class DrafterServicer(specdec_pb2_grpc.DrafterServicer):
             async for request in request_iterator:
                 started = time.perf_counter()
                 try:
-                    response = handle_propose_request(proposer, request)
+                    response = handle_propose_request(proposer, request, table)
                 except SpecdecError as exc:
                     logger.warning("Propose stream from %s: %s", peer, exc.message)
                     await context.abort(status_for(exc), error_details(exc))
@@ -86,50 +220,110 @@ class DrafterServicer(specdec_pb2_grpc.DrafterServicer):
                     metrics.observe_step(request, response, time.perf_counter() - started)
                 yield response
         finally:
+            sweeper.cancel()
+            self.tables.discard(table)
             if metrics is not None:
                 metrics.open_streams.dec()
             proposer.close()  # returns shared draft KV blocks
             logger.info("Propose stream from %s closed", peer)
 
 
-def handle_propose_request(proposer: Proposer,
-                           request: specdec_pb2.ProposeRequest) -> specdec_pb2.ProposeResponse:
-    """Applies one step's updates to `proposer` and drafts; raises InvalidRequestError if malformed."""
+async def _sweep_idle(table: SequenceTable) -> None:
+    while True:
+        await asyncio.sleep(table.limits.seq_idle_timeout_s / 2)
+        table.evict_idle()
+
+
+def _check_bounds(info: ProposerInfo, request: specdec_pb2.ProposeRequest,
+                  table: SequenceTable | None) -> None:
+    """Refuses, before anything changes, what no verifier sends: duplicates, too many
+    sequences, ids outside the vocabulary."""
     seq_ids = [update.seq_id for update in request.sequences]
     if len(set(seq_ids)) != len(seq_ids):
         raise InvalidRequestError(f"step {request.step_id}: a seq_id appears twice in sequences",
                                   param="sequences.seq_id")
-    for seq_id in request.finished_seq_ids:
-        proposer.remove_sequence(seq_id)
+    if table is not None and len(seq_ids) > table.limits.max_seqs_per_stream:
+        raise InvalidRequestError(
+            f"step {request.step_id}: {len(seq_ids)} sequences, more than this drafter's "
+            f"--max-seqs-per-stream {table.limits.max_seqs_per_stream}", param="sequences")
+    limit = token_id_limit(info)
+    for update in request.sequences:
+        if update.new_token_ids and (bad := max(update.new_token_ids)) >= limit:
+            raise InvalidRequestError(
+                f"seq {update.seq_id}: token id {bad} is outside the vocabulary (size {limit})",
+                param=TOKEN_IDS_FIELD)
 
-    max_k = proposer.info.max_num_speculative_tokens
+
+def handle_propose_request(proposer: Proposer, request: specdec_pb2.ProposeRequest,
+                           table: SequenceTable | None = None) -> specdec_pb2.ProposeResponse:
+    """Applies one step's updates to `proposer` and drafts; raises InvalidRequestError if malformed.
+
+    `table` (the stream's) bounds what the stream holds; without one only the checks apply.
+    """
+    info = proposer.info
+    _check_bounds(info, request, table)
+    for seq_id in request.finished_seq_ids:
+        if table is not None:
+            table.remove(seq_id)
+        else:
+            proposer.remove_sequence(seq_id)
+    if table is not None:
+        table.evict_idle()
+
+    max_k = info.max_num_speculative_tokens
+    max_len = max_model_len(info)
     response = specdec_pb2.ProposeResponse(step_id=request.step_id)
     propose_seq_ids: list[int] = []
     propose_counts: list[int] = []
+    num_too_long = 0
     for update in request.sequences:
         seq_id = update.seq_id
         num_new = len(update.new_token_ids)
+        if update.context_len > max_len:
+            # Held by no one: its tokens are dropped, it is never drafted for.
+            if table is None:
+                proposer.remove_sequence(seq_id)
+            elif seq_id in table.too_long:
+                table.touch(seq_id)
+                continue
+            else:
+                table.mark_too_long(seq_id)
+            num_too_long += 1
+            continue
         known_len = proposer.context_len(seq_id)
         if update.context_len == num_new:
-            hidden_states = _decode_hidden_states(proposer.info, update, 0)
+            hidden_states = _decode_hidden_states(info, update, 0)
+            if table is not None:
+                table.too_long.discard(seq_id)
+                table.touch(seq_id)  # before add_sequence: evicting frees room first
             proposer.add_sequence(seq_id)
             proposer.append_tokens(seq_id, update.new_token_ids, hidden_states)
         elif known_len is not None and known_len + num_new == update.context_len:
-            hidden_states = _decode_hidden_states(proposer.info, update, known_len)
+            hidden_states = _decode_hidden_states(info, update, known_len)
+            if table is not None:
+                table.touch(seq_id)
             proposer.rollback(seq_id, update.num_accepted_tokens)
             proposer.append_tokens(seq_id, update.new_token_ids, hidden_states)
         else:
-            proposer.remove_sequence(seq_id)
+            if table is not None:
+                table.remove(seq_id)
+            else:
+                proposer.remove_sequence(seq_id)
             response.drafts.add(seq_id=seq_id, needs_resync=True)
             continue
         num_tokens = min(update.num_speculative_tokens, max_k)
         if num_tokens > 0:
             propose_seq_ids.append(seq_id)
             propose_counts.append(num_tokens)
+    if num_too_long:
+        logger.warning("step %d: %d sequences longer than this drafter's max-model-len %d are "
+                       "not drafted for (raise --max-model-len to the verifier's)",
+                       request.step_id, num_too_long, max_len)
 
     if propose_seq_ids:
         for seq_id, proposal in zip(propose_seq_ids,
                                     proposer.propose(propose_seq_ids, propose_counts)):
+            _drop_out_of_vocab(proposal, token_id_limit(info), seq_id)
             if not proposal.draft_token_ids:
                 continue  # no draft: the verifier decodes one token for this sequence
             draft = response.drafts.add(seq_id=seq_id, draft_token_ids=proposal.draft_token_ids)
@@ -139,6 +333,18 @@ def handle_propose_request(proposer: Proposer,
 
                 encode_tensor(proposal.draft_probs, draft.draft_probs)
     return response
+
+
+def _drop_out_of_vocab(proposal: Proposal, limit: int, seq_id: int) -> None:
+    """Cuts a draft at its first id outside the vocabulary: a method bug, never sent on."""
+    ids = proposal.draft_token_ids
+    keep = next((i for i, token_id in enumerate(ids) if not 0 <= token_id < limit), len(ids))
+    if keep < len(ids):
+        logger.error("seq %d: the method proposed token id %d, outside the vocabulary (size %d); "
+                     "draft cut to %d tokens", seq_id, ids[keep], limit, keep)
+        proposal.draft_token_ids = ids[:keep]
+        if proposal.draft_probs is not None:
+            proposal.draft_probs = proposal.draft_probs[:keep]
 
 
 def _decode_hidden_states(info: ProposerInfo, update: specdec_pb2.SequenceUpdate,

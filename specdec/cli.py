@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
+from pathlib import Path
 
 from specdec.models.model_files import DEFAULT_MODEL
 
@@ -14,9 +16,24 @@ def add_model_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", default=DEFAULT_MODEL,
                         help=f"HF directory, .gguf file or {DEFAULT_MODEL!r} (default)")
     parser.add_argument("--served-model-name", default=None,
-                        help="name clients use in 'model' (default: --model as given)")
+                        help="name clients use in 'model' (default: --model as given; the "
+                             "verifier names a path by its last component)")
     parser.add_argument("--trust-remote-code", action="store_true",
                         help="accepted for vLLM compatibility; specdec never runs model code")
+
+
+def served_model_name(model: str, served_model_name: str | None = None) -> str:
+    """What the verifier calls its model (GetInfo, the metrics' model_name label):
+    --served-model-name, else --model as given, except that a filesystem path is named by
+    its last component: a name must not tell a client where the files live."""
+    if served_model_name:
+        return served_model_name
+    name = model.strip()
+    path = Path(name).expanduser()
+    if os.sep in name or name.startswith("~") or path.exists():
+        path = path.resolve()
+        name = path.stem if path.suffix.lower() == ".gguf" else path.name
+    return name or "model"
 
 
 def add_engine_args(parser: argparse.ArgumentParser) -> None:

@@ -7,12 +7,18 @@ The verifier waits for the drafter before it serves, so the first requests are a
 speculated. Ctrl-C or SIGTERM stops all three. A drafter that dies is restarted with
 backoff: it costs speed only (the verifier decodes without drafts and reconnects); if the
 verifier or the gateway dies, the others are stopped too.
+
+Secrets travel in the children's environment, never in their argv (which `ps` shows to
+every local user): a random internal token made for this run (SPECDEC_INTERNAL_TOKEN,
+see specdec.internal_auth) for all three, and the API key (SPECDEC_API_KEY) for the
+gateway only.
 """
 
 from __future__ import annotations
 
 import argparse
 import logging
+import os
 import signal
 import socket
 import subprocess
@@ -21,8 +27,11 @@ import time
 import urllib.request
 
 from specdec.cli import (ADDITIONAL_CONFIG_KEYS, add_engine_args, add_logging_args,
-                         add_model_args, add_shutdown_args, add_speculative_args)
+                         add_model_args, add_shutdown_args, add_speculative_args,
+                         served_model_name)
 from specdec.config import SpeculativeConfig, parse_additional_config
+from specdec.internal_auth import (API_KEY_ENV, TOKEN_ENV, TOKEN_FILE_ENV, VLLM_API_KEY_ENV,
+                                   generate_token, load_api_key)
 from specdec.models.loader import load_model_config
 from specdec.models.model_files import resolve_model
 from specdec.models.parallel import check_tensor_parallel
@@ -47,7 +56,17 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
     add_speculative_args(parser)
     parser.add_argument("--host", default="127.0.0.1", help="gateway host")
     parser.add_argument("--port", type=int, default=8000, help="gateway (HTTP) port")
-    parser.add_argument("--api-key", default=None, help="required Bearer key for /v1 routes")
+    parser.add_argument("--api-key", default=None,
+                        help="required Bearer key for /v1 routes. Kept for vLLM parity, but "
+                             "argv is visible to every local user (ps): prefer --api-key-file or "
+                             "the environment. First match wins: --api-key, --api-key-file, "
+                             "$SPECDEC_API_KEY, $VLLM_API_KEY; none: no key. The gateway gets it "
+                             "in its environment, never in its argv")
+    parser.add_argument("--api-key-file", default=None, metavar="PATH",
+                        help="file holding the API key (see --api-key)")
+    parser.add_argument("--enable-reflection", action="store_true",
+                        help="serve gRPC reflection on the verifier and the drafter (off by "
+                             "default)")
     parser.add_argument("--verifier-port", type=int, default=0, help="0: a free port")
     parser.add_argument("--drafter-metrics-port", type=int, default=None,
                         help="serve the drafter's Prometheus metrics over HTTP on this port")
@@ -73,7 +92,9 @@ def _child_commands(args: argparse.Namespace, model_path: str) -> list[tuple[str
     spec = SpeculativeConfig.parse(args.speculative_config)
     common = ["--log-level", args.log_level]
     commands: list[tuple[str, list[str]]] = []
+    # The model as the user named it (not the resolved path) names the verifier's model.
     verifier = [python, "-m", "verifier_svc", "--model", model_path,
+                "--served-model-name", served_model_name(args.model, args.served_model_name),
                 "--port", str(verifier_port), "--dtype", args.dtype, "--device", args.device,
                 "--max-num-seqs", str(args.max_num_seqs),
                 "--max-num-batched-tokens", str(args.max_num_batched_tokens),
@@ -82,6 +103,8 @@ def _child_commands(args: argparse.Namespace, model_path: str) -> list[tuple[str
                 "--tensor-parallel-size", str(args.tensor_parallel_size),
                 "--speculation-policy", args.speculation_policy,
                 *(["--enforce-eager"] if args.enforce_eager else []), *common]
+    reflection = ["--enable-reflection"] if args.enable_reflection else []
+    verifier += reflection
     for flag, value in (("--max-model-len", args.max_model_len),
                         ("--num-gpu-blocks-override", args.num_gpu_blocks_override),
                         ("--kv-cache-memory-bytes", args.kv_cache_memory_bytes),
@@ -102,7 +125,7 @@ def _child_commands(args: argparse.Namespace, model_path: str) -> list[tuple[str
         commands.append(("drafter", [python, "-m", "drafter_svc", "--port", str(drafter_port),
                                      "--speculative-config", spec.to_json(),
                                      "--target-model", model_path, "--dtype", args.dtype,
-                                     "--device", args.device, *common]))
+                                     "--device", args.device, *reflection, *common]))
         if args.drafter_metrics_port is not None:
             commands[-1][1].extend(["--metrics-port", str(args.drafter_metrics_port)])
         verifier += ["--speculative-config", spec.to_json(),
@@ -112,8 +135,6 @@ def _child_commands(args: argparse.Namespace, model_path: str) -> list[tuple[str
     gateway = [python, "-m", "gateway", "--model", model_path, "--served-model-name", served_name,
                "--verifier", f"127.0.0.1:{verifier_port}", "--host", args.host,
                "--port", str(args.port), *common]
-    if args.api_key:
-        gateway += ["--api-key", args.api_key]
     commands.append(("gateway", gateway))
     # gRPC TLS: each child gets the flags of its sides (drafter: server; gateway: client).
     tls = grpc_tls_from_args(args)
@@ -122,6 +143,17 @@ def _child_commands(args: argparse.Namespace, model_path: str) -> list[tuple[str
         server, client = sides[name]
         command += grpc_tls_flags(tls, server=server, client=client)
     return commands
+
+
+def _child_environments(api_key: str | None, internal_token: str) -> dict[str, dict[str, str]]:
+    """Each child's environment: this one's, with the secrets it needs and no others."""
+    inherited = {name: value for name, value in os.environ.items()
+                 if name not in (TOKEN_ENV, TOKEN_FILE_ENV, API_KEY_ENV, VLLM_API_KEY_ENV)}
+    inherited[TOKEN_ENV] = internal_token
+    environments = {name: dict(inherited) for name in ("drafter", "verifier", "gateway")}
+    if api_key is not None:
+        environments["gateway"][API_KEY_ENV] = api_key
+    return environments
 
 
 def _stop_all(children: list[tuple[str, subprocess.Popen[bytes]]], timeout_s: float) -> None:
@@ -143,6 +175,10 @@ def serve(args: argparse.Namespace) -> int:
     SpeculativeConfig.parse(args.speculative_config)
     parse_additional_config(args.additional_config, ADDITIONAL_CONFIG_KEYS)
     grpc_tls_from_args(args)
+    if args.api_key is not None:
+        logger.warning("--api-key on the command line is visible to every local user (ps); "
+                       "prefer $SPECDEC_API_KEY or --api-key-file")
+    api_key = load_api_key(args.api_key, args.api_key_file)
     model_dir = resolve_model(args.model)
     # The verifier starts the other tensor-parallel ranks itself; refuse a size the model's
     # heads do not divide before any child starts.
@@ -157,16 +193,18 @@ def serve(args: argparse.Namespace) -> int:
     signal.signal(signal.SIGTERM, request_stop)
     signal.signal(signal.SIGINT, request_stop)
     children: list[tuple[str, subprocess.Popen[bytes]]] = []
+    environments = _child_environments(api_key, generate_token())
     try:
         for name, command in _child_commands(args, model_path):
             logger.info("starting %s: %s", name, " ".join(command))
             # Own process group: a terminal's Ctrl-C reaches the launcher, which stops
             # the children in order.
-            children.append((name, subprocess.Popen(command, start_new_session=True)))
+            children.append((name, subprocess.Popen(command, env=environments[name],
+                                                    start_new_session=True)))
         ready = False
         started = time.monotonic()
         health_url = f"http://{args.host}:{args.port}/health"
-        drafter_restarts = _RestartWithBackoff("drafter")
+        drafter_restarts = _RestartWithBackoff("drafter", environments["drafter"])
         while not stop_requested:
             # A dead drafter is restarted, never a reason to stop the stack.
             children[:] = [(name, drafter_restarts.check(proc) if name == "drafter" else proc)
@@ -207,8 +245,9 @@ class _RestartWithBackoff:
     child that ran for RESTART_RESET_S before dying starts the count afresh.
     """
 
-    def __init__(self, name: str) -> None:
+    def __init__(self, name: str, env: dict[str, str] | None = None) -> None:
         self.name = name
+        self.env = env  # the first start's environment (it carries the internal token)
         self.num_restarts = 0
         self._backoff_s = RESTART_BACKOFF_S[0]
         self._started_at = time.monotonic()
@@ -234,4 +273,4 @@ class _RestartWithBackoff:
         self.num_restarts += 1
         logger.info("restarting %s (restart %d): %s", self.name, self.num_restarts,
                     " ".join(proc.args))
-        return subprocess.Popen(proc.args, start_new_session=True)
+        return subprocess.Popen(proc.args, env=self.env, start_new_session=True)

@@ -14,6 +14,8 @@ hosts, give every service the same flags:
   by an address it does not list (`grpc.ssl_target_name_override`).
 
 Every file is read and checked at start-up; a bad one is a ConfigError naming its flag.
+TLS composes with the internal token (specdec.internal_auth), which `open_channel` sends
+on every call when given one.
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ from pathlib import Path
 import grpc
 
 from specdec.errors import ConfigError
+from specdec.internal_auth import client_interceptors
 
 logger = logging.getLogger(__name__)
 
@@ -112,13 +115,19 @@ class GrpcTlsConfig:
 
 def open_channel(tls: GrpcTlsConfig | None, address: str,
                  options: list[tuple[str, object]] | tuple[tuple[str, object], ...],
-                 ) -> grpc.aio.Channel:
-    """A grpc.aio channel to address: TLS when `tls` configures a client side, else insecure."""
+                 internal_token: str | None = None) -> grpc.aio.Channel:
+    """A grpc.aio channel to address: TLS when `tls` configures a client side, else insecure.
+
+    With `internal_token`, every call on it carries the token (specdec.internal_auth).
+    """
+    interceptors = client_interceptors(internal_token) if internal_token is not None else None
     credentials = tls.channel_credentials() if tls is not None else None
     if credentials is None:
-        return grpc.aio.insecure_channel(address, options=list(options))
+        return grpc.aio.insecure_channel(address, options=list(options),
+                                         interceptors=interceptors)
     return grpc.aio.secure_channel(address, credentials,
-                                   options=[*options, *tls.channel_options()])
+                                   options=[*options, *tls.channel_options()],
+                                   interceptors=interceptors)
 
 
 def read_pem(path: str, param: str) -> bytes:

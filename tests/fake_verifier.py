@@ -77,7 +77,7 @@ class FakeVerifier(specdec_pb2_grpc.VerifierServicer):
 
     async def GetInfo(self, request: Any, context: Any) -> specdec_pb2.VerifierInfo:
         return specdec_pb2.VerifierInfo(
-            model_path="/fake/tiny-model", max_model_len=MAX_MODEL_LEN, vocab_size=400,
+            model_name="tiny-model", max_model_len=MAX_MODEL_LEN, vocab_size=400,
             eos_token_ids=[self.eos_token_id], speculative_method="ngram",
             num_speculative_tokens=NUM_SPECULATIVE_TOKENS)
 

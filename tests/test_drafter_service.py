@@ -77,12 +77,16 @@ async def test_health_not_serving_on_shutdown():
     await stop_drafter_server(server, grace_s=0)
 
 
-async def test_reflection_lists_services(channel):
-    stub = reflection_pb2_grpc.ServerReflectionStub(channel)
-    call = stub.ServerReflectionInfo()
-    await call.write(reflection_pb2.ServerReflectionRequest(list_services=""))
-    response = await call.read()
-    await call.done_writing()
+async def test_reflection_lists_services():
+    # Off by default (tests/test_internal_auth.py); --enable-reflection.
+    server, port = await start_drafter_server(CONFIG, "127.0.0.1", 0, enable_reflection=True)
+    async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
+        stub = reflection_pb2_grpc.ServerReflectionStub(channel)
+        call = stub.ServerReflectionInfo()
+        await call.write(reflection_pb2.ServerReflectionRequest(list_services=""))
+        response = await call.read()
+        await call.done_writing()
+    await stop_drafter_server(server, grace_s=0)
     names = {service.name for service in response.list_services_response.service}
     assert {"specdec.v1.Drafter", "grpc.health.v1.Health"} <= names
 

@@ -275,10 +275,15 @@ def test_every_service_binds_loopback_unless_told_and_compose_tells_them():
 
 
 def test_gateway_api_key_comes_from_the_environment(monkeypatch):
+    # More sources (--api-key-file, $VLLM_API_KEY) in tests/test_internal_auth.py.
     monkeypatch.setenv("SPECDEC_API_KEY", "from-env")
+    monkeypatch.delenv("VLLM_API_KEY", raising=False)
     required = ["--model", "m", "--verifier", "127.0.0.1:1"]
-    assert gateway_main.build_parser().parse_args(required).api_key == "from-env"
-    assert gateway_main.build_parser().parse_args(
-        [*required, "--api-key", "flag"]).api_key == "flag"
+
+    def api_key(*argv: str) -> str | None:
+        return gateway_main.api_key_from_args(gateway_main.build_parser().parse_args(argv))
+
+    assert api_key(*required) == "from-env"
+    assert api_key(*required, "--api-key", "flag") == "flag"
     monkeypatch.delenv("SPECDEC_API_KEY")
-    assert gateway_main.build_parser().parse_args(required).api_key is None
+    assert api_key(*required) is None

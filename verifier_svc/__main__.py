@@ -15,6 +15,7 @@ from specdec.cli import (ADDITIONAL_CONFIG_KEYS, add_engine_args, add_logging_ar
 from specdec.config import SpeculativeConfig, parse_additional_config
 from specdec.errors import ConfigError
 from specdec.grpc_server import wait_for_signal
+from specdec.internal_auth import add_internal_auth_args, check_server_token, load_internal_token
 from specdec.tls import add_grpc_tls_args, grpc_tls_from_args
 from verifier_svc.builder import VerifierConfig, compile_by_default
 from verifier_svc.server import start_verifier
@@ -40,13 +41,19 @@ def build_parser() -> argparse.ArgumentParser:
     add_shutdown_args(parser)
     add_logging_args(parser)
     add_grpc_tls_args(parser)
+    add_internal_auth_args(parser)
     return parser
 
 
 def config_from_args(args: argparse.Namespace) -> VerifierConfig:
     parse_additional_config(args.additional_config, ADDITIONAL_CONFIG_KEYS)
+    tls = grpc_tls_from_args(args)
+    internal_token = load_internal_token(args.internal_token_file)
+    check_server_token(internal_token, args.host, args.insecure_no_internal_token,
+                       tls_enabled=tls is not None and tls.server_enabled)
     return VerifierConfig(
-        model=args.model, dtype=args.dtype, device=args.device, max_model_len=args.max_model_len,
+        model=args.model, served_model_name=args.served_model_name, dtype=args.dtype,
+        device=args.device, max_model_len=args.max_model_len,
         max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
         block_size=args.block_size, gpu_memory_utilization=args.gpu_memory_utilization,
         num_gpu_blocks_override=args.num_gpu_blocks_override,
@@ -56,15 +63,14 @@ def config_from_args(args: argparse.Namespace) -> VerifierConfig:
         compile=compile_by_default(args.device, args.tensor_parallel_size, args.enforce_eager),
         adaptive_speculation=args.speculation_policy == "adaptive",
         speculative_config=SpeculativeConfig.parse(args.speculative_config),
-        grpc_tls=grpc_tls_from_args(args),
+        grpc_tls=tls, internal_token=internal_token, enable_reflection=args.enable_reflection,
         max_waiting_requests=args.max_waiting_requests, request_timeout_s=args.request_timeout_s,
         drafter_targets=tuple(args.drafter), drafter_wait_s=args.drafter_wait_s,
         draft_timeout_s=args.draft_timeout_ms / 1000 if args.draft_timeout_ms else None)
 
 
-async def serve(args: argparse.Namespace) -> int:
-    verifier = await start_verifier(config_from_args(args), args.host, args.port,
-                                    args.metrics_port)
+async def serve(args: argparse.Namespace, config: VerifierConfig) -> int:
+    verifier = await start_verifier(config, args.host, args.port, args.metrics_port)
     logger.info("verifier serving on %s:%d", args.host, verifier.port)
     signalled = asyncio.ensure_future(wait_for_signal())
     fatal = asyncio.ensure_future(verifier.wait_for_fatal_error())
@@ -88,7 +94,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.threads:
         torch.set_num_threads(args.threads)
     try:
-        return asyncio.run(serve(args))
+        # Checked before the model loads: a refused configuration fails at once.
+        config = config_from_args(args)
+        return asyncio.run(serve(args, config))
     except ConfigError as exc:
         logger.error("%s", exc.message)
         return 2

@@ -6,12 +6,13 @@ import json
 import logging
 import os
 import shutil
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 
 from specdec.block_manager import BlockManager
+from specdec.cli import served_model_name
 from specdec.config import EngineConfig, SpeculativeConfig, default_draft_timeout_s
 from specdec.device import device_memory_bytes, resolve_device, resolve_dtype
 from specdec.errors import ConfigError
@@ -41,6 +42,9 @@ _CPU_KV_CACHE_DEFAULT_GIB = 4.0
 @dataclass(frozen=True)
 class VerifierConfig:
     model: str
+    # What GetInfo and the metrics call the model; None: `model` as given, a path by its
+    # last component (specdec.cli.served_model_name). Never the resolved path.
+    served_model_name: str | None = None
     dtype: str = "auto"
     device: str = "auto"
     max_model_len: int | None = None
@@ -64,6 +68,11 @@ class VerifierConfig:
     request_timeout_s: float | None = None
     # None: plain gRPC (loopback); see specdec.tls.
     grpc_tls: GrpcTlsConfig | None = None
+    # Required of gateways, sent to drafters (specdec.internal_auth); None: open. Never in
+    # a repr (logs, tracebacks).
+    internal_token: str | None = field(default=None, repr=False)
+    # Serve gRPC reflection (--enable-reflection).
+    enable_reflection: bool = False
     # None or "int8" (weight-only); see specdec.models.packed_linear.
     quantization: str | None = None
     adaptive_speculation: bool = True
@@ -91,7 +100,7 @@ class VerifierConfig:
 class ServedModel:
     """What the verifier tells gateways about its model (Verifier.GetInfo)."""
 
-    model_path: str
+    model_name: str  # the served name, never a filesystem path
     max_model_len: int
     vocab_size: int
     eos_token_ids: tuple[int, ...]
@@ -151,7 +160,8 @@ def build_engine(config: VerifierConfig) -> tuple[Engine, ServedModel]:
     pool = None
     if spec is not None:
         pool = DrafterPool(list(config.drafter_targets), vocab_size=model_config.vocab_size,
-                           tokenizer_fingerprint=fingerprint, tls=config.grpc_tls)
+                           tokenizer_fingerprint=fingerprint, tls=config.grpc_tls,
+                           internal_token=config.internal_token)
     eos_token_ids = _eos_token_ids(model_dir, model_config.eos_token_ids, tokenizer)
     kv_cache = KVCache.allocate(model_config, num_blocks, config.block_size, dtype, device)
     # Workers start last: nothing after this can refuse the configuration.
@@ -197,7 +207,8 @@ def build_engine(config: VerifierConfig) -> tuple[Engine, ServedModel]:
                 "request timeout %s", engine_config.max_num_seqs, engine_config.waiting_limit,
                 f"{engine_config.request_timeout_s} s" if engine_config.request_timeout_s
                 else "none (client deadlines apply)")
-    served = ServedModel(model_path=str(model_dir), max_model_len=max_model_len,
+    served = ServedModel(model_name=served_model_name(config.model, config.served_model_name),
+                         max_model_len=max_model_len,
                          vocab_size=model_config.vocab_size, eos_token_ids=eos_token_ids,
                          speculative_method=spec.method if spec else "",
                          num_speculative_tokens=spec.num_speculative_tokens if spec else 0,

@@ -4,7 +4,8 @@ Each engine step the engine calls `DrafterPool.propose` once. The pool sends ONE
 ProposeRequest to every replica that holds some of the step's sequences, all at once,
 waits at most `timeout_s`, and returns the drafts that arrived in time. A drafter can
 cost speed, never correctness: a replica that is slow, down, refused or answering
-garbage simply yields no drafts, and `propose` never raises.
+garbage simply yields no drafts (each failure counted in `errors`, see drafter_errors),
+and `propose` never raises.
 
 Invariants:
 - a sequence sticks to the replica it was assigned to (least loaded healthy one) until
@@ -33,9 +34,11 @@ from dataclasses import dataclass
 import torch
 
 from specdec.errors import ConfigError, DrafterMismatchError, InvalidRequestError
+from specdec.grpc_server import client_keepalive_options
 from specdec.tensors import FLOAT_DTYPE_NAMES, decode_tensor, encode_tensor
 from specdec.tls import GrpcTlsConfig
 from specdec.v1 import specdec_pb2
+from verifier_svc.drafter_errors import BAD_RESPONSE, TIMEOUT, DrafterErrors
 from verifier_svc.drafter_replica import DrafterReplica
 
 logger = logging.getLogger(__name__)
@@ -70,7 +73,8 @@ class DrafterPool:
     def __init__(self, targets: list[str], *, resolve_interval_s: float = 10.0,
                  backoff_initial_s: float = 0.5, backoff_max_s: float = 10.0,
                  vocab_size: int, tokenizer_fingerprint: str,
-                 max_message_bytes: int = 64 << 20, tls: GrpcTlsConfig | None = None) -> None:
+                 max_message_bytes: int = 64 << 20, tls: GrpcTlsConfig | None = None,
+                 internal_token: str | None = None) -> None:
         self._targets = [_split_host_port(target) for target in targets]
         self._resolve_interval_s = resolve_interval_s
         self.backoff_initial_s = backoff_initial_s
@@ -78,6 +82,7 @@ class DrafterPool:
         self.vocab_size = vocab_size
         self.tokenizer_fingerprint = tokenizer_fingerprint
         self.tls = tls  # client side (CA, client certificate) of the drafter channels
+        self.internal_token = internal_token  # sent on every call (specdec.internal_auth)
         self.channel_options = [
             ("grpc.max_send_message_length", max_message_bytes),
             ("grpc.max_receive_message_length", max_message_bytes),
@@ -87,10 +92,12 @@ class DrafterPool:
             ("grpc.initial_reconnect_backoff_ms", int(backoff_initial_s * 1000)),
             ("grpc.min_reconnect_backoff_ms", int(backoff_initial_s * 1000)),
             ("grpc.max_reconnect_backoff_ms", int(backoff_max_s * 1000)),
-            # Notice a vanished drafter (container killed) within ~15 s.
-            ("grpc.keepalive_time_ms", 10_000),
-            ("grpc.keepalive_timeout_ms", 5_000),
+            # Notice a vanished drafter (container killed) within ~15 s; the drafter's
+            # server accepts these pings (specdec.grpc_server: one setting for both ends).
+            *client_keepalive_options(),
         ]
+        # Failures by replica and kind (exported as specdec:drafter_errors_total).
+        self.errors = DrafterErrors()
         self._replicas: dict[str, DrafterReplica] = {}
         self._addresses_by_target: dict[tuple[str, int], set[str]] = {}
         self._seqs: dict[int, _SeqState] = {}
@@ -203,6 +210,10 @@ class DrafterPool:
         done, late = await asyncio.wait(waiting, timeout=timeout_s)
         for future in late:
             waiting[future].forget(step_id)
+            # INFO: late drafts cost speed only, and a loaded drafter is late routinely.
+            self.errors.record(waiting[future].address, TIMEOUT,
+                               f"no drafts within the {timeout_s * 1000:g} ms deadline; the "
+                               "step ran without them", logging.INFO)
         drafts: dict[int, Draft] = {}
         for future in done:
             response = future.result()
@@ -226,7 +237,8 @@ class DrafterPool:
 
     def _collect(self, replica: DrafterReplica, response: specdec_pb2.ProposeResponse,
                  asked: dict[int, int], drafts: dict[int, Draft]) -> None:
-        """Validates one in-time response; bad drafts are dropped with a (rate-limited) warning."""
+        """Validates one in-time response; bad drafts are dropped, counted and (rate-limited)
+        logged."""
         for sequence_draft in response.drafts:
             seq_id = sequence_draft.seq_id
             if sequence_draft.needs_resync:
@@ -237,18 +249,22 @@ class DrafterPool:
             if not token_ids or seq_id in drafts:
                 continue
             if num_asked is None or len(token_ids) > num_asked:
-                replica.warn(f"dropped a draft for seq {seq_id}: {len(token_ids)} tokens, "
-                             f"asked for {num_asked or 0}")
+                self.errors.record(replica.address, BAD_RESPONSE,
+                                   f"dropped a draft for seq {seq_id}: {len(token_ids)} "
+                                   f"tokens, asked for {num_asked or 0}")
                 continue
             if self.vocab_size and max(token_ids) >= self.vocab_size:
-                replica.warn(f"dropped a draft for seq {seq_id}: token id {max(token_ids)} is "
-                             f"outside the vocabulary (size {self.vocab_size})")
+                self.errors.record(replica.address, BAD_RESPONSE,
+                                   f"dropped a draft for seq {seq_id}: token id "
+                                   f"{max(token_ids)} is outside the vocabulary (size "
+                                   f"{self.vocab_size})")
                 continue
             probs = None
             if sequence_draft.HasField("draft_probs"):
                 probs = _decode_probs(sequence_draft.draft_probs, len(token_ids), self.vocab_size)
                 if probs is None:
-                    replica.warn(f"dropped a draft for seq {seq_id}: malformed draft_probs")
+                    self.errors.record(replica.address, BAD_RESPONSE,
+                                       f"dropped a draft for seq {seq_id}: malformed draft_probs")
                     continue
             drafts[seq_id] = Draft(token_ids, probs)
 
@@ -311,6 +327,7 @@ class DrafterPool:
         for address in sorted(set(self._replicas) - wanted):
             logger.info("drafter pool: replica %s is gone from DNS", address)
             await self._replicas.pop(address).close()
+            self.errors.forget(address)
         for address in sorted(wanted - set(self._replicas)):
             logger.info("drafter pool: adding replica %s", address)
             replica = self._replicas[address] = DrafterReplica(self, address)

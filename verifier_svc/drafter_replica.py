@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import time
 from typing import TYPE_CHECKING
 
 import grpc
@@ -18,6 +17,7 @@ import grpc
 from specdec.errors import DrafterMismatchError
 from specdec.tls import open_channel
 from specdec.v1 import specdec_pb2, specdec_pb2_grpc
+from verifier_svc.drafter_errors import REFUSED, STREAM_ERROR, UNAVAILABLE
 
 if TYPE_CHECKING:
     from verifier_svc.drafter_pool import DrafterPool
@@ -27,7 +27,6 @@ logger = logging.getLogger(__name__)
 _GET_INFO_TIMEOUT_S = 5.0
 # Steps sent but not yet answered before a replica counts as stuck and is reconnected.
 _MAX_UNANSWERED_STEPS = 32
-_WARNING_INTERVAL_S = 10.0
 
 
 class DrafterReplica:
@@ -45,8 +44,6 @@ class DrafterReplica:
         self._call: grpc.aio.StreamStreamCall | None = None
         self._task: asyncio.Task[None] | None = None
         self._closing = False
-        self._last_warning_at = float("-inf")
-        self._num_suppressed_warnings = 0
         self._last_refusal = ""
 
     def start(self) -> None:
@@ -66,8 +63,8 @@ class DrafterReplica:
         if not self.healthy:
             return None
         if self._num_unanswered >= _MAX_UNANSWERED_STEPS and self._call is not None:
-            logger.warning("drafter %s has not answered %d steps; reconnecting", self.address,
-                           self._num_unanswered)
+            self.pool.errors.record(self.address, STREAM_ERROR, f"has not answered "
+                                    f"{self._num_unanswered} steps; reconnecting")
             self._call.cancel()
             return None
         self._num_unanswered += 1
@@ -84,22 +81,12 @@ class DrafterReplica:
         if future is not None and not future.done():
             future.cancel()
 
-    def warn(self, text: str) -> None:
-        """Logs at most one warning per _WARNING_INTERVAL_S, counting the ones held back."""
-        now = time.monotonic()
-        if now - self._last_warning_at < _WARNING_INTERVAL_S:
-            self._num_suppressed_warnings += 1
-            return
-        suppressed = (f" (and {self._num_suppressed_warnings} similar since the last warning)"
-                      if self._num_suppressed_warnings else "")
-        self._last_warning_at, self._num_suppressed_warnings = now, 0
-        logger.warning("drafter %s: %s%s", self.address, text, suppressed)
-
     async def _run(self) -> None:
         backoff_s = self.pool.backoff_initial_s
         was_up = True  # the first failure is logged at WARNING, repeats at DEBUG
         while True:
-            channel = open_channel(self.pool.tls, self.address, self.pool.channel_options)
+            channel = open_channel(self.pool.tls, self.address, self.pool.channel_options,
+                                   internal_token=self.pool.internal_token)
             try:
                 async for _ in self._serve(channel):
                     backoff_s = self.pool.backoff_initial_s
@@ -107,21 +94,25 @@ class DrafterReplica:
                 raise ConnectionError("the drafter ended the stream")
             except DrafterMismatchError as exc:
                 # ERROR once per distinct reason; the periodic re-checks repeat it at DEBUG.
-                logger.log(logging.ERROR if exc.message != self._last_refusal else logging.DEBUG,
-                           "drafter %s refused: %s; serving without it", self.address,
-                           exc.message)
+                self.pool.errors.record(
+                    self.address, REFUSED, f"refused: {exc.message}; serving without it",
+                    logging.ERROR if exc.message != self._last_refusal else logging.DEBUG)
                 self._last_refusal = exc.message
                 backoff_s = self.pool.backoff_max_s
             except asyncio.CancelledError:
                 current = asyncio.current_task()
                 if self._closing or (current is not None and current.cancelling()):
                     raise
-                # Our own call.cancel() (a stuck replica): reconnect like any failure.
-                logger.warning("drafter %s: stream cancelled; reconnecting", self.address)
+                # Our own call.cancel() (a stuck replica, counted then): reconnect.
+                logger.debug("drafter %s: stream cancelled; reconnecting", self.address)
             except Exception as exc:
-                logger.log(logging.WARNING if was_up else logging.DEBUG,
-                           "drafter %s unavailable (%s); retrying in %.2f s",
-                           self.address, _describe(exc), backoff_s)
+                # Counted by where it failed: an open stream (e.g. a GOAWAY), or connecting.
+                # A drafter still down after a failure logged already repeats at DEBUG.
+                kind, what = ((STREAM_ERROR, "stream broke") if self.healthy
+                              else (UNAVAILABLE, "unavailable"))
+                self.pool.errors.record(
+                    self.address, kind, f"{what} ({_describe(exc)}); retrying in "
+                    f"{backoff_s:.2f} s", logging.WARNING if was_up else logging.DEBUG)
                 was_up = False
             finally:
                 self._mark_down()

@@ -68,6 +68,15 @@ class _EngineCollector(Collector):
             family = GaugeMetricFamily(name, documentation, labels=["model_name"])
             family.add_metric(labels, value)
             yield family
+        drafter_errors = CounterMetricFamily(
+            "specdec:drafter_errors",
+            "Drafter failures by replica (address) and kind: timeout, unavailable, "
+            "stream_error, bad_response, refused.",
+            labels=["model_name", "replica", "kind"])
+        if pool is not None:  # a copy: this runs on the metrics server's thread
+            for (replica, kind), value in sorted(pool.errors.counts.copy().items()):
+                drafter_errors.add_metric([self.model_name, replica, kind], value)
+        yield drafter_errors
 
 
 class VerifierMetrics:

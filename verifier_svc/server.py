@@ -1,4 +1,4 @@
-"""The verifier's gRPC server: the Verifier service plus health and reflection."""
+"""The verifier's gRPC server: the Verifier service plus health and (when asked) reflection."""
 
 from __future__ import annotations
 
@@ -82,11 +82,12 @@ async def start_verifier(config: VerifierConfig, host: str = "127.0.0.1", port: 
 async def _serve(engine: Engine, served: ServedModel, config: VerifierConfig, host: str,
                  port: int, metrics_port: int | None) -> RunningVerifier:
     if metrics_port is not None:
-        engine.metrics = VerifierMetrics(engine, config.model)
+        engine.metrics = VerifierMetrics(engine, served.model_name)  # a name, never a path
         engine.metrics.serve(host, metrics_port)
     await engine.start()
     await _wait_for_a_drafter(engine, config.drafter_wait_s)
-    server = GrpcServer([SERVICE_NAME])
+    server = GrpcServer([SERVICE_NAME], internal_token=config.internal_token,
+                        enable_reflection=config.enable_reflection)
     specdec_pb2_grpc.add_VerifierServicer_to_server(VerifierServicer(engine, served), server.server)
     tls = config.grpc_tls
     bound = await server.start(host, port, tls.server_credentials() if tls is not None else None)

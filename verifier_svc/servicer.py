@@ -66,7 +66,7 @@ class VerifierServicer(specdec_pb2_grpc.VerifierServicer):
                       context: grpc.aio.ServicerContext) -> specdec_pb2.VerifierInfo:
         served = self.served
         return specdec_pb2.VerifierInfo(
-            model_path=served.model_path, max_model_len=served.max_model_len,
+            model_name=served.model_name, max_model_len=served.max_model_len,
             vocab_size=served.vocab_size, eos_token_ids=served.eos_token_ids,
             speculative_method=served.speculative_method,
             num_speculative_tokens=served.num_speculative_tokens,

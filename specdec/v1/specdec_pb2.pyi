@@ -95,22 +95,22 @@ class GetVerifierInfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class VerifierInfo(_message.Message):
-    __slots__ = ("model_path", "max_model_len", "vocab_size", "eos_token_ids", "speculative_method", "num_speculative_tokens", "tokenizer_fingerprint")
-    MODEL_PATH_FIELD_NUMBER: _ClassVar[int]
+    __slots__ = ("model_name", "max_model_len", "vocab_size", "eos_token_ids", "speculative_method", "num_speculative_tokens", "tokenizer_fingerprint")
+    MODEL_NAME_FIELD_NUMBER: _ClassVar[int]
     MAX_MODEL_LEN_FIELD_NUMBER: _ClassVar[int]
     VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
     EOS_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     SPECULATIVE_METHOD_FIELD_NUMBER: _ClassVar[int]
     NUM_SPECULATIVE_TOKENS_FIELD_NUMBER: _ClassVar[int]
     TOKENIZER_FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
-    model_path: str
+    model_name: str
     max_model_len: int
     vocab_size: int
     eos_token_ids: _containers.RepeatedScalarFieldContainer[int]
     speculative_method: str
     num_speculative_tokens: int
     tokenizer_fingerprint: str
-    def __init__(self, model_path: _Optional[str] = ..., max_model_len: _Optional[int] = ..., vocab_size: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., speculative_method: _Optional[str] = ..., num_speculative_tokens: _Optional[int] = ..., tokenizer_fingerprint: _Optional[str] = ...) -> None: ...
+    def __init__(self, model_name: _Optional[str] = ..., max_model_len: _Optional[int] = ..., vocab_size: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., speculative_method: _Optional[str] = ..., num_speculative_tokens: _Optional[int] = ..., tokenizer_fingerprint: _Optional[str] = ...) -> None: ...
 
 class Tensor(_message.Message):
     __slots__ = ("data", "dtype", "shape")
