@@ -4,14 +4,15 @@ from __future__ import annotations
 
 import argparse
 import logging
-import os
 import sys
 
 import uvicorn
 
 from gateway.app import GatewayConfig, create_app
+from gateway.server import add_server_args, limits_from_args, uvicorn_config
 from gateway.verifier_client import VerifierClient
 from specdec.errors import SpecdecError
+from specdec.internal_auth import add_internal_auth_args, load_api_key, load_internal_token
 from specdec.tls import add_grpc_tls_args, grpc_tls_from_args
 
 logger = logging.getLogger("gateway")
@@ -31,9 +32,13 @@ def build_parser() -> argparse.ArgumentParser:
                         help="verifier gRPC address; repeat for several (round-robin)")
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=18080)
-    parser.add_argument("--api-key", default=os.environ.get("SPECDEC_API_KEY") or None,
-                        help="require 'Authorization: Bearer KEY' on /v1/* "
-                             "(default: $SPECDEC_API_KEY)")
+    parser.add_argument("--api-key", default=None,
+                        help="require 'Authorization: Bearer KEY' on /v1/*. Kept for vLLM "
+                             "parity, but argv is visible to every local user (ps): prefer "
+                             "--api-key-file or the environment. First match wins: --api-key, "
+                             "--api-key-file, $SPECDEC_API_KEY, $VLLM_API_KEY; none: no key")
+    parser.add_argument("--api-key-file", default=None, metavar="PATH",
+                        help="file holding the API key (see --api-key)")
     parser.add_argument("--max-model-len", type=int, default=None,
                         help="context length limit (default: the verifier's)")
     parser.add_argument("--trust-remote-code", action="store_true",
@@ -41,7 +46,17 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--log-level", default="info", type=str.lower,
                         choices=["critical", "error", "warning", "info", "debug"])
     add_grpc_tls_args(parser, server=False)
+    add_internal_auth_args(parser, server=False)
+    add_server_args(parser)
     return parser
+
+
+def api_key_from_args(args: argparse.Namespace) -> str | None:
+    """The API key of --api-key, --api-key-file, $SPECDEC_API_KEY or $VLLM_API_KEY."""
+    if args.api_key is not None:
+        logger.warning("--api-key on the command line is visible to every local user (ps); "
+                       "prefer $SPECDEC_API_KEY or --api-key-file")
+    return load_api_key(args.api_key, args.api_key_file)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -54,17 +69,19 @@ def main(argv: list[str] | None = None) -> int:
     try:
         config = GatewayConfig(model=args.model, served_model_name=args.served_model_name,
                                verifier_addresses=tuple(args.verifier),
-                               max_model_len=args.max_model_len, api_key=args.api_key,
-                               host=args.host, port=args.port)
-        verifier_client = VerifierClient(config.verifier_addresses,
-                                         tls=grpc_tls_from_args(args))
+                               max_model_len=args.max_model_len,
+                               api_key=api_key_from_args(args), host=args.host, port=args.port)
+        verifier_client = VerifierClient(
+            config.verifier_addresses, tls=grpc_tls_from_args(args),
+            internal_token=load_internal_token(args.internal_token_file))
+        limits = limits_from_args(args)
         tokenizer = load_tokenizer(resolve_model(args.model))
     except (SpecdecError, OSError) as exc:
         print(f"error: {getattr(exc, 'message', exc)}", file=sys.stderr)
         return 2
     app = create_app(config, tokenizer, verifier_client)
-    uvicorn.Server(uvicorn.Config(app, host=config.host, port=config.port,
-                                  log_level=args.log_level, timeout_graceful_shutdown=5)).run()
+    uvicorn.Server(uvicorn_config(app, config.host, config.port, log_level=args.log_level,
+                                  limits=limits)).run()
     return 0
 
 

@@ -23,7 +23,7 @@ from starlette.concurrency import run_in_threadpool
 from starlette.datastructures import Headers
 from starlette.exceptions import HTTPException
 from starlette.middleware import Middleware
-from starlette.requests import Request
+from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 from starlette.types import ASGIApp, Receive, Scope, Send
@@ -33,6 +33,7 @@ from gateway.chat import render_chat_prompt, tokenize_prompt
 from gateway.detokenizer import IncrementalDetokenizer, StopStringMatcher
 from gateway.errors import (
     RequestTooLargeError,
+    UnsupportedMediaTypeError,
     error_payload,
     error_response,
     plain_error_response,
@@ -41,6 +42,7 @@ from gateway.generation import GenerationResult, build_generate_request, stream_
 from gateway.metrics import GatewayMetrics, RequestCountMiddleware
 from gateway.protocol import (
     SamplingOptions,
+    is_json_content_type,
     parse_chat_request,
     parse_completion_request,
     parse_json_body,
@@ -51,6 +53,11 @@ from specdec.errors import ConfigError, ModelNotFoundError
 logger = logging.getLogger(__name__)
 
 Handler = Callable[[Request], Awaitable[Response]]
+
+# nginx's "client closed request": counted apart from the server's own failures.
+CLIENT_CLOSED_REQUEST = 499
+# An unknown model name is quoted back in the 404, at most this long.
+MAX_QUOTED_MODEL_CHARS = 256
 
 
 @dataclass(frozen=True)
@@ -118,6 +125,11 @@ def _openai_errors(handler: Handler) -> Handler:
     async def wrapped(request: Request) -> Response:
         try:
             return await handler(request)
+        except ClientDisconnect:
+            # The client left while sending its body: nothing to answer and nothing wrong
+            # with the server, so no traceback (the server's request timeouts end here too).
+            logger.debug("client disconnected before sending the whole request body")
+            return Response(status_code=CLIENT_CLOSED_REQUEST)
         except Exception as exc:
             return error_response(exc)
 
@@ -125,6 +137,11 @@ def _openai_errors(handler: Handler) -> Handler:
 
 
 async def _read_json(request: Request) -> dict[str, Any]:
+    # Only JSON: a browser sends text/plain and form bodies cross-site without a CORS
+    # preflight, so parsing those would let any web page use an open gateway.
+    if not is_json_content_type(request.headers.get("content-type")):
+        raise UnsupportedMediaTypeError(
+            "The request body must be JSON, sent with 'Content-Type: application/json'.")
     limit = request.app.state.config.max_request_bytes
     body = bytearray()
     async for chunk in request.stream():
@@ -137,7 +154,9 @@ async def _read_json(request: Request) -> dict[str, Any]:
 def _check_model(request: Request, model: str | None) -> None:
     served = request.app.state.config.model_name
     if model is not None and model != served:
-        raise ModelNotFoundError(f"The model `{model}` does not exist.", "model")
+        quoted = model if len(model) <= MAX_QUOTED_MODEL_CHARS else (
+            model[:MAX_QUOTED_MODEL_CHARS] + "...")
+        raise ModelNotFoundError(f"The model `{quoted}` does not exist.", "model")
 
 
 async def _wait_for_disconnect(request: Request) -> None:
@@ -279,15 +298,20 @@ async def list_models(request: Request) -> Response:
     state = request.app.state
     info = state.verifier.cached_info
     max_model_len = state.config.max_model_len or (info.max_model_len if info else None)
-    return JSONResponse(responses.model_list(state.config.model_name, state.config.model,
+    # `root` is the served name too: the model's path is the operator's business.
+    return JSONResponse(responses.model_list(state.config.model_name, state.config.model_name,
                                              state.created, max_model_len))
 
 
 async def health(request: Request) -> Response:
+    """From the state the verifier client's background probes keep: a flood of health
+    checks costs the verifiers nothing. Names no address or path (it is unauthenticated)."""
     verifier = request.app.state.verifier
-    serving = await verifier.probe_all()
-    # Which verifier is down, starting (unreachable) or draining (not_serving).
-    body = {"status": "ok" if serving else "unavailable", "verifiers": verifier.statuses()}
+    serving = verifier.serving
+    # Which verifier is down, starting (unreachable), draining (not_serving) or serving
+    # another tokenizer (tokenizer_mismatch).
+    body = {"status": "ok" if serving else "unavailable", "verifiers": verifier.statuses(),
+            "problems": verifier.problems()}
     return JSONResponse(body, status_code=200 if serving else 503)
 
 
@@ -304,6 +328,19 @@ async def _unhandled_exception(request: Request, exc: Exception) -> Response:
     return error_response(exc)
 
 
+def _fingerprint(tokenizer: Any) -> str | None:
+    """The tokenizer's fingerprint as the verifier computes it; None: not checked."""
+    # Imported here: the model-files module pulls in the model code (torch).
+    from specdec.models.model_files import tokenizer_fingerprint
+
+    try:
+        return tokenizer_fingerprint(tokenizer)
+    except Exception as exc:  # a tokenizer without a vocabulary to hash
+        logger.warning("cannot fingerprint the tokenizer (%s: %s): the verifiers' tokenizers "
+                       "are not checked", type(exc).__name__, exc)
+        return None
+
+
 def create_app(config: GatewayConfig, tokenizer: Any,
                verifier_client: VerifierClient | None = None) -> Starlette:
     """The gateway app. It owns `verifier_client` (started and closed in the lifespan)."""
@@ -313,6 +350,7 @@ def create_app(config: GatewayConfig, tokenizer: Any,
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
         client = verifier_client or VerifierClient(config.verifier_addresses)
+        client.expect_tokenizer(await run_in_threadpool(_fingerprint, tokenizer))
         await client.start()
         app.state.config = config
         app.state.tokenizer = tokenizer

@@ -7,7 +7,9 @@ Never send a traceback to a client: unexpected exceptions become a generic 500.
 
 from __future__ import annotations
 
+import json
 import logging
+from typing import Any
 
 import grpc
 from starlette.responses import JSONResponse
@@ -28,7 +30,9 @@ _ERROR_TYPES = {
     401: "authentication_error",
     404: "invalid_request_error",
     405: "invalid_request_error",
+    408: "invalid_request_error",
     413: "invalid_request_error",
+    415: "invalid_request_error",
     429: "rate_limit_error",
     500: "server_error",
     503: "service_unavailable_error",
@@ -46,6 +50,18 @@ _GRPC_TO_ERROR: dict[grpc.StatusCode, type[SpecdecError]] = {
 }
 
 GENERIC_SERVER_MESSAGE = "The server had an error while processing your request."
+# gRPC details name internal addresses ("ipv4:10.0.0.5:50051: Connection refused"): they go
+# to the log, and the client gets these fixed texts.
+UNAVAILABLE_MESSAGE = "The model server is unavailable; retry later."
+OVERLOADED_MESSAGE = "The model server is overloaded; retry later."
+
+
+class ErrorJSONResponse(JSONResponse):
+    """JSON with non-ASCII escaped: an error can quote a client's text, which may hold a
+    lone surrogate that UTF-8 cannot encode; escaped, it still renders."""
+
+    def render(self, content: Any) -> bytes:
+        return json.dumps(content, ensure_ascii=True, separators=(",", ":")).encode("ascii")
 
 
 def error_body(status: int, message: str, param: str | None = None,
@@ -66,6 +82,8 @@ def status_for(exc: SpecdecError) -> tuple[int, str | None]:
     """HTTP status and OpenAI error code for a domain error."""
     if isinstance(exc, RequestTooLargeError):
         return 413, "request_too_large"
+    if isinstance(exc, UnsupportedMediaTypeError):
+        return 415, "unsupported_media_type"
     if isinstance(exc, InvalidRequestError):
         return 400, None
     if isinstance(exc, ModelNotFoundError):
@@ -92,14 +110,14 @@ def error_payload(exc: BaseException) -> tuple[int, dict]:
 def error_response(exc: BaseException) -> JSONResponse:
     status, body = error_payload(exc)
     headers = {"Retry-After": "1"} if status in (429, 503) else None
-    return JSONResponse(body, status_code=status, headers=headers)
+    return ErrorJSONResponse(body, status_code=status, headers=headers)
 
 
 def plain_error_response(status: int, message: str, param: str | None = None,
                          code: str | None = None,
                          headers: dict[str, str] | None = None) -> JSONResponse:
-    return JSONResponse(error_body(status, message, param, code), status_code=status,
-                        headers=headers)
+    return ErrorJSONResponse(error_body(status, message, param, code), status_code=status,
+                             headers=headers)
 
 
 def error_from_grpc(err: grpc.aio.AioRpcError) -> SpecdecError:
@@ -108,14 +126,26 @@ def error_from_grpc(err: grpc.aio.AioRpcError) -> SpecdecError:
     error_type = _GRPC_TO_ERROR.get(code, SpecdecError)
     details = err.details() or code.name
     if error_type is UnavailableError:
-        return UnavailableError(f"the verifier is unavailable: {details}")
+        logger.info("verifier call failed: %s: %s", code.name, details)
+        return UnavailableError(UNAVAILABLE_MESSAGE)
     if error_type is OverloadedError:
-        return OverloadedError(f"the verifier is overloaded, retry later: {details}")
+        logger.info("verifier call failed: %s: %s", code.name, details)
+        return OverloadedError(OVERLOADED_MESSAGE)
+    if error_type is ModelNotFoundError or code == grpc.StatusCode.FAILED_PRECONDITION:
+        # The gateway checked the model and the request already: the verifier's text
+        # describes its own set-up, not the request.
+        logger.warning("verifier refused a request: %s: %s", code.name, details)
+        return SpecdecError(f"verifier error {code.name}: {details}")
     if error_type is SpecdecError:
         # Kept for the log line only; clients get the generic message.
         return SpecdecError(f"verifier error {code.name}: {details}")
+    # INVALID_ARGUMENT / OUT_OF_RANGE: the verifier's own validation text, about the request.
     return error_type(details)
 
 
 class RequestTooLargeError(InvalidRequestError):
     """The request body exceeds the gateway's limit (HTTP 413)."""
+
+
+class UnsupportedMediaTypeError(InvalidRequestError):
+    """The request body is not declared `application/json` (HTTP 415)."""

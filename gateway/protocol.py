@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 from dataclasses import dataclass
 from typing import Any
 
@@ -64,24 +65,86 @@ class CompletionRequest:
     include_usage: bool
 
 
+class _NonJsonConstant(ValueError):
+    """NaN / Infinity: Python's json accepts them, JSON does not."""
+
+
 def _reject_constant(name: str) -> None:
-    raise ValueError(f"{name} is not valid JSON")
+    raise _NonJsonConstant(name)
+
+
+# A lone surrogate can only come from a `\uD800`-`\uDFFF` escape: strict UTF-8 has none.
+_SURROGATE_ESCAPE = re.compile(r"\\u[dD][89a-fA-F]")
+
+
+def is_json_content_type(header: str | None) -> bool:
+    """`application/json`, optionally with `charset=utf-8` (the only encoding read)."""
+    if not header:
+        return False
+    media_type, *params = header.split(";")
+    if media_type.strip().lower() != "application/json":
+        return False
+    for param in params:
+        name, _, value = param.partition("=")
+        if name.strip().lower() == "charset" and value.strip().strip('"').lower() not in (
+                "utf-8", "utf8"):
+            return False
+    return True
 
 
 def parse_json_body(raw: bytes) -> dict[str, Any]:
-    """Decodes a request body: strict UTF-8, strict JSON (no NaN), an object at the top."""
+    """Decodes a request body: strict UTF-8, strict JSON (no NaN), an object at the top,
+    valid Unicode in every string. Messages name the problem, never Python's internals."""
     try:
         text = raw.decode("utf-8")
     except UnicodeDecodeError:
         raise InvalidRequestError("The request body is not valid UTF-8.") from None
     try:
         body = json.loads(text, parse_constant=_reject_constant)
-    except (ValueError, RecursionError) as exc:
-        reason = exc.msg if isinstance(exc, json.JSONDecodeError) else str(exc) or "too deep"
-        raise InvalidRequestError(f"The request body is not valid JSON: {reason}.") from None
+    except json.JSONDecodeError as exc:
+        raise InvalidRequestError(
+            f"The request body is not valid JSON: {exc.msg} (line {exc.lineno}, column "
+            f"{exc.colno}).") from None
+    except _NonJsonConstant as exc:
+        raise InvalidRequestError(
+            f"The request body is not valid JSON: {exc} is not a JSON value.") from None
+    except ValueError:  # an integer past Python's int/str conversion limit (4300 digits)
+        raise InvalidRequestError("The request body has a number with too many digits.") from None
+    except RecursionError:
+        raise InvalidRequestError("The request body is nested too deeply.") from None
     if not isinstance(body, dict):
         raise InvalidRequestError("The request body must be a JSON object.")
+    if _SURROGATE_ESCAPE.search(text):
+        _reject_lone_surrogates(body)
     return body
+
+
+def _has_lone_surrogate(text: str) -> bool:
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return True
+    return False
+
+
+def _reject_lone_surrogates(body: dict[str, Any]) -> None:
+    """Every string (and key) must be encodable: the tokenizer and the JSON answer fail on
+    a lone surrogate. Walked without recursion: the body may nest deeply."""
+    stack: list[tuple[Any, str]] = [(value, key) for key, value in body.items()]
+    stack += [(key, key) for key in body]
+    while stack:
+        value, field = stack.pop()
+        if isinstance(value, str):
+            if _has_lone_surrogate(value):
+                safe_field = field.encode("utf-8", "replace").decode("utf-8")
+                raise InvalidRequestError(
+                    f"{safe_field} holds a lone surrogate (\\ud800-\\udfff escape): text must be "
+                    "valid Unicode.", safe_field)
+        elif isinstance(value, dict):
+            stack.extend((item, field) for item in value.values())
+            stack.extend((key, field) for key in value)
+        elif isinstance(value, list):
+            stack.extend((item, field) for item in value)
 
 
 def _type_name(value: Any) -> str:

@@ -1,10 +1,15 @@
 """grpc.aio client for one or more verifiers.
 
-Round-robin over healthy verifiers. A verifier is healthy once `GetInfo` answered
-(at start-up and after every reconnect); a Generate call that fails with UNAVAILABLE
-before its first response marks it down and the request moves on to the next one.
-Verifiers that are down are re-probed in the background, at most every
-`reprobe_interval_s`, and all of them at once when none is healthy.
+Round-robin over healthy verifiers. A verifier is healthy when its health service says
+SERVING and `GetInfo` answered with the gateway's own tokenizer fingerprint. A background
+task re-probes every verifier each `reprobe_interval_s`, so `/health` answers from that
+state: a flood of health checks costs the verifiers nothing. A verifier serving another
+tokenizer is never used (its token ids would decode to other text); it is logged once.
+
+A Generate call that fails before any token was read (unreachable, an internal error,
+overloaded, the stream ending empty) moves once to another healthy verifier: the client
+has seen nothing yet. After a token, a failure ends the stream with the mapped error.
+Addresses appear in logs only: clients and `/health` see replica names ("verifier-0").
 """
 
 from __future__ import annotations
@@ -18,8 +23,8 @@ from dataclasses import dataclass
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from gateway.errors import error_from_grpc
-from specdec.errors import UnavailableError
+from gateway.errors import UNAVAILABLE_MESSAGE, error_from_grpc
+from specdec.errors import SpecdecError, UnavailableError
 from specdec.tls import GrpcTlsConfig, open_channel
 from specdec.v1 import specdec_pb2, specdec_pb2_grpc
 
@@ -36,80 +41,183 @@ _CHANNEL_OPTIONS = [
     ("grpc.min_reconnect_backoff_ms", 100),
     ("grpc.max_reconnect_backoff_ms", 1000),
 ]
+# Failures another verifier may not have. Request errors (INVALID_ARGUMENT...) would fail
+# the same way anywhere, so they are not retried.
+RETRYABLE_CODES = frozenset({
+    grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.INTERNAL, grpc.StatusCode.UNKNOWN,
+    grpc.StatusCode.ABORTED, grpc.StatusCode.CANCELLED, grpc.StatusCode.DATA_LOSS,
+    grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.RESOURCE_EXHAUSTED,
+})
+# Retries of one request before its first token: once, as the load it can add is bounded.
+MAX_RETRIES = 1
+TOKENIZER_MISMATCH = "tokenizer_mismatch"
 
 
-@dataclass(slots=True)
+@dataclass(slots=True, eq=False)
 class _Endpoint:
     address: str
     channel: grpc.aio.Channel
     stub: specdec_pb2_grpc.VerifierStub
+    # What /health shows instead of the address: "verifier-<index>".
+    name: str = ""
     info: specdec_pb2.VerifierInfo | None = None
     healthy: bool = False
     last_probe_at: float = 0.0
     # What /health reports: serving | not_serving (draining, shutting down) |
-    # unreachable (down, or still loading its model).
+    # unreachable (down, or still loading its model) | tokenizer_mismatch (never used).
     status: str = "unreachable"
+    # The foreign fingerprint already logged: a mismatch is logged once, not every probe.
+    mismatch_logged: str | None = None
 
 
 class GenerationStream:
-    """One running Generate call. Iterate for responses; `cancel()` aborts the sequence."""
+    """One running Generate call. Iterate for responses; `cancel()` aborts the sequence.
 
-    def __init__(self, call: grpc.aio.UnaryStreamCall,
-                 first_response: specdec_pb2.GenerateResponse, address: str) -> None:
-        self._call = call
-        self._first_response = first_response
-        self.address = address
+    Until a response carrying tokens was read, a retryable failure restarts the request
+    on another healthy verifier (at most MAX_RETRIES times over the whole request)."""
+
+    def __init__(self, client: VerifierClient, request: specdec_pb2.GenerateRequest) -> None:
+        self._client = client
+        self._request = request
+        self._tried: list[_Endpoint] = []
+        self._call: grpc.aio.UnaryStreamCall | None = None
+        self._first_response: specdec_pb2.GenerateResponse | None = None
+        self.address = ""
+
+    async def open(self) -> None:
+        """Starts the call and waits for its first response (raises the mapped error)."""
+        self._first_response = await self._start(None)
+
+    async def _start(self, error: SpecdecError | None) -> specdec_pb2.GenerateResponse:
+        """The first response of the call on the next healthy verifier not tried yet."""
+        while True:
+            endpoint = (self._client._next_healthy(self._tried)
+                        if len(self._tried) <= MAX_RETRIES else None)
+            if endpoint is None:
+                raise error or UnavailableError(UNAVAILABLE_MESSAGE)
+            if self._tried:
+                logger.warning("request %s: retrying on verifier %s", self._request.request_id,
+                               endpoint.address)
+            self._tried.append(endpoint)
+            self.address = endpoint.address
+            call = endpoint.stub.Generate(self._request)
+            self._call = call
+            try:
+                first = await call.read()
+            except grpc.aio.AioRpcError as err:
+                error = self._failed_before_tokens(endpoint, err)
+                continue
+            except BaseException:
+                call.cancel()
+                raise
+            if first is grpc.aio.EOF:
+                logger.warning("verifier %s ended request %s before any token",
+                               endpoint.address, self._request.request_id)
+                error = UnavailableError(UNAVAILABLE_MESSAGE)
+                continue
+            return first
+
+    def _failed_before_tokens(self, endpoint: _Endpoint,
+                              err: grpc.aio.AioRpcError) -> SpecdecError:
+        """The mapped error when another verifier may do better; else raises it."""
+        if err.code() == grpc.StatusCode.UNAVAILABLE:
+            self._client._mark_down(endpoint, err)
+        error = error_from_grpc(err)
+        if err.code() not in RETRYABLE_CODES:
+            raise error from None
+        logger.warning("verifier %s failed request %s before its first token: %s: %s",
+                       endpoint.address, self._request.request_id, err.code().name,
+                       err.details())
+        return error
 
     def __aiter__(self) -> AsyncIterator[specdec_pb2.GenerateResponse]:
         return self._responses()
 
     async def _responses(self) -> AsyncIterator[specdec_pb2.GenerateResponse]:
-        yield self._first_response
+        response = self._first_response
+        assert response is not None and self._call is not None, "open() first"
+        got_tokens = False
         while True:
+            got_tokens = got_tokens or bool(response.token_ids)
+            yield response
             try:
                 response = await self._call.read()
             except grpc.aio.AioRpcError as err:
+                endpoint = self._tried[-1]
+                if not got_tokens:
+                    response = await self._start(self._failed_before_tokens(endpoint, err))
+                    continue
+                if err.code() == grpc.StatusCode.UNAVAILABLE:
+                    self._client._mark_down(endpoint, err)
+                logger.warning("verifier %s failed request %s mid-stream: %s: %s",
+                               endpoint.address, self._request.request_id, err.code().name,
+                               err.details())
                 raise error_from_grpc(err) from None
             if response is grpc.aio.EOF:
                 return
-            yield response
 
     def cancel(self) -> None:
         """Cancels the call; the verifier frees the sequence. A no-op once finished."""
-        self._call.cancel()
+        if self._call is not None:
+            self._call.cancel()
 
 
 class VerifierClient:
     """Clients of the verifiers at `addresses` ("host:port"). Start in the serving loop."""
 
     def __init__(self, addresses: Sequence[str], *, probe_timeout_s: float = 2.0,
-                 reprobe_interval_s: float = 2.0, tls: GrpcTlsConfig | None = None) -> None:
+                 reprobe_interval_s: float = 1.0, tls: GrpcTlsConfig | None = None,
+                 internal_token: str | None = None) -> None:
         if not addresses:
             raise ValueError("at least one verifier address is needed")
         self.addresses = tuple(addresses)
         self._probe_timeout_s = probe_timeout_s
         self._reprobe_interval_s = reprobe_interval_s
         self._tls = tls  # None or no --grpc-tls-ca: plain channels
+        self._internal_token = internal_token  # sent on every call (specdec.internal_auth)
         self._endpoints: list[_Endpoint] = []
         self._next_index = 0
         self._background: set[asyncio.Task] = set()
+        # The gateway's own tokenizer; None (or a verifier reporting none): not compared.
+        self._tokenizer_fingerprint: str | None = None
+
+    def expect_tokenizer(self, fingerprint: str | None) -> None:
+        """Verifiers whose GetInfo reports another tokenizer fingerprint are never used."""
+        self._tokenizer_fingerprint = fingerprint or None
 
     async def start(self) -> None:
         self._endpoints = []
         for address in self.addresses:
-            channel = open_channel(self._tls, address, _CHANNEL_OPTIONS)
+            channel = open_channel(self._tls, address, _CHANNEL_OPTIONS,
+                                   internal_token=self._internal_token)
             self._endpoints.append(_Endpoint(address, channel,
                                              specdec_pb2_grpc.VerifierStub(channel)))
+        for index, endpoint in enumerate(self._endpoints):
+            endpoint.name = f"verifier-{index}"
         await self.probe_all()
         if not any(e.healthy for e in self._endpoints):
-            logger.warning("no verifier reachable at %s; requests get 503 until one is",
+            logger.warning("no verifier usable at %s; requests get 503 until one is",
                            ", ".join(self.addresses))
+        task = asyncio.create_task(self._refresh_health())
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
 
     async def close(self) -> None:
-        for task in list(self._background):
+        tasks = list(self._background)
+        for task in tasks:
             task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
         for endpoint in self._endpoints:
             await endpoint.channel.close()
+
+    async def _refresh_health(self) -> None:
+        """Re-probes every verifier periodically: /health reads this state, never probes."""
+        while True:
+            await asyncio.sleep(self._reprobe_interval_s)
+            try:
+                await self.probe_all()
+            except Exception:  # a probe bug must not end the refresh for good
+                logger.exception("verifier health refresh failed")
 
     async def _probe(self, endpoint: _Endpoint) -> bool:
         endpoint.last_probe_at = time.monotonic()
@@ -150,14 +258,31 @@ class VerifierClient:
         return self._mark_up(endpoint, info)
 
     def _mark_up(self, endpoint: _Endpoint, info: specdec_pb2.VerifierInfo) -> bool:
+        expected = self._tokenizer_fingerprint
+        if expected and info.tokenizer_fingerprint and info.tokenizer_fingerprint != expected:
+            return self._mark_mismatch(endpoint, info, expected)
         if not endpoint.healthy:
             logger.info("verifier %s is up: model %s, max_model_len %d, speculation %s k=%d",
-                        endpoint.address, info.model_path, info.max_model_len,
+                        endpoint.address, info.model_name, info.max_model_len,
                         info.speculative_method or "off", info.num_speculative_tokens)
         endpoint.info = info
         endpoint.healthy = True
         endpoint.status = "serving"
         return True
+
+    def _mark_mismatch(self, endpoint: _Endpoint, info: specdec_pb2.VerifierInfo,
+                       expected: str) -> bool:
+        if endpoint.mismatch_logged != info.tokenizer_fingerprint:
+            endpoint.mismatch_logged = info.tokenizer_fingerprint
+            logger.error(
+                "verifier %s serves another tokenizer (model %s, tokenizer fingerprint %s; "
+                "the gateway's is %s): it gets no requests. Start the gateway with the "
+                "verifier's --model.", endpoint.address, info.model_name,
+                info.tokenizer_fingerprint, expected)
+        endpoint.info = None
+        endpoint.healthy = False
+        endpoint.status = TOKENIZER_MISMATCH
+        return False
 
     def _mark_down(self, endpoint: _Endpoint, err: grpc.aio.AioRpcError) -> None:
         if endpoint.healthy:
@@ -171,18 +296,20 @@ class VerifierClient:
         results = await asyncio.gather(*(self._probe(e) for e in self._endpoints))
         return any(results)
 
-    def statuses(self) -> dict[str, str]:
-        """Each verifier's address and its last known status."""
-        return {endpoint.address: endpoint.status for endpoint in self._endpoints}
+    @property
+    def serving(self) -> bool:
+        """Whether some verifier can take requests, as last probed."""
+        return any(endpoint.healthy for endpoint in self._endpoints)
 
-    def _reprobe_in_background(self) -> None:
-        now = time.monotonic()
-        for endpoint in self._endpoints:
-            if not endpoint.healthy and now - endpoint.last_probe_at >= self._reprobe_interval_s:
-                endpoint.last_probe_at = now
-                task = asyncio.create_task(self._probe(endpoint))
-                self._background.add(task)
-                task.add_done_callback(self._background.discard)
+    def statuses(self) -> dict[str, str]:
+        """Each verifier's replica name and its last known status (no address)."""
+        return {endpoint.name: endpoint.status for endpoint in self._endpoints}
+
+    def problems(self) -> list[str]:
+        """What an operator must fix, in words that name no path or address."""
+        return [f"{endpoint.name}: tokenizer mismatch: it serves another tokenizer than the "
+                "gateway's and gets no requests" for endpoint in self._endpoints
+                if endpoint.status == TOKENIZER_MISMATCH]
 
     @property
     def cached_info(self) -> specdec_pb2.VerifierInfo | None:
@@ -197,37 +324,27 @@ class VerifierClient:
         if info is None and await self.probe_all():
             info = self.cached_info
         if info is None:
-            raise UnavailableError(
-                f"No verifier is reachable (tried {', '.join(self.addresses)}).")
+            raise UnavailableError(UNAVAILABLE_MESSAGE)
         return info
 
-    def _round_robin(self) -> list[_Endpoint]:
-        start = self._next_index % len(self._endpoints)
-        self._next_index = start + 1
-        return self._endpoints[start:] + self._endpoints[:start]
+    def _next_healthy(self, exclude: Sequence[_Endpoint]) -> _Endpoint | None:
+        """Round-robin: the next healthy verifier not in `exclude`."""
+        count = len(self._endpoints)
+        for offset in range(count):
+            index = (self._next_index + offset) % count
+            endpoint = self._endpoints[index]
+            if endpoint.healthy and all(endpoint is not e for e in exclude):
+                self._next_index = index + 1
+                return endpoint
+        return None
 
     async def generate(self, request: specdec_pb2.GenerateRequest) -> GenerationStream:
         """Starts Generate on a healthy verifier and waits for its first response.
 
         Raises the mapped domain error (UnavailableError when none is reachable).
         """
-        self._reprobe_in_background()
-        ordered = self._round_robin()
-        if not any(e.healthy for e in ordered):
+        if not self.serving:
             await self.probe_all()
-        for endpoint in (e for e in ordered if e.healthy):
-            call = endpoint.stub.Generate(request)
-            try:
-                first = await call.read()
-            except grpc.aio.AioRpcError as err:
-                if err.code() == grpc.StatusCode.UNAVAILABLE:
-                    self._mark_down(endpoint, err)
-                    continue
-                raise error_from_grpc(err) from None
-            except BaseException:
-                call.cancel()
-                raise
-            if first is grpc.aio.EOF:
-                raise UnavailableError("The verifier ended the stream before any token.")
-            return GenerationStream(call, first, endpoint.address)
-        raise UnavailableError(f"No verifier is reachable (tried {', '.join(self.addresses)}).")
+        stream = GenerationStream(self, request)
+        await stream.open()
+        return stream

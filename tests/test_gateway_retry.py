@@ -1,0 +1,199 @@
+"""Two verifier replicas behind one gateway (issue #28, item 8): a request whose verifier
+fails before the first token moves once to the other and the client sees no error; one
+that fails after tokens were streamed ends with an error event, then `data: [DONE]`."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import grpc
+import httpx
+import pytest
+from fake_verifier import (
+    REPLY_TEXT,
+    SERVED_MODEL,
+    FakeVerifier,
+    FakeVerifierServer,
+    LiveGateway,
+    build_tiny_tokenizer,
+    gateway_config,
+)
+
+from gateway import VerifierClient
+from specdec.v1 import specdec_pb2
+
+MESSAGES = [{"role": "user", "content": "What is the answer?"}]
+CHAT = {"model": SERVED_MODEL, "messages": MESSAGES}
+CHAT_URL = "/v1/chat/completions"
+
+
+class FailingVerifier(FakeVerifier):
+    """A FakeVerifier whose Generate fails in a chosen way:
+    abort_before: an error status before any response; eof: the stream ends without a
+    response; empty_then_abort: a response without tokens, then an error status;
+    abort_after_tokens: one response with tokens, then an error status."""
+
+    def __init__(self, tokenizer: Any, mode: str,
+                 code: grpc.StatusCode = grpc.StatusCode.UNAVAILABLE) -> None:
+        super().__init__(tokenizer.encode(REPLY_TEXT, add_special_tokens=False),
+                         tokenizer.eos_token_id)
+        self.mode = mode
+        self.code = code
+
+    async def Generate(self, request: specdec_pb2.GenerateRequest, context: Any):
+        self.requests.append(request)
+        if self.mode == "eof":
+            return
+        if self.mode == "empty_then_abort":
+            yield specdec_pb2.GenerateResponse()
+        elif self.mode == "abort_after_tokens":
+            yield specdec_pb2.GenerateResponse(token_ids=self.reply_token_ids[:4])
+        await context.abort(self.code, "fake verifier failure")
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    return build_tiny_tokenizer()
+
+
+@contextmanager
+def replicas(tokenizer: Any, *servicers: FakeVerifier,
+             reprobe_interval_s: float = 3600) -> Iterator[tuple[str, list[FakeVerifierServer]]]:
+    """A gateway over `servicers`, in this order; round-robin starts with the first."""
+    servers = [FakeVerifierServer(servicer) for servicer in servicers]
+    for server in servers:
+        server.start()
+    addresses = [server.address for server in servers]
+    # Rare probes: a replica that failed stays as the gateway last saw it.
+    client = VerifierClient(addresses, reprobe_interval_s=reprobe_interval_s)
+    gateway = LiveGateway(gateway_config(*addresses), tokenizer, client)
+    gateway.start()
+    try:
+        yield gateway.base_url, servers
+    finally:
+        gateway.stop()
+        for server in servers:
+            server.close()
+
+
+def sse_events(response: httpx.Response) -> list[str]:
+    events = [event for event in response.text.split("\n\n") if event]
+    assert all(event.startswith("data: ") for event in events), events
+    return [event[len("data: "):] for event in events]
+
+
+def streamed_text(events: list[str]) -> str:
+    chunks = [json.loads(event) for event in events if event != "[DONE]"]
+    return "".join(chunk["choices"][0]["delta"].get("content") or "" for chunk in chunks
+                   if chunk.get("choices"))
+
+
+def ask(base_url: str, stream: bool) -> httpx.Response:
+    return httpx.post(f"{base_url}{CHAT_URL}", json={**CHAT, "stream": stream}, timeout=30)
+
+
+@pytest.mark.parametrize("mode,code", [
+    ("abort_before", grpc.StatusCode.UNAVAILABLE),
+    ("abort_before", grpc.StatusCode.INTERNAL),
+    ("abort_before", grpc.StatusCode.RESOURCE_EXHAUSTED),
+    ("eof", grpc.StatusCode.OK),
+    ("empty_then_abort", grpc.StatusCode.UNAVAILABLE),
+])
+@pytest.mark.parametrize("stream", [False, True], ids=["json", "sse"])
+def test_a_failure_before_the_first_token_is_retried_on_the_other_replica(
+        tokenizer, mode, code, stream):
+    failing = FailingVerifier(tokenizer, mode, code)
+    good = FakeVerifier(failing.reply_token_ids, failing.eos_token_id)
+    with replicas(tokenizer, failing, good) as (base_url, _):
+        response = ask(base_url, stream)
+        assert response.status_code == 200, response.text
+        if stream:
+            events = sse_events(response)
+            assert events[-1] == "[DONE]"
+            assert not any('"error"' in event for event in events)
+            assert streamed_text(events) == REPLY_TEXT
+        else:
+            assert response.json()["choices"][0]["message"]["content"] == REPLY_TEXT
+    assert len(failing.requests) == 1 and len(good.requests) == 1
+    assert failing.requests[0].request_id == good.requests[0].request_id
+
+
+def test_a_replica_that_stopped_is_skipped_by_the_retry(tokenizer):
+    stopped = FakeVerifier([5, 6], tokenizer.eos_token_id)
+    good = FakeVerifier(tokenizer.encode(REPLY_TEXT, add_special_tokens=False),
+                        tokenizer.eos_token_id)
+    with replicas(tokenizer, stopped, good) as (base_url, servers):
+        servers[0].stop()  # still "serving" for the gateway: probes are rare here
+        response = ask(base_url, stream=True)
+        assert response.status_code == 200
+        assert streamed_text(sse_events(response)) == REPLY_TEXT
+        assert httpx.get(f"{base_url}/health").json()["verifiers"] == {
+            "verifier-0": "unreachable", "verifier-1": "serving"}
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["json", "sse"])
+def test_a_failure_on_both_replicas_is_one_clean_error(tokenizer, stream):
+    first = FailingVerifier(tokenizer, "abort_before", grpc.StatusCode.INTERNAL)
+    second = FailingVerifier(tokenizer, "abort_before", grpc.StatusCode.INTERNAL)
+    third = FailingVerifier(tokenizer, "abort_before", grpc.StatusCode.INTERNAL)
+    with replicas(tokenizer, first, second, third) as (base_url, _):
+        response = ask(base_url, stream)
+        assert response.status_code == 500
+        assert response.json()["error"]["type"] == "server_error"
+        assert "fake verifier failure" not in response.text
+    # Retried once, not on every replica.
+    assert [len(s.requests) for s in (first, second, third)] == [1, 1, 0]
+
+
+def test_unreachable_replicas_are_a_503_that_names_no_address(tokenizer):
+    servicers = [FakeVerifier([5], tokenizer.eos_token_id) for _ in range(2)]
+    with replicas(tokenizer, *servicers) as (base_url, servers):
+        for server in servers:
+            server.stop()
+        response = ask(base_url, stream=False)
+        assert response.status_code == 503
+        assert response.json()["error"]["type"] == "service_unavailable_error"
+        for server in servers:
+            assert str(server.port) not in response.text
+
+
+def test_a_request_error_is_not_retried(tokenizer):
+    invalid = FailingVerifier(tokenizer, "abort_before", grpc.StatusCode.INVALID_ARGUMENT)
+    good = FakeVerifier(invalid.reply_token_ids, invalid.eos_token_id)
+    with replicas(tokenizer, invalid, good) as (base_url, _):
+        response = ask(base_url, stream=False)
+        assert response.status_code == 400
+        assert response.json()["error"]["message"] == "fake verifier failure"
+    assert len(invalid.requests) == 1 and good.requests == []
+
+
+@pytest.mark.parametrize("code,status", [(grpc.StatusCode.UNAVAILABLE, 503),
+                                         (grpc.StatusCode.INTERNAL, 500)])
+def test_a_failure_after_tokens_ends_the_stream_with_an_error_event(tokenizer, code, status):
+    servicers = [FailingVerifier(tokenizer, "abort_after_tokens", code) for _ in range(2)]
+    with replicas(tokenizer, *servicers) as (base_url, servers):
+        response = ask(base_url, stream=True)
+        assert response.status_code == 200  # the headers left with the first chunk
+        events = sse_events(response)
+        assert events[-1] == "[DONE]"
+        error = json.loads(events[-2])["error"]
+        assert error["type"] == ("server_error" if status == 500
+                                 else "service_unavailable_error")
+        assert error["message"] and "fake verifier failure" not in error["message"]
+        assert str(servers[0].port) not in response.text
+        # What came before the error is the reply's beginning.
+        assert REPLY_TEXT.startswith(streamed_text(events[:-2]))
+    # Not retried: the client had seen tokens.
+    assert sum(len(s.requests) for s in servicers) == 1
+
+
+def test_a_non_streaming_failure_after_tokens_is_a_5xx_error(tokenizer):
+    servicers = [FailingVerifier(tokenizer, "abort_after_tokens") for _ in range(2)]
+    with replicas(tokenizer, *servicers) as (base_url, _):
+        response = ask(base_url, stream=False)
+        assert response.status_code == 503
+        assert set(response.json()["error"]) == {"message", "type", "param", "code"}
+    assert sum(len(s.requests) for s in servicers) == 1
