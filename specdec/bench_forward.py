@@ -17,6 +17,7 @@ forward over its own repeat's faster read: the ratio that does not depend on the
 from __future__ import annotations
 
 import argparse
+import math
 import statistics
 import time
 from dataclasses import dataclass
@@ -112,6 +113,15 @@ def read_bandwidth_gbps(num_bytes: int = 512 << 20, repeats: int = 5) -> float:
     return num_bytes / min(_read_seconds(data) for _ in range(repeats)) / 1e9
 
 
+def significant(value: float, digits: int = 3) -> str:
+    """`value` with at least `digits` significant digits and no exponent (1234.5 -> "1234",
+    0.01234 -> "0.0123"): a fixed number of decimals prints a fast path on a tiny model as 0."""
+    if value == 0 or not math.isfinite(value):
+        return str(value)
+    decimals = max(0, digits - 1 - math.floor(math.log10(abs(value))))
+    return f"{value:.{decimals}f}"
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m specdec bench forward", description=__doc__)
     parser.add_argument("--model", default=DEFAULT_MODEL)
@@ -155,7 +165,7 @@ def main(argv: list[str] | None = None) -> int:
                 reads.setdefault(path.name, []).append(min(before, _read_seconds(weights_worth)))
         del readable
         memory_gbps = args.memory_gbps or read_bandwidth_gbps()
-        print(f"memory read bandwidth {memory_gbps:.1f} GB/s"
+        print(f"memory read bandwidth {significant(memory_gbps)} GB/s"
               f"{'' if args.memory_gbps else ' (measured)'}; bound = weight bytes / bandwidth")
         width = max(12, *(len(path.name) for path in paths))
         print("read ms: reading as many bytes as the weights, paired with the forwards; "
@@ -168,9 +178,9 @@ def main(argv: list[str] | None = None) -> int:
             for num_tokens in shapes:
                 samples = times[(path.name, num_tokens)]
                 over_read = statistics.median(sample / read for sample, read in zip(samples, paired_reads))
-                print(f"{path.name:{width}s} {num_tokens:6d} {statistics.median(samples) * 1e3:10.1f} "
-                      f"{min(samples) * 1e3:8.1f} {bound_ms:9.3f} {statistics.median(paired_reads) * 1e3:8.3f} "
-                      f"{over_read:7.3f}")
+                print(f"{path.name:{width}s} {num_tokens:6d} {significant(statistics.median(samples) * 1e3):>10s} "
+                      f"{significant(min(samples) * 1e3):>8s} {significant(bound_ms):>9s} "
+                      f"{significant(statistics.median(paired_reads) * 1e3):>8s} {significant(over_read):>7s}")
         if args.profile:
             path = next((p for p in paths if p.name == args.profile), None)
             if path is None:

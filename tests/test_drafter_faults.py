@@ -188,16 +188,26 @@ async def test_hung_drafter_costs_at_most_the_draft_deadline_per_step(
         reference = await generate_all(engine, max_tokens, k=0)
         runs = [Generation(engine, prompt, max_tokens) for prompt in PROMPTS]
         assert await until(lambda: engine.spec.num_drafts > 0, 20)
+        # Each step waits for the hung drafter at most the draft deadline: every step asks
+        # the pool with it (recorded here), and the pool holds to it (tests/test_drafter_pool.py).
+        # Counted, not timed: how long the steps take depends on the machine.
+        deadlines: list[float] = []
+        propose = pool.propose
+
+        async def recorded_propose(requests, finished_seq_ids, timeout_s):
+            deadlines.append(timeout_s)
+            return await propose(requests, finished_seq_ids, timeout_s)
+
+        pool.propose = recorded_propose
         drafter.send_signal(signal.SIGSTOP)
-        started = time.monotonic()
         try:
-            outputs = await asyncio.wait_for(asyncio.gather(*(run.task for run in runs)), 30)
-            elapsed = time.monotonic() - started
+            # A hang guard, not a speed check: a step that waited for the drafter never ends.
+            outputs = await asyncio.wait_for(asyncio.gather(*(run.task for run in runs)), 60)
         finally:
             drafter.send_signal(signal.SIGCONT)
+            pool.propose = propose
         assert outputs == reference
-        # Each step waits at most the draft deadline for the hung drafter.
-        assert elapsed < max_tokens * DRAFT_TIMEOUT_S + 3.0, elapsed
+        assert deadlines and set(deadlines) == {DRAFT_TIMEOUT_S}
 
         # Resumed, the drafter is reconnected and drafts again.
         num_drafts = engine.spec.num_drafts
