@@ -321,7 +321,7 @@ def run(args: argparse.Namespace) -> int:
 def _finish(args: argparse.Namespace, rows: list[dict[str, object]],
             greedy_rows: list[dict[str, object]]) -> int:
     """Writes --json; the exit status is 1 when speculation changed a greedy float32 output
-    (in 16-bit dtypes a near-tie may flip, see DESIGN.md, so there it is reported only)."""
+    (in 16-bit dtypes a near-tie may flip, see docs/architecture.md, so there it is reported only)."""
     if args.json:
         with open(args.json, "w") as handle:
             json.dump(rows, handle, indent=2)

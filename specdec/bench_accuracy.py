@@ -1,7 +1,7 @@
 """`python -m specdec bench accuracy`: a small exact-answer task set, with and without speculation.
 
 Speculation must not change what a model answers: greedy output with it equals output
-without it (DESIGN.md). This command checks that end to end over the OpenAI API, on short
+without it (docs/architecture.md). This command checks that end to end over the OpenAI API, on short
 questions with known answers (arithmetic, capitals, days and months, colours, units;
 `specdec/evals/tasks.jsonl`), and scores the answers so that the same run scores any other
 OpenAI-compatible engine too.

@@ -329,7 +329,7 @@ async def _compare(args: argparse.Namespace) -> tuple[dict[str, Any], int]:
           f"max_tokens {args.max_tokens}, {args.repeats} timed runs per system and prompt")
     print("\n".join(f"  {s.name}: {s.description}" for s in systems))
     print(format_table(rows, unavailable, prompt_names))
-    # In float32 speculation must not change a single token (DESIGN.md); elsewhere a near-tie
+    # In float32 speculation must not change a single token (docs/architecture.md); elsewhere a near-tie
     # may flip, so only float32 fails the command.
     broken = [row for row in rows if row["kind"] == "specdec" and row["system"] != "specdec"
               and row["identical_to_specdec"] is False]

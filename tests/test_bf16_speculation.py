@@ -1,6 +1,6 @@
 """Greedy speculation in bf16 (the CPU default): identical to plain decoding but for near-ties.
 
-DESIGN.md: in 16-bit dtypes a forward over k + 1 tokens may round differently from a
+docs/architecture.md: in 16-bit dtypes a forward over k + 1 tokens may round differently from a
 forward over 1, so a near-tie can flip. Every divergence is reported with the target's
 top-two logit gap at that point; a divergence where the gap exceeds bf16's rounding at
 that logit's magnitude is a bug.
