@@ -49,7 +49,7 @@ RUN python3 -c "import tomllib; print('\n'.join(tomllib.load(open('/tmp/pyprojec
 
 
 # The C++ CPU kernels, compiled here with the same flags, compiler and names as a native
-# start's build (specdec/cpu_extension.py). The CPU that builds the image is rarely the one
+# start's build (specdec/layers/cpu_extension.py). The CPU that builds the image is rarely the one
 # that runs it, so every instruction-set variant is built (AVX-512 with and without BF16 and
 # VBMI, AVX2, none: about 2 CPU-minutes each) and each start loads the best one its own CPU
 # runs. `--build-arg SPECDEC_CPU_VARIANTS=native` builds only the build machine's (faster,
@@ -66,10 +66,10 @@ RUN apt-get update \
     fi \
  && rm -rf /var/lib/apt/lists/*
 WORKDIR /build
-COPY specdec/__init__.py specdec/cpu_extension.py specdec/
-COPY specdec/csrc/ specdec/csrc/
+COPY specdec/__init__.py specdec/layers/cpu_extension.py specdec/
+COPY specdec/layers/csrc/ specdec/layers/csrc/
 ARG SPECDEC_CPU_VARIANTS=all
-RUN python3 -m specdec.cpu_extension prebuild /opt/specdec/cpu-kernels --variants "$SPECDEC_CPU_VARIANTS"
+RUN python3 -m specdec.layers.cpu_extension prebuild /opt/specdec/cpu-kernels --variants "$SPECDEC_CPU_VARIANTS"
 
 
 FROM torch
@@ -88,7 +88,7 @@ COPY --from=kernels /opt/specdec/cpu-kernels/ /opt/specdec/cpu-kernels/
 # Starts load the kernels from here and never compile them. The check fails the build when
 # none of them was compiled from the sources installed above.
 ENV SPECDEC_CPU_KERNELS_DIR=/opt/specdec/cpu-kernels
-RUN cd / && python3 -m specdec.cpu_extension list "$SPECDEC_CPU_KERNELS_DIR"
+RUN cd / && python3 -m specdec.layers.cpu_extension list "$SPECDEC_CPU_KERNELS_DIR"
 
 # The default model is downloaded and converted once into this volume.
 ENV SPECDEC_CACHE_DIR=/cache

@@ -16,7 +16,7 @@ import torch
 from drafter_svc.eagle_proposer import HeadProposer, load_target_for_head
 from drafter_svc.model_proposer import DraftKVPool
 from drafter_svc.proposer import ModelOptions, ProposerInfo
-from specdec.attention import AttentionMetadata
+from specdec.layers.attention import AttentionMetadata
 from specdec.config import SpeculativeConfig
 from specdec.device import resolve_device, resolve_dtype
 from specdec.errors import ConfigError

@@ -38,10 +38,10 @@ from typing import ClassVar
 import torch
 
 from drafter_svc.proposer import Proposal, ProposerInfo
-from specdec.attention import AttentionMetadata
-from specdec.block_manager import BlockManager
-from specdec.kv_cache import KVCache
-from specdec.logits_processor import argmax_rows
+from specdec.layers.attention import AttentionMetadata
+from specdec.engine.block_manager import BlockManager
+from specdec.engine.kv_cache import KVCache
+from specdec.engine.logits_processor import argmax_rows
 from specdec.models.model_config import ModelConfig
 
 logger = logging.getLogger(__name__)
@@ -98,7 +98,7 @@ class ModelProposer:
                  seed: int = 0, token_map: torch.Tensor | None = None) -> None:
         self.info = info
         # Target ids of the draft vocabulary's ids when the LM head was cut to a token map
-        # (specdec/token_map.py); None: the draft vocabulary is the target's.
+        # (specdec/models/token_map.py); None: the draft vocabulary is the target's.
         self._token_map = None if token_map is None else token_map.to(device)
         self._pool = pool
         self._device = device

@@ -16,9 +16,9 @@ from drafter_svc.servicer import (
 )
 from specdec.config import SpeculativeConfig
 from specdec.errors import ConfigError
-from specdec.grpc_server import GrpcServer, run_until_signalled
-from specdec.internal_auth import add_internal_auth_args, check_server_token, load_internal_token
-from specdec.tls import GrpcTlsConfig, add_grpc_tls_args, grpc_tls_from_args
+from specdec.rpc.grpc_server import GrpcServer, run_until_signalled
+from specdec.rpc.internal_auth import add_internal_auth_args, check_server_token, load_internal_token
+from specdec.rpc.tls import GrpcTlsConfig, add_grpc_tls_args, grpc_tls_from_args
 from specdec.v1 import specdec_pb2, specdec_pb2_grpc
 
 logger = logging.getLogger(__name__)

@@ -40,7 +40,7 @@ import grpc
 
 from drafter_svc.proposer import DEFAULT_NGRAM_MAX_MODEL_LEN, Proposal, Proposer, ProposerInfo
 from specdec.errors import ConfigError, InvalidRequestError, SpecdecError
-from specdec.grpc_status import error_details, status_for
+from specdec.rpc.grpc_status import error_details, status_for
 from specdec.v1 import specdec_pb2, specdec_pb2_grpc
 
 if TYPE_CHECKING:
@@ -329,7 +329,7 @@ def handle_propose_request(proposer: Proposer, request: specdec_pb2.ProposeReque
             draft = response.drafts.add(seq_id=seq_id, draft_token_ids=proposal.draft_token_ids)
             if proposal.draft_probs is not None:
                 # Imported here: only model methods get here; ngram starts without torch.
-                from specdec.tensors import encode_tensor
+                from specdec.rpc.tensors import encode_tensor
 
                 encode_tensor(proposal.draft_probs, draft.draft_probs)
     return response
@@ -356,7 +356,7 @@ def _decode_hidden_states(info: ProposerInfo, update: specdec_pb2.SequenceUpdate
     """
     if not info.hidden_state_layer_ids:
         return None  # ngram: whatever the verifier sent is ignored
-    from specdec.tensors import decode_tensor
+    from specdec.rpc.tensors import decode_tensor
 
     num_rows = max(update.context_len - 1, 0) - max(known_len - 1, 0)
     width = info.hidden_state_width

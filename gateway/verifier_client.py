@@ -25,7 +25,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from gateway.errors import UNAVAILABLE_MESSAGE, error_from_grpc
 from specdec.errors import SpecdecError, UnavailableError
-from specdec.tls import GrpcTlsConfig, open_channel
+from specdec.rpc.tls import GrpcTlsConfig, open_channel
 from specdec.v1 import specdec_pb2, specdec_pb2_grpc
 
 logger = logging.getLogger(__name__)
@@ -174,7 +174,7 @@ class VerifierClient:
         self._probe_timeout_s = probe_timeout_s
         self._reprobe_interval_s = reprobe_interval_s
         self._tls = tls  # None or no --grpc-tls-ca: plain channels
-        self._internal_token = internal_token  # sent on every call (specdec.internal_auth)
+        self._internal_token = internal_token  # sent on every call (specdec.rpc.internal_auth)
         self._endpoints: list[_Endpoint] = []
         self._next_index = 0
         self._background: set[asyncio.Task] = set()

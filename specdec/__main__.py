@@ -13,23 +13,24 @@ from specdec.errors import ConfigError
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv[:2] == ["bench", "serve"]:  # the serving benchmark has flags of its own
-        from specdec import bench_serve
+        from specdec.bench import serve as bench_serve
         return bench_serve.main(argv[2:])
     if argv[:2] == ["bench", "compare"]:  # so do the comparison with other engines
-        from specdec import bench_compare
+        from specdec.bench import compare as bench_compare
         return bench_compare.main(argv[2:])
     if argv[:2] == ["bench", "accuracy"]:  # and the accuracy check over the OpenAI API
-        from specdec import bench_accuracy
+        from specdec.bench import accuracy as bench_accuracy
         return bench_accuracy.main(argv[2:])
     if argv[:2] == ["bench", "forward"]:  # and the verifier forward per kernel path
-        from specdec import bench_forward
+        from specdec.bench import forward as bench_forward
         return bench_forward.main(argv[2:])
     if argv[:2] == ["bench", "concurrency"]:  # and speculation on / off inside one loaded engine
-        from specdec import bench_concurrency
+        from specdec.bench import concurrency as bench_concurrency
         return bench_concurrency.main(argv[2:])
     parser = argparse.ArgumentParser(prog="python -m specdec")
     commands = parser.add_subparsers(dest="command", required=True)
-    from specdec import bench, launcher
+    from specdec import launcher
+    from specdec.bench import decode as bench
 
     serve_parser = commands.add_parser("serve", help="start drafter, verifier and gateway")
     launcher.add_serve_args(serve_parser)

@@ -79,7 +79,7 @@ class SpeculativeConfig:
     prompt_lookup_min: int | None = None
     prompt_lookup_max: int | None = None
     # eagle, draft_model: a file of target token ids the draft's LM head is cut to (FR-Spec,
-    # SGLang's --speculative-token-map); see specdec/token_map.py.
+    # SGLang's --speculative-token-map); see specdec/models/token_map.py.
     speculative_token_map: str | None = None
     # vLLM's: a step whose batch holds more requests than this drafts nothing (no asks, no
     # probes), whatever the adaptive policy would do; None: no such limit.
@@ -271,7 +271,7 @@ class EngineConfig:
     # a client's gRPC deadline applies either way).
     request_timeout_s: float | None = None
     # Draft lengths chosen per step from measured acceptance and step cost
-    # (verifier_svc.speculation_policy); False: always the request's k.
+    # (verifier_svc.speculation.policy); False: always the request's k.
     adaptive_speculation: bool = True
     # The speculative config's disable_by_batch_size: a step whose running batch holds more
     # requests than this drafts for none of them. None: no limit.

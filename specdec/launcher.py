@@ -10,7 +10,7 @@ verifier or the gateway dies, the others are stopped too.
 
 Secrets travel in the children's environment, never in their argv (which `ps` shows to
 every local user): a random internal token made for this run (SPECDEC_INTERNAL_TOKEN,
-see specdec.internal_auth) for all three, and the API key (SPECDEC_API_KEY) for the
+see specdec.rpc.internal_auth) for all three, and the API key (SPECDEC_API_KEY) for the
 gateway only.
 """
 
@@ -30,12 +30,12 @@ from specdec.cli import (ADDITIONAL_CONFIG_KEYS, add_engine_args, add_logging_ar
                          add_model_args, add_shutdown_args, add_speculative_args,
                          served_model_name)
 from specdec.config import SpeculativeConfig, parse_additional_config
-from specdec.internal_auth import (API_KEY_ENV, TOKEN_ENV, TOKEN_FILE_ENV, VLLM_API_KEY_ENV,
+from specdec.rpc.internal_auth import (API_KEY_ENV, TOKEN_ENV, TOKEN_FILE_ENV, VLLM_API_KEY_ENV,
                                    generate_token, load_api_key)
 from specdec.models.loader import load_model_config
 from specdec.models.model_files import resolve_model
 from specdec.models.parallel import check_tensor_parallel
-from specdec.tls import add_grpc_tls_args, grpc_tls_flags, grpc_tls_from_args
+from specdec.rpc.tls import add_grpc_tls_args, grpc_tls_flags, grpc_tls_from_args
 
 logger = logging.getLogger(__name__)
 

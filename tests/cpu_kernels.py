@@ -20,7 +20,7 @@ from types import ModuleType
 import pytest
 import torch
 
-from specdec import cpu_extension
+from specdec.layers import cpu_extension
 
 REQUIRE_ENV = "SPECDEC_REQUIRE_CPU_KERNELS"
 

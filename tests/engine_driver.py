@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from specdec.sampling_params import SamplingParams
+from specdec.engine.sampling_params import SamplingParams
 from verifier_svc.engine import Engine
 from verifier_svc.requests import collect_outputs
 

@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from specdec.attention import AttentionMetadata, TorchPagedAttention, write_kv
+from specdec.layers.attention import AttentionMetadata, TorchPagedAttention, write_kv
 
 
 def dense_causal_attention(

@@ -14,10 +14,10 @@ import logging
 import pytest
 import torch
 
-from specdec import cpu_extension
-from specdec.attention import ATTENTION_BACKEND_ENV, AttentionMetadata, TorchPagedAttention, write_kv
-from specdec.attention_cpu import CpuPagedAttention
-from specdec.cpu_extension import load_extension
+from specdec.layers import cpu_extension
+from specdec.layers.attention import ATTENTION_BACKEND_ENV, AttentionMetadata, TorchPagedAttention, write_kv
+from specdec.layers.attention_cpu import CpuPagedAttention
+from specdec.layers.cpu_extension import load_extension
 from tests.cpu_kernels import extension_or_skip
 
 # (num_heads, num_kv_heads, head_dim, block_size, per sequence (cached_len, query_len))
@@ -158,7 +158,7 @@ def test_a_failed_build_falls_back_to_the_reference(monkeypatch: pytest.MonkeyPa
                                                     caplog: pytest.LogCaptureFixture) -> None:
     from torch.utils import cpp_extension
 
-    from specdec.attention import make_attention_backend
+    from specdec.layers.attention import make_attention_backend
 
     def no_compiler(**kwargs: object) -> None:
         raise RuntimeError("Ninja is required to load C++ extensions")

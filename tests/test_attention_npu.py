@@ -19,10 +19,10 @@ from typing import Any
 import pytest
 import torch
 
-from specdec.attention import (ATTENTION_BACKEND_ENV, AttentionMetadata, TorchPagedAttention,
+from specdec.layers.attention import (ATTENTION_BACKEND_ENV, AttentionMetadata, TorchPagedAttention,
                                make_attention_backend)
-from specdec.attention_cpu import CpuPagedAttention
-from specdec.attention_npu import NpuFusedPagedAttention
+from specdec.layers.attention_cpu import CpuPagedAttention
+from specdec.layers.attention_npu import NpuFusedPagedAttention
 from specdec.errors import ConfigError
 
 BLOCK_SIZE = 16
@@ -201,7 +201,7 @@ def test_kernel_error_falls_back_once_and_is_remembered(
     monkeypatch.setitem(sys.modules, "torch_npu", fake)
     backend = NpuFusedPagedAttention(4, 2, HEAD_DIM)
     step = make_step(4, 2, [(5, 3), (0, 4)], torch.bfloat16)
-    with caplog.at_level(logging.WARNING, logger="specdec.attention_npu"):
+    with caplog.at_level(logging.WARNING, logger="specdec.layers.attention_npu"):
         ours, expected, _, _ = run_both(backend, step)
         run_both(backend, step)
     assert torch.equal(ours, expected)

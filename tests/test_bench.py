@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from specdec.bench import _finish
+from specdec.bench.decode import _finish
 
 
 @pytest.mark.parametrize(("dtype", "identical", "status"), [
@@ -26,7 +26,7 @@ def test_exit_status(tmp_path: Path, dtype: str, identical: bool, status: int) -
 
 
 def test_a_token_map_adds_a_mapped_twin_of_each_draft_it_applies_to() -> None:
-    from specdec.bench import _draft_specs
+    from specdec.bench.decode import _draft_specs
 
     specs = _draft_specs("shipped", 4, token_map="smollm2-135m-instruct-token-map")
     by_name = {name: spec for name, spec in specs}

@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from specdec import bench_accuracy
-from specdec.bench_accuracy import Task, is_correct, load_tasks, normalise
+from specdec.bench import accuracy as bench_accuracy
+from specdec.bench.accuracy import Task, is_correct, load_tasks, normalise
 from tests.served_stack import Stack, free_port, served_stack
 from tests.tiny_models import make_tiny_llama
 

@@ -9,15 +9,15 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from specdec import bench_compare
-from specdec.bench_compare_report import same_output, summarise
-from specdec.bench_compare_systems import (Generation, llama_cpp_installed, load_assistant,
+from specdec.bench import compare as bench_compare
+from specdec.bench.compare_report import same_output, summarise
+from specdec.bench.compare_systems import (Generation, llama_cpp_installed, load_assistant,
                                            load_transformers_model, strip_stop)
 from specdec.config import SpeculativeConfig
 from specdec.errors import ConfigError
 from tests.draft_checkpoints import make_draft_model
 from tests.tiny_models import make_tiny_llama
-from verifier_svc import probe_schedule
+from verifier_svc.speculation import probe_schedule
 
 NGRAM = ('{"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1, '
          '"prompt_lookup_max": 3}')
@@ -172,7 +172,7 @@ def test_routed_from_the_command_line(capsys) -> None:
 
 def test_quantization_reaches_specdecs_engines_and_llama_cpps_precision(
         tiny_model: Path, tmp_path: Path, capsys, monkeypatch: pytest.MonkeyPatch) -> None:
-    from specdec import bench_compare_systems
+    from specdec.bench import compare_systems as bench_compare_systems
 
     built = []
 

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from specdec.__main__ import main
-from specdec.bench_concurrency import step_seconds, summarise
+from specdec.bench.concurrency import step_seconds, summarise
 from tests.tiny_models import make_tiny_llama
 from verifier_svc.engine import StepRecord
 

@@ -9,8 +9,8 @@ import pytest
 import torch
 
 from specdec.__main__ import main
-from specdec.bench_forward import significant
-from specdec.cpu_extension import linear_supports
+from specdec.bench.forward import significant
+from specdec.layers.cpu_extension import linear_supports
 from tests.tiny_models import make_tiny_llama
 
 

@@ -12,10 +12,10 @@ from pathlib import Path
 import httpx
 import pytest
 
-from specdec import bench_serve
-from specdec.bench_serve_compare import compare, round_orders
-from specdec.bench_serve_report import parse_speculation_metrics
-from specdec.bench_serve_requests import SHIPPED_DATASETS, load_requests
+from specdec.bench import serve as bench_serve
+from specdec.bench.serve_compare import compare, round_orders
+from specdec.bench.serve_report import parse_speculation_metrics
+from specdec.bench.serve_requests import SHIPPED_DATASETS, load_requests
 from tests.served_stack import ENV, ROOT, Stack, free_port, served_stack
 from tests.tiny_models import make_tiny_llama
 

@@ -14,13 +14,13 @@ from pathlib import Path
 import pytest
 import torch
 
-from specdec.attention import AttentionMetadata
-from specdec.kv_cache import KVCache
+from specdec.layers.attention import AttentionMetadata
+from specdec.engine.kv_cache import KVCache
 from specdec.models.compiled_forward import CompiledForward, linears_to_pack, warm_up
 from specdec.models.cpu_stack import CPU_STACK_ENV, CpuDecoderStack
 from specdec.models.loader import load_model
 from specdec.models.model_files import DEFAULT_MODEL, resolve_model
-from specdec.cpu_extension import linear_supports
+from specdec.layers.cpu_extension import linear_supports
 from specdec.models.packed_linear import PackedLinear, choose_kernel, mkldnn_supported, pack_linears
 from tests.engine_driver import generate
 from tests.test_engine import PROMPTS, EngineHarness, greedy

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from specdec.block_manager import BlockManager
-from specdec.sampling_params import SamplingParams
-from specdec.sequence import Sequence
+from specdec.engine.block_manager import BlockManager
+from specdec.engine.sampling_params import SamplingParams
+from specdec.engine.sequence import Sequence
 
 
 def make_seq(seq_id: int, num_tokens: int) -> Sequence:

@@ -12,8 +12,8 @@ from pathlib import Path
 import pytest
 from torch.utils import cpp_extension
 
-from specdec import cpu_extension
-from specdec.cpu_extension import PREBUILT_ENV, VARIANTS, build_name, load_extension, supported_variants
+from specdec.layers import cpu_extension
+from specdec.layers.cpu_extension import PREBUILT_ENV, VARIANTS, build_name, load_extension, supported_variants
 
 AVX512 = {"avx512f", "avx512bw", "avx512vl", "avx512dq", "avx2", "fma", "f16c"}
 
@@ -72,7 +72,7 @@ def test_a_prebuilt_build_is_imported_not_compiled(tmp_path: Path) -> None:
     # A fresh process (the operators register once per process) whose extension cache is
     # empty: a compile would land there and load from there.
     script = ("import logging, torch; logging.basicConfig(level=logging.INFO);"
-              "from specdec.cpu_extension import load_extension;"
+              "from specdec.layers.cpu_extension import load_extension;"
               "print('FILE', load_extension().__file__);"
               "print('OPS', hasattr(torch.ops.specdec_cpu, 'linear'))")
     env = {**os.environ, PREBUILT_ENV: str(prebuilt), "TORCH_EXTENSIONS_DIR": str(tmp_path / "jit")}

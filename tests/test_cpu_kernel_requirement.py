@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from specdec import cpu_extension
+from specdec.layers import cpu_extension
 from tests import cpu_kernels
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -22,7 +22,7 @@ README_MAX_LINES = 300
 MARKDOWN_LINK = re.compile(r"!?\[[^\]]*\]\(\s*<?([^)\s>]+)>?(?:\s+\"[^\"]*\")?\s*\)")
 URL = re.compile(r"\b[a-zA-Z][a-zA-Z0-9+.-]*://\S+")
 # A repository path as the text writes it: folders, then a file with a source or data
-# extension (`specdec/csrc/linear_cpu.cpp`). Not preceded by a path character, so `/v1/...`,
+# extension (`specdec/layers/csrc/linear_cpu.cpp`). Not preceded by a path character, so `/v1/...`,
 # `~/.cache/...` and the tail of a longer path are not taken for one.
 FILE_EXTENSIONS = ("py", "pyi", "sh", "cpp", "h", "proto", "md", "json", "jsonl", "toml",
                    "yml", "yaml", "txt", "cfg", "ini")

@@ -27,7 +27,7 @@ from drafter_svc.servicer import (
 )
 from specdec.config import SpeculativeConfig
 from specdec.errors import ConfigError, InvalidRequestError
-from specdec.grpc_server import GrpcServer
+from specdec.rpc.grpc_server import GrpcServer
 from specdec.v1 import specdec_pb2, specdec_pb2_grpc
 from tests.draft_checkpoints import make_draft_model
 from tests.tiny_models import make_tiny_llama

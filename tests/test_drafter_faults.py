@@ -28,7 +28,7 @@ import pytest
 from drafter_svc.proposer import NgramMethod, proposer_factory
 from drafter_svc.servicer import DrafterServicer
 from specdec.config import SpeculativeConfig
-from specdec.sampling_params import SamplingParams
+from specdec.engine.sampling_params import SamplingParams
 from specdec.v1 import specdec_pb2, specdec_pb2_grpc
 from tests.tiny_models import make_tiny_llama
 from verifier_svc.builder import VerifierConfig

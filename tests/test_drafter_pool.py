@@ -16,7 +16,7 @@ from drafter_svc.server import start_drafter_server, stop_drafter_server
 from drafter_svc.servicer import DrafterServicer
 from specdec.config import SpeculativeConfig
 from specdec.v1 import specdec_pb2, specdec_pb2_grpc
-from verifier_svc.drafter_pool import DraftRequest, DrafterPool
+from verifier_svc.drafting.drafter_pool import DraftRequest, DrafterPool
 
 K = 3
 VOCAB_SIZE = 100
@@ -262,7 +262,7 @@ async def test_garbage_drafts_are_dropped(pool_for, caplog):
     server, port = await start_custom_server(GarbageServicer())
     pool = await pool_for(port)
     try:
-        with caplog.at_level(logging.WARNING, logger="verifier_svc.drafter_pool"):
+        with caplog.at_level(logging.WARNING, logger="verifier_svc.drafting.drafter_pool"):
             drafts = await pool.propose(requests_for({i: [1, 2, 3] for i in range(1, 6)}), [],
                                         timeout_s=5.0)
         assert sorted(drafts) == [3, 5]
@@ -287,7 +287,7 @@ async def test_mismatched_drafter_is_refused(pool_for, caplog):
     good_server, good_port = await start_drafter_server(CONFIG, "127.0.0.1", 0)
     bad_server, bad_port = await start_custom_server(MismatchedServicer())
     try:
-        with caplog.at_level(logging.ERROR, logger="verifier_svc.drafter_pool"):
+        with caplog.at_level(logging.ERROR, logger="verifier_svc.drafting.drafter_pool"):
             pool = await pool_for(good_port, bad_port, num_healthy=1)
             deadline = time.monotonic() + 5.0
             while "refused" not in caplog.text and time.monotonic() < deadline:
@@ -327,7 +327,7 @@ async def test_one_replica_per_resolved_address(pool_for, monkeypatch):
         assert host == "drafter"
         return [(2, 1, 6, "", (ip, port_)) for ip in resolved]
 
-    monkeypatch.setattr("verifier_svc.drafter_pool.socket.getaddrinfo", fake_getaddrinfo)
+    monkeypatch.setattr("verifier_svc.drafting.drafter_pool.socket.getaddrinfo", fake_getaddrinfo)
     pool = DrafterPool([f"drafter:{port}"], resolve_interval_s=0.05, vocab_size=VOCAB_SIZE,
                        tokenizer_fingerprint="", backoff_initial_s=0.05)
     await pool.start()
@@ -355,7 +355,7 @@ async def test_stuck_drafter_is_reconnected(pool_for, caplog):
     server, port = await start_custom_server(SlowServicer())
     pool = await pool_for(port)
     try:
-        with caplog.at_level(logging.WARNING, logger="verifier_svc.drafter_pool"):
+        with caplog.at_level(logging.WARNING, logger="verifier_svc.drafting.drafter_pool"):
             for step in range(40):
                 contexts = {1: [1, 2, 1] + [3] * step}
                 assert await pool.propose(requests_for(contexts), [], timeout_s=0.005) == {}

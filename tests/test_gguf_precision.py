@@ -1,4 +1,4 @@
-"""`specdec.gguf_precision`: a quantised GGUF rewritten at F32 / F16 / BF16 / Q8_0 keeps its
+"""`specdec.models.gguf_precision`: a quantised GGUF rewritten at F32 / F16 / BF16 / Q8_0 keeps its
 metadata and holds the dequantised values."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ import gguf
 import numpy as np
 import pytest
 
-from specdec.gguf_precision import convert_gguf, gguf_at_precision, precision_for_dtype
+from specdec.models.gguf_precision import convert_gguf, gguf_at_precision, precision_for_dtype
 
 Q8 = gguf.GGMLQuantizationType.Q8_0
 

@@ -37,8 +37,8 @@ from drafter_svc.proposer import ModelOptions, proposer_factory
 from drafter_svc.server import DRAFTER_SERVICE_NAME, start_drafter_server
 from drafter_svc.servicer import DrafterServicer
 from specdec.config import SpeculativeConfig
-from specdec.grpc_server import GrpcServer
-from specdec.tensors import encode_tensor
+from specdec.rpc.grpc_server import GrpcServer
+from specdec.rpc.tensors import encode_tensor
 from specdec.v1 import specdec_pb2, specdec_pb2_grpc
 from tests.draft_checkpoints import make_eagle_head
 from tests.tiny_models import make_tiny_llama

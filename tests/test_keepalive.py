@@ -3,7 +3,7 @@
 The verifier's drafter channels ping every KEEPALIVE_TIME_MS. A drafter on gRPC's default
 server policy (one ping per 5 minutes without data, 2 strikes) answered an idle stream's
 pings with GOAWAY "too_many_pings", and the verifier lost speculation until it had
-reconnected. Both ends now take their settings from specdec.grpc_server.
+reconnected. Both ends now take their settings from specdec.rpc.grpc_server.
 """
 
 from __future__ import annotations
@@ -17,10 +17,10 @@ from drafter_svc.proposer import proposer_factory
 from drafter_svc.server import DRAFTER_SERVICE_NAME
 from drafter_svc.servicer import DrafterServicer
 from specdec.config import SpeculativeConfig
-from specdec.grpc_server import (CHANNEL_OPTIONS, KEEPALIVE_TIME_MS, GrpcServer,
+from specdec.rpc.grpc_server import (CHANNEL_OPTIONS, KEEPALIVE_TIME_MS, GrpcServer,
                                  client_keepalive_options, server_keepalive_options)
 from specdec.v1 import specdec_pb2, specdec_pb2_grpc
-from verifier_svc.drafter_pool import DrafterPool
+from verifier_svc.drafting.drafter_pool import DrafterPool
 
 K = 3
 CONFIG = SpeculativeConfig.parse({"method": "ngram", "num_speculative_tokens": K,

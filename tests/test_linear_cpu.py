@@ -1,4 +1,4 @@
-"""`torch.ops.specdec_cpu.linear` on `pack_weight`'s blocks (specdec/csrc/linear_cpu.cpp)
+"""`torch.ops.specdec_cpu.linear` on `pack_weight`'s blocks (specdec/layers/csrc/linear_cpu.cpp)
 against float64 arithmetic.
 
 Shapes cover what the kernel splits on: output widths in blocks of 32 and a remainder (one
@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from specdec.cpu_extension import linear_supports, load_extension
+from specdec.layers.cpu_extension import linear_supports, load_extension
 from specdec.models.packed_linear import PackedLinear
 
 TILE_ROWS = 10  # kTileRows in linear_cpu.cpp: more rows are split into balanced tiles

@@ -3,7 +3,7 @@
 1. The launcher serves the tiny model with ngram speculation. About 200 requests at mixed
 lengths (max_tokens 1..48) and sampling settings (greedy, seeded temperature, top_p /
 top_k, repetition penalty, stop strings; chat and completions; streamed and not) run at
-concurrency 16 through `specdec.bench_serve`, while the test kills the drafter process:
+concurrency 16 through `specdec.bench.serve`, while the test kills the drafter process:
 
 - no request fails, and the launcher restarts the drafter instead of stopping the stack;
 - every greedy request's text equals the same request with `"speculation": false`;
@@ -46,7 +46,7 @@ from typing import Any
 import httpx
 import pytest
 
-from specdec.bench_serve import BenchConfig, BenchRequest, RequestResult, run_benchmark, summarise
+from specdec.bench.serve import BenchConfig, BenchRequest, RequestResult, run_benchmark, summarise
 from tests.served_stack import ENV, NGRAM_SPEC, ROOT, Stack, free_port, served_stack
 from tests.tiny_models import make_tiny_llama
 

@@ -7,13 +7,13 @@ import math
 import pytest
 import torch
 
-from specdec.logits_processor import (
+from specdec.engine.logits_processor import (
     apply_repetition_penalty,
     argmax_rows,
     process_logits,
     target_probs_from_logits,
 )
-from specdec.sampling_params import SamplingParams
+from specdec.engine.sampling_params import SamplingParams
 
 NEG_INF = float("-inf")
 

@@ -18,7 +18,7 @@ import transformers
 from safetensors.torch import load_file, save_file
 
 from specdec.errors import ConfigError
-from specdec.kv_cache import KVCache
+from specdec.engine.kv_cache import KVCache
 from specdec.models import (
     DEFAULT_MODEL, ModelConfig, load_model, load_model_config, load_tokenizer, resolve_model, tokenizer_fingerprint,
 )
@@ -46,7 +46,7 @@ def copy_of(source: Path, tmp_path: Path) -> Path:
 
 
 def logits_of(model_dir: Path, device: torch.device) -> torch.Tensor:
-    from specdec.attention import AttentionMetadata
+    from specdec.layers.attention import AttentionMetadata
 
     model = load_model(model_dir, torch.float32, device)
     kv_cache = KVCache.allocate(model.config, 4, 4, torch.float32, device)

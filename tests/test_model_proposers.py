@@ -34,17 +34,17 @@ from safetensors.torch import save_file
 from drafter_svc.proposer import ModelOptions, Proposer, proposer_factory
 from drafter_svc.server import start_drafter_server, stop_drafter_server
 from drafter_svc.servicer import handle_propose_request
-from specdec.attention import AttentionMetadata
+from specdec.layers.attention import AttentionMetadata
 from specdec.config import SpeculativeConfig
 from specdec.errors import ConfigError, DrafterMismatchError, InvalidRequestError
-from specdec.kv_cache import KVCache
+from specdec.engine.kv_cache import KVCache
 from specdec.models import load_model, load_tokenizer, tokenizer_fingerprint
 from specdec.models.eagle3 import aux_layer_ids_from_config, default_aux_layer_ids
 from specdec.models.packed_linear import PackedLinear, mkldnn_supported
-from specdec.tensors import decode_tensor, encode_tensor
+from specdec.rpc.tensors import decode_tensor, encode_tensor
 from specdec.v1 import specdec_pb2, specdec_pb2_grpc
 from tests.draft_checkpoints import make_draft_model, make_eagle3_head, make_eagle_head
-from verifier_svc.drafter_pool import DrafterPool
+from verifier_svc.drafting.drafter_pool import DrafterPool
 
 K = 3
 VOCAB = 96

@@ -17,7 +17,7 @@ import pytest
 
 from specdec.config import EngineConfig
 from specdec.errors import ConfigError, OverloadedError
-from specdec.sampling_params import SamplingParams
+from specdec.engine.sampling_params import SamplingParams
 from specdec.v1 import specdec_pb2, specdec_pb2_grpc
 from tests.tiny_models import make_tiny_llama
 from tests.verifier_harness import StartVerifier, request, verifier_starter

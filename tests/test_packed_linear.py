@@ -9,8 +9,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from specdec import cpu_extension
-from specdec.cpu_extension import linear_supports
+from specdec.layers import cpu_extension
+from specdec.layers.cpu_extension import linear_supports
 from specdec.errors import ConfigError
 from specdec.models.loader import load_model
 from specdec.models.packed_linear import PackedLinear, choose_kernel, mkldnn_supported, pack_linears

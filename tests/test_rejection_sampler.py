@@ -2,7 +2,7 @@
 
 The statistical tests sample the real `verify` many times with fixed seeds (so they are
 deterministic) and compare the emitted tokens with a target distribution computed here
-independently of `specdec.logits_processor`, by Pearson's chi-square test. Negative controls
+independently of `specdec.engine.logits_processor`, by Pearson's chi-square test. Negative controls
 run deliberately wrong samplers through the same check and require it to fail.
 """
 
@@ -15,9 +15,9 @@ import pytest
 import torch
 from torch import Tensor
 
-from specdec.logits_processor import target_probs_from_logits
-from specdec.rejection_sampler import accept_greedy, argmax_ids, needs_only_argmax, verify
-from specdec.sampling_params import SamplingParams
+from specdec.engine.logits_processor import target_probs_from_logits
+from specdec.engine.rejection_sampler import accept_greedy, argmax_ids, needs_only_argmax, verify
+from specdec.engine.sampling_params import SamplingParams
 
 GREEDY = SamplingParams(temperature=0.0)
 VOCAB_SIZE = 8
@@ -208,7 +208,7 @@ def test_chi_square_p_value_helper() -> None:
 
 
 def reference_target_probs(logits_row: Tensor, context_ids: list[int], params: SamplingParams) -> Tensor:
-    """The target distribution, written plainly and independently of specdec.logits_processor."""
+    """The target distribution, written plainly and independently of specdec.engine.logits_processor."""
     values = []
     for token_id, logit in enumerate(logits_row.tolist()):
         if token_id in context_ids:

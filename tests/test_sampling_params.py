@@ -7,7 +7,7 @@ import dataclasses
 import pytest
 
 from specdec.errors import InvalidRequestError
-from specdec.sampling_params import SamplingParams
+from specdec.engine.sampling_params import SamplingParams
 
 
 def test_defaults_follow_vllm() -> None:

@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
-from specdec.block_manager import BlockManager
+from specdec.engine.block_manager import BlockManager
 from specdec.config import EngineConfig
-from specdec.sampling_params import SamplingParams
-from specdec.scheduler import Scheduler
-from specdec.sequence import FinishReason, Sequence, SequenceStatus
+from specdec.engine.sampling_params import SamplingParams
+from specdec.engine.scheduler import Scheduler
+from specdec.engine.sequence import FinishReason, Sequence, SequenceStatus
 
 
 def make_scheduler(num_blocks: int = 64, block_size: int = 4, max_num_seqs: int = 8,

@@ -1,4 +1,4 @@
-"""specdec.tensors: torch tensors to and from the proto Tensor, and what decode refuses."""
+"""specdec.rpc.tensors: torch tensors to and from the proto Tensor, and what decode refuses."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from specdec.errors import InvalidRequestError
-from specdec.tensors import decode_tensor, encode_tensor
+from specdec.rpc.tensors import decode_tensor, encode_tensor
 from specdec.v1 import specdec_pb2
 
 FIELD = "sequences.hidden_states"

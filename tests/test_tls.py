@@ -21,12 +21,12 @@ from gateway import __main__ as gateway_main
 from specdec import launcher
 from specdec.config import SpeculativeConfig
 from specdec.errors import ConfigError, UnavailableError
-from specdec.grpc_server import GrpcServer
-from specdec.tls import GrpcTlsConfig, grpc_tls_from_args
+from specdec.rpc.grpc_server import GrpcServer
+from specdec.rpc.tls import GrpcTlsConfig, grpc_tls_from_args
 from specdec.v1 import specdec_pb2, specdec_pb2_grpc
 from fake_verifier import FakeVerifier
 from verifier_svc import __main__ as verifier_main
-from verifier_svc.drafter_pool import DraftRequest, DrafterPool
+from verifier_svc.drafting.drafter_pool import DraftRequest, DrafterPool
 
 pytestmark = pytest.mark.skipif(shutil.which("openssl") is None, reason="needs the openssl CLI")
 

@@ -1,4 +1,4 @@
-"""Token maps (specdec/token_map.py): the files they come in, what is refused, and the cut
+"""Token maps (specdec/models/token_map.py): the files they come in, what is refused, and the cut
 LM head scoring exactly the map's tokens. Serving with one: tests/test_model_drafting.py."""
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from torch import nn
 from drafter_svc.model_proposer import ModelProposer
 from specdec.config import SpeculativeConfig
 from specdec.errors import ConfigError
-from specdec.token_map import load_token_map, restrict_lm_head
+from specdec.models.token_map import load_token_map, restrict_lm_head
 
 VOCAB = 100
 

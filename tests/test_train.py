@@ -134,11 +134,11 @@ def test_reduced_vocabulary_maps_back_to_target_ids(target, features, tmp_path) 
 
 def test_the_token_map_phase_writes_eagle3s_draft_vocabulary(target, features, tmp_path) -> None:
     """`train token-map` writes the ids an eagle3 head of the same size would draft among,
-    as a map specdec's loader reads (specdec/token_map.py)."""
+    as a map specdec's loader reads (specdec/models/token_map.py)."""
     import argparse
 
     from specdec.train.cli import run_token_map
-    from specdec.token_map import load_token_map
+    from specdec.models.token_map import load_token_map
 
     features.save(tmp_path / "features.pt")
     args = argparse.Namespace(model=str(target), work_dir=tmp_path, output=None, draft_vocab_size=DRAFT_VOCAB)

@@ -15,20 +15,20 @@ from prometheus_client import generate_latest
 
 from specdec.cli import served_model_name
 from specdec.config import SpeculativeConfig
-from specdec.sampling_params import SamplingParams
+from specdec.engine.sampling_params import SamplingParams
 from specdec.v1 import specdec_pb2, specdec_pb2_grpc
 from tests.engine_driver import generate
 from tests.tiny_models import make_tiny_llama
 from verifier_svc.builder import VerifierConfig, build_engine
-from verifier_svc.drafter_errors import DrafterErrors
-from verifier_svc.drafter_pool import DraftRequest, DrafterPool
+from verifier_svc.drafting.drafter_errors import DrafterErrors
+from verifier_svc.drafting.drafter_pool import DraftRequest, DrafterPool
 from verifier_svc.metrics import VerifierMetrics
 from verifier_svc.server import start_verifier
 
 K = 3
 VOCAB_SIZE = 100
 METRIC = "specdec:drafter_errors_total"
-ERRORS_LOGGER = "verifier_svc.drafter_errors"
+ERRORS_LOGGER = "verifier_svc.drafting.drafter_errors"
 
 
 @pytest.fixture(scope="module")

@@ -11,21 +11,21 @@ from pathlib import Path
 
 import torch
 
-from specdec.block_manager import BlockManager
+from specdec.engine.block_manager import BlockManager
 from specdec.cli import served_model_name
 from specdec.config import EngineConfig, SpeculativeConfig, default_draft_timeout_s
 from specdec.device import device_memory_bytes, resolve_device, resolve_dtype
 from specdec.errors import ConfigError
-from specdec.kv_cache import KVCache
+from specdec.engine.kv_cache import KVCache
 from specdec.models.compiled_forward import CompiledForward, linears_to_pack, warm_up
 from specdec.models.cpu_stack import CpuDecoderStack, make_cpu_stack
 from specdec.models.loader import load_model, load_model_config
 from specdec.models.model_files import load_tokenizer, resolve_model, tokenizer_fingerprint
 from specdec.models.packed_linear import choose_kernel, pack_linears
 from specdec.models.parallel import ParallelContext, check_tensor_parallel
-from specdec.scheduler import Scheduler
-from specdec.tls import GrpcTlsConfig
-from verifier_svc.drafter_pool import DrafterPool
+from specdec.engine.scheduler import Scheduler
+from specdec.rpc.tls import GrpcTlsConfig
+from verifier_svc.drafting.drafter_pool import DrafterPool
 from verifier_svc.engine import Engine
 from verifier_svc.model_runner import ModelRunner
 from verifier_svc.tp_worker import TensorParallelGroup, rank_device
@@ -66,9 +66,9 @@ class VerifierConfig:
     max_waiting_requests: int | None = None
     # None: no server-wide limit; a client's gRPC deadline applies either way.
     request_timeout_s: float | None = None
-    # None: plain gRPC (loopback); see specdec.tls.
+    # None: plain gRPC (loopback); see specdec.rpc.tls.
     grpc_tls: GrpcTlsConfig | None = None
-    # Required of gateways, sent to drafters (specdec.internal_auth); None: open. Never in
+    # Required of gateways, sent to drafters (specdec.rpc.internal_auth); None: open. Never in
     # a repr (logs, tracebacks).
     internal_token: str | None = field(default=None, repr=False)
     # Serve gRPC reflection (--enable-reflection).

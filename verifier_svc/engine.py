@@ -38,14 +38,14 @@ import torch
 
 from specdec.config import EngineConfig
 from specdec.errors import SpecdecError, UnavailableError
-from specdec.rejection_sampler import accept_greedy, argmax_ids, needs_only_argmax, verify
-from specdec.sampling_params import SamplingParams
-from specdec.scheduler import ScheduledSequence, Scheduler
-from specdec.sequence import FinishReason, Sequence, SpeculationCounters
-from verifier_svc.drafter_pool import Draft, DraftRequest, DrafterPool
+from specdec.engine.rejection_sampler import accept_greedy, argmax_ids, needs_only_argmax, verify
+from specdec.engine.sampling_params import SamplingParams
+from specdec.engine.scheduler import ScheduledSequence, Scheduler
+from specdec.engine.sequence import FinishReason, Sequence, SpeculationCounters
+from verifier_svc.drafting.drafter_pool import Draft, DraftRequest, DrafterPool
 from verifier_svc.model_runner import ModelRunner, PreparedBatch, StepInput
 from verifier_svc.requests import EngineError, RequestOutput, check_admission, check_request
-from verifier_svc.speculation_policy import Candidate, SpeculationPolicy
+from verifier_svc.speculation.policy import Candidate, SpeculationPolicy
 
 if TYPE_CHECKING:
     from verifier_svc.metrics import VerifierMetrics

@@ -18,7 +18,7 @@ from prometheus_client.registry import Collector
 from specdec.latency_metrics import RequestLatency
 
 if TYPE_CHECKING:
-    from specdec.sequence import Sequence
+    from specdec.engine.sequence import Sequence
     from verifier_svc.engine import Engine
 
 logger = logging.getLogger(__name__)

@@ -12,8 +12,8 @@ from dataclasses import dataclass
 
 from specdec.config import EngineConfig
 from specdec.errors import InvalidRequestError, OverloadedError, SpecdecError
-from specdec.sampling_params import SamplingParams
-from specdec.sequence import FinishReason, SpeculationCounters
+from specdec.engine.sampling_params import SamplingParams
+from specdec.engine.sequence import FinishReason, SpeculationCounters
 
 
 @dataclass(slots=True)

@@ -7,7 +7,7 @@ import logging
 from dataclasses import dataclass
 
 from specdec.errors import UnavailableError
-from specdec.grpc_server import GrpcServer
+from specdec.rpc.grpc_server import GrpcServer
 from specdec.v1 import specdec_pb2, specdec_pb2_grpc
 from verifier_svc.builder import ServedModel, VerifierConfig, build_engine
 from verifier_svc.engine import Engine

@@ -11,7 +11,7 @@ here first. `python -m specdec train` makes them (specdec/train/).
 draft's vocabulary (the most frequent in the drafts' training data; `python -m specdec train
 token-map --work-dir W` writes it from the same features): pass it as
 `"speculative_token_map": "smollm2-135m-instruct-token-map"` to cut an eagle or
-draft_model draft's LM head to them (specdec/token_map.py).
+draft_model draft's LM head to them (specdec/models/token_map.py).
 """
 
 from __future__ import annotations

@@ -30,8 +30,8 @@ from dataclasses import dataclass
 
 import torch
 
-from specdec.attention import AttentionBackend, AttentionMetadata
-from specdec.kv_cache import KVCache
+from specdec.layers.attention import AttentionBackend, AttentionMetadata
+from specdec.engine.kv_cache import KVCache
 
 logger = logging.getLogger(__name__)
 

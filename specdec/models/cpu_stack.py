@@ -1,5 +1,5 @@
 """`CpuDecoderStack`: a Llama-family model's forward (embedding, layers, final norm) in one
-C++ call on the CPU (`specdec/csrc/decoder_cpu.cpp`).
+C++ call on the CPU (`specdec/layers/csrc/decoder_cpu.cpp`).
 
 Why: once the linears and the attention ran in C++, what was left of a decode step's time
 outside them (about a quarter, bf16, default model, 2 cores) was the glue: norms, RoPE,
@@ -25,9 +25,9 @@ import os
 import torch
 from torch import nn
 
-from specdec.attention import AttentionMetadata
-from specdec.cpu_extension import linear_supports, load_extension
-from specdec.kv_cache import KVCache
+from specdec.layers.attention import AttentionMetadata
+from specdec.layers.cpu_extension import linear_supports, load_extension
+from specdec.engine.kv_cache import KVCache
 from specdec.models.llama import LlamaForCausalLM, check_aux_layer_ids
 from specdec.models.packed_linear import PackedLinear
 from specdec.models.weight_arena import move_into_arena

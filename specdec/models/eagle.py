@@ -36,9 +36,9 @@ from typing import Any
 import torch
 from torch import nn
 
-from specdec.attention import AttentionBackend, AttentionMetadata, TorchPagedAttention, make_attention_backend
+from specdec.layers.attention import AttentionBackend, AttentionMetadata, TorchPagedAttention, make_attention_backend
 from specdec.errors import ConfigError
-from specdec.kv_cache import KVCache
+from specdec.engine.kv_cache import KVCache
 from specdec.models.llama import LlamaDecoderLayer, RotaryEmbedding
 from specdec.models.loader import _iter_tensors, _weight_files, load_model_config
 from specdec.models.model_config import SUPPORTED_MODEL_TYPES, ModelConfig

@@ -20,7 +20,7 @@ from typing import Any
 
 import torch
 
-from specdec.attention import make_attention_backend
+from specdec.layers.attention import make_attention_backend
 from specdec.errors import ConfigError
 from specdec.models.llama import LlamaForCausalLM
 from specdec.models.model_config import ModelConfig

@@ -7,7 +7,7 @@ in oneDNN's blocked layout reads several times faster for 1..8 rows). So after l
 `pack_linears` swaps every `nn.Linear` of a model for a `PackedLinear` running one of:
 
 - `cpu`: specdec's own kernel (`torch.ops.specdec_cpu.linear`, built by
-  `specdec.cpu_extension`; AVX-512 machines, fp32 and, with AVX512-BF16, bf16), on the
+  `specdec.layers.cpu_extension`; AVX-512 machines, fp32 and, with AVX512-BF16, bf16), on the
   weight packed once in blocks of 32 output columns (`torch.ops.specdec_cpu.pack_weight`).
   It reads the weights faster than oneDNN or MKL for a few rows and multiplies faster for
   the 8-16 rows of a batched step (see `csrc/linear_cpu.cpp`). Row-invariant: a token's
@@ -37,7 +37,7 @@ import logging
 import torch
 from torch import nn
 
-from specdec.cpu_extension import linear_supports
+from specdec.layers.cpu_extension import linear_supports
 from specdec.errors import ConfigError
 
 logger = logging.getLogger(__name__)

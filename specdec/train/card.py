@@ -94,7 +94,7 @@ def render_card(draft_dir: Path) -> str:
             if float(row["temperature"]) > 0:
                 identical = "n/a (sampled: same distribution, other draws)"
             temperature = row["temperature"]
-            if row.get("token_map"):  # the LM head cut to a token map (specdec/token_map.py)
+            if row.get("token_map"):  # the LM head cut to a token map (specdec/models/token_map.py)
                 temperature = f"{temperature}, token map"
                 mapped.append(str(row["token_map"]))
             lines.append(f"| {temperature} | {row['acceptance_rate']} | {row['mean_acceptance_length']} "

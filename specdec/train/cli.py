@@ -183,7 +183,7 @@ def run_method(method: str, args: argparse.Namespace) -> Path:
 
 def run_token_map(args: argparse.Namespace) -> Path:
     """Writes the --draft-vocab-size target ids the target says most in the features (the
-    ids eagle3's d2t takes) as a token map for eagle / draft_model (specdec/token_map.py)."""
+    ids eagle3's d2t takes) as a token map for eagle / draft_model (specdec/models/token_map.py)."""
     from specdec.train.features import FeatureSet, choose_draft_vocab, token_frequencies
 
     work_dir = _work_dir(args)

@@ -1,0 +1,1 @@
+"""The benchmark commands of `python -m specdec bench ...`."""

@@ -1,0 +1,360 @@
+"""`python -m specdec bench compare`: specdec against transformers and llama.cpp, side by side.
+
+One process, one model, the same prompts (the chat template's token ids), greedy, the same
+max tokens and the same CPU thread count for torch and llama.cpp. Each system is warmed up on
+each prompt, then the systems take turns (the order rotates every repeat, so none always runs
+first); tokens/s is output tokens over the wall time of a request, prefill included, median
+over the repeats. Each row gives the ratio to specdec plain and to transformers plain (the
+median of each repeat's ratio: see bench_compare_report), and
+whether the output is identical to specdec plain's: token ids for specdec and transformers,
+text for llama.cpp. llama.cpp reads the weights at specdec's precision by default (F32 for
+float32, F16 for 16-bit dtypes, Q8_0 for weight-only int8; see `gguf_precision`), so the
+speeds compare like with like;
+its text may still differ where its kernels round differently.
+The systems themselves live in `bench_compare_systems`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import fnmatch
+import json
+import logging
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from gateway.chat import render_chat_prompt
+from specdec.bench.decode import PROMPTS
+from specdec.bench.compare_report import format_table, summarise
+from specdec.bench.compare_systems import (LLAMA_CPP_MISSING, Generation, LlamaCppSystem,
+                                           SpecdecEngine, SpecdecSystem, System,
+                                           TransformersSystem, Unavailable, assisted_kwargs,
+                                           llama_cpp_installed, load_assistant,
+                                           load_transformers_model, prompt_lookup_kwargs)
+from specdec.config import TOKEN_MAP_METHODS, SpeculativeConfig
+from specdec.device import resolve_device, resolve_dtype
+from specdec.errors import ConfigError
+from specdec.models.gguf_precision import PRECISIONS, gguf_at_precision, precision_for_dtype
+from specdec.models.loader import load_model_config
+from specdec.models.model_files import (DEFAULT_MODEL, default_cache_dir, fetch_default_gguf,
+                                        load_tokenizer, resolve_model)
+from verifier_svc.builder import compile_by_default
+
+logger = logging.getLogger(__name__)
+
+COMPARE_PROMPTS = {**PROMPTS,
+                   "explain": "Explain to a ten-year-old how a bicycle stays upright."}
+DEFAULT_NGRAM = SpeculativeConfig.parse(
+    '{"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 2, '
+    '"prompt_lookup_max": 5}')
+WARM_UP_TOKENS = 8
+
+
+def shipped_draft_configs(num_speculative_tokens: int = 3) -> list[SpeculativeConfig]:
+    """A config per draft shipped for the default model (`specdec.drafts`), by name; none
+    when the package ships none (or has no `specdec.drafts` at all)."""
+    try:
+        from specdec.drafts import SHIPPED_DRAFTS, SHIPPED_TOKEN_MAP, shipped_draft_dir
+    except ImportError:
+        return []
+    # Each as specdec serves it best: eagle and draft_model with the shipped token map.
+    configs = [SpeculativeConfig.parse({"method": method, "model": name,
+                                        "num_speculative_tokens": num_speculative_tokens,
+                                        **({"speculative_token_map": SHIPPED_TOKEN_MAP}
+                                           if method in TOKEN_MAP_METHODS else {})})
+               for name, method in SHIPPED_DRAFTS.items() if shipped_draft_dir(name) is not None]
+    return [config for config in configs if config is not None]
+
+
+def system_names(specs: Sequence[SpeculativeConfig]) -> dict[str, str]:
+    """Every system this run could measure -> its kind, in table order."""
+    labels: list[str] = []
+    for spec in specs:
+        label, number = spec.method, 2
+        while label in labels:
+            label, number = f"{spec.method}-{number}", number + 1
+        labels.append(label)
+    names = {"specdec": "specdec"}
+    names.update({f"specdec-{label}": "specdec" for label in labels})
+    names.update({"transformers": "transformers", "transformers-prompt-lookup": "transformers"})
+    names.update({"transformers-assisted" + label.removeprefix("draft_model"): "transformers"
+                  for label in labels if label.startswith("draft_model")})
+    names.update({"llama.cpp": "llama.cpp", "llama.cpp-prompt-lookup": "llama.cpp"})
+    return names
+
+
+def select(names: Sequence[str], patterns: Sequence[str] | None) -> list[str]:
+    """The names matching any of the comma-separated patterns (fnmatch); all when None."""
+    if not patterns:
+        return list(names)
+    wanted = [p.strip() for group in patterns for p in group.split(",") if p.strip()]
+    for pattern in wanted:
+        if not fnmatch.filter(names, pattern):
+            raise ConfigError(f"--systems: no system matches {pattern!r}; available: "
+                              f"{', '.join(names)}", param="systems")
+    return [name for name in names if any(fnmatch.fnmatch(name, p) for p in wanted)]
+
+
+# ------------------------------------------------------------------ building the systems
+
+async def build_systems(args: argparse.Namespace, specs: list[SpeculativeConfig],
+                        selected: list[str], model_dir: Path, tokenizer: Any,
+                        max_model_len: int, engines: list[SpecdecEngine],
+                        ) -> tuple[list[System], list[Unavailable]]:
+    """The selected systems, in `selected`'s order; `engines` collects what must be stopped."""
+    kinds = system_names(specs)
+    spec_by_name = dict(zip([n for n in kinds if n.startswith("specdec-")], specs))
+    assisted_specs = [spec for spec in specs if spec.method == "draft_model"]
+    assisted_by_name = dict(zip([n for n in kinds if n.startswith("transformers-assisted")],
+                                assisted_specs))
+    lookup = next((spec for spec in specs if spec.method == "ngram"), DEFAULT_NGRAM)
+    built: dict[str, System] = {}
+    unavailable: list[Unavailable] = []
+
+    compile_forward = compile_by_default(args.device, 1, args.enforce_eager)
+    for name, spec in spec_by_name.items():
+        if name in selected:
+            try:
+                engine = await SpecdecEngine.start(model_dir, args.model, args.dtype,
+                                                   args.device, spec, max_model_len,
+                                                   compile_forward, args.quantization)
+            except ConfigError as exc:  # e.g. a draft built for another target
+                unavailable.append(Unavailable(name, "specdec", exc.message))
+                continue
+            engines.append(engine)
+            built[name] = SpecdecSystem(name, engine, True, tokenizer)
+    if "specdec" in selected:  # plain: the first engine with k=0, or one without a drafter
+        if not engines:
+            engines.append(await SpecdecEngine.start(model_dir, args.model, args.dtype,
+                                                     args.device, None, max_model_len,
+                                                     compile_forward, args.quantization))
+        built["specdec"] = SpecdecSystem("specdec", engines[0], False, tokenizer)
+
+    hf_names = [name for name in selected if kinds[name] == "transformers"]
+    if hf_names:
+        target = load_transformers_model(model_dir, args.dtype, args.device)
+        for name in hf_names:
+            if name == "transformers":
+                built[name] = TransformersSystem(name, "transformers generate(), greedy",
+                                                 target, tokenizer, {})
+            elif name == "transformers-prompt-lookup":
+                built[name] = TransformersSystem(
+                    name, f"transformers prompt lookup k={lookup.num_speculative_tokens} max "
+                          f"ngram {lookup.prompt_lookup_max}", target, tokenizer,
+                    prompt_lookup_kwargs(lookup))
+            else:
+                spec = assisted_by_name[name]
+                try:
+                    assistant = load_assistant(resolve_model(str(spec.model)), target)
+                except Exception as exc:  # noqa: BLE001  (a draft HF cannot load: skipped)
+                    unavailable.append(Unavailable(name, "transformers", f"{exc}"))
+                    continue
+                built[name] = TransformersSystem(
+                    name, f"transformers assisted generation, draft {spec.model} "
+                          f"k={spec.num_speculative_tokens}", target, tokenizer,
+                    assisted_kwargs(assistant, spec))
+
+    llama_names = [name for name in selected if kinds[name] == "llama.cpp"]
+    reason = None if llama_cpp_installed() else LLAMA_CPP_MISSING
+    gguf = None if reason or not llama_names else gguf_file(args)
+    if reason is None and gguf is None:
+        reason = "no GGUF file for this model (pass --gguf PATH)"
+    if gguf is not None and args.llama_cpp_precision != "file":
+        gguf = gguf_at_precision(gguf, llama_cpp_precision(args), default_cache_dir() / "gguf")
+    for name in llama_names:
+        if reason is not None:
+            unavailable.append(Unavailable(name, "llama.cpp", reason))
+            continue
+        assert gguf is not None
+        try:
+            built[name] = LlamaCppSystem(name, gguf, args.threads, max_model_len,
+                                         lookup if name.endswith("prompt-lookup") else None)
+        except Exception as exc:  # noqa: BLE001  (llama.cpp refuses the file: say why)
+            unavailable.append(Unavailable(name, "llama.cpp", f"{type(exc).__name__}: {exc}"))
+    return [built[name] for name in selected if name in built], unavailable
+
+
+def gguf_file(args: argparse.Namespace) -> Path | None:
+    """The GGUF llama.cpp runs: --gguf, the default model's file, a .gguf --model, or the
+    only .gguf inside a --model directory."""
+    if args.gguf:
+        return Path(args.gguf)
+    if args.model.strip().lower() == DEFAULT_MODEL:
+        return fetch_default_gguf(default_cache_dir())
+    path = Path(args.model).expanduser()
+    if path.is_file() and path.suffix.lower() == ".gguf":
+        return path
+    found = sorted(path.glob("*.gguf")) if path.is_dir() else []
+    return found[0] if len(found) == 1 else None
+
+
+def llama_cpp_precision(args: argparse.Namespace) -> str:
+    """The GGUF precision llama.cpp runs at: --llama-cpp-precision, or for `same` the one
+    that matches specdec's dtype and quantization."""
+    if args.llama_cpp_precision != "same":
+        return args.llama_cpp_precision
+    dtype = resolve_dtype(args.dtype, resolve_device(args.device))
+    return precision_for_dtype(str(dtype).removeprefix("torch."), args.quantization)
+
+
+# ------------------------------------------------------------------ the runs
+
+async def measure(systems: list[System], prompts: dict[str, list[int]], max_tokens: int,
+                  repeats: int, progress: bool = True) -> dict[str, dict[str, list[Generation]]]:
+    """prompt -> system name -> its timed runs (warm-up excluded)."""
+    from tqdm import tqdm
+
+    results: dict[str, dict[str, list[Generation]]] = {}
+    total = len(prompts) * len(systems) * (repeats + 1)
+    with tqdm(total=total, unit="run", file=sys.stderr, disable=not progress) as bar:
+        for prompt_name, prompt_ids in prompts.items():
+            runs: dict[str, list[Generation]] = {system.name: [] for system in systems}
+            for system in systems:
+                await system.generate(prompt_ids, min(WARM_UP_TOKENS, max_tokens))
+                bar.update()
+            for repeat in range(repeats):
+                shift = repeat % len(systems)
+                for system in systems[shift:] + systems[:shift]:
+                    bar.set_description(f"{prompt_name} {system.name}")
+                    runs[system.name].append(await system.generate(prompt_ids, max_tokens))
+                    bar.update()
+            results[prompt_name] = runs
+    return results
+
+
+# ------------------------------------------------------------------ the command
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="python -m specdec bench compare",
+        description="tokens/s of specdec (plain and speculative), transformers generate() "
+                    "(plain, prompt lookup, assisted) and llama.cpp (plain, prompt lookup) "
+                    "on the same model and prompts, greedy")
+    parser.add_argument("--model", default=DEFAULT_MODEL,
+                        help=f"HF directory, .gguf file or {DEFAULT_MODEL!r} (default)")
+    parser.add_argument("--dtype", default="auto", help="auto | float32 | bfloat16 | float16")
+    parser.add_argument("--quantization", choices=["int8"], default=None,
+                        help="specdec's engines as serve --quantization int8 (weight-only "
+                             "int8); llama.cpp then reads Q8_0 (--llama-cpp-precision same); "
+                             "transformers stays unquantised")
+    parser.add_argument("--device", default="auto", help="auto | cpu | cuda | npu")
+    parser.add_argument("--speculative-config", action="append", default=None,
+                        help="a specdec method to measure (repeatable; default: ngram k=3 "
+                             "plus each draft shipped under specdec/drafts/)")
+    parser.add_argument("--systems", action="append", default=None,
+                        help="comma-separated names or fnmatch patterns (default: all): "
+                             "specdec, specdec-METHOD, transformers, transformers-prompt-lookup, "
+                             "transformers-assisted, llama.cpp, llama.cpp-prompt-lookup")
+    parser.add_argument("--max-tokens", type=int, default=128)
+    parser.add_argument("--repeats", type=int, default=3, help="timed runs per system and prompt")
+    parser.add_argument("--prompt", action="append", choices=sorted(COMPARE_PROMPTS), default=None)
+    parser.add_argument("--threads", type=int, default=None,
+                        help="CPU threads for torch and llama.cpp (default: torch's count)")
+    parser.add_argument("--gguf", default=None,
+                        help="GGUF file for llama.cpp (default: the model's own)")
+    parser.add_argument("--llama-cpp-precision", default="same",
+                        choices=["same", "file", *PRECISIONS],
+                        help="weights llama.cpp reads: same (F32 for float32, F16 for 16-bit "
+                             "dtypes, Q8_0 with --quantization int8; another GGUF type is "
+                             "converted once into the cache), file (the GGUF as it is), or "
+                             "F32 / F16 / BF16 / Q8_0")
+    parser.add_argument("--max-model-len", type=int, default=None,
+                        help="context length (default: min(2048, the model's))")
+    parser.add_argument("--enforce-eager", action="store_true",
+                        help="specdec's engines never compile their forward (as serve "
+                             "--enforce-eager; by default they compile as serve does)")
+    parser.add_argument("--json", default=None, metavar="PATH", help="also write the figures here")
+    parser.add_argument("--disable-tqdm", action="store_true", help="no progress bar")
+    parser.add_argument("--log-level", default="warning",
+                        choices=["debug", "info", "warning", "error"])
+    return parser
+
+
+async def _compare(args: argparse.Namespace) -> tuple[dict[str, Any], int]:
+    if args.max_tokens < 1 or args.repeats < 1:
+        raise ConfigError("--max-tokens and --repeats must be >= 1", param="max_tokens")
+    specs = ([SpeculativeConfig.parse(text) for text in args.speculative_config]
+             if args.speculative_config else [DEFAULT_NGRAM]
+             + (shipped_draft_configs() if args.model.strip().lower() == DEFAULT_MODEL else []))
+    specs = [spec for spec in specs if spec is not None]
+    kinds = system_names(specs)
+    selected = select(list(kinds), args.systems)
+    model_dir = resolve_model(args.model)
+    tokenizer = load_tokenizer(model_dir)
+    prompt_names = args.prompt or list(COMPARE_PROMPTS)
+    prompts = {name: render_chat_prompt(tokenizer, [{"role": "user", "content": COMPARE_PROMPTS[name]}])
+               for name in prompt_names}
+    max_model_len = args.max_model_len or min(
+        2048, load_model_config(model_dir).max_position_embeddings)
+    longest = max(len(ids) for ids in prompts.values()) + args.max_tokens + 1 + max(
+        [spec.num_speculative_tokens for spec in specs] + [0])
+    if longest > max_model_len:
+        raise ConfigError(f"prompt + --max-tokens needs {longest} positions, more than "
+                          f"--max-model-len {max_model_len}", param="max_tokens")
+    engines: list[SpecdecEngine] = []
+    systems: list[System] = []
+    try:
+        systems, unavailable = await build_systems(args, specs, selected, model_dir, tokenizer,
+                                                   max_model_len, engines)
+        if not systems:
+            raise ConfigError("none of the selected systems can run here: " + "; ".join(
+                f"{u.name}: {u.reason}" for u in unavailable), param="systems")
+        results = await measure(systems, prompts, args.max_tokens, args.repeats,
+                                not args.disable_tqdm)
+    finally:
+        for system in systems:
+            await system.close()
+        for engine in engines:
+            await engine.stop()
+    rows = summarise(results, kinds)
+    device = resolve_device(args.device)
+    dtype = resolve_dtype(args.dtype, device)
+    report = {
+        "model": args.model, "dtype": str(dtype).removeprefix("torch."),
+        "quantization": args.quantization, "device": str(device),
+        "threads": args.threads, "max_tokens": args.max_tokens, "repeats": args.repeats,
+        "prompts": {name: COMPARE_PROMPTS[name] for name in prompt_names},
+        "systems": [{"name": s.name, "kind": s.kind, "description": s.description}
+                    for s in systems],
+        "skipped": [{"name": u.name, "kind": u.kind, "reason": u.reason} for u in unavailable],
+        "rows": rows,
+    }
+    quantized = f" (weight-only {args.quantization})" if args.quantization else ""
+    print(f"model {args.model}, {report['dtype']}{quantized} on {device}, {args.threads} threads, greedy, "
+          f"max_tokens {args.max_tokens}, {args.repeats} timed runs per system and prompt")
+    print("\n".join(f"  {s.name}: {s.description}" for s in systems))
+    print(format_table(rows, unavailable, prompt_names))
+    # In float32 speculation must not change a single token (docs/architecture.md); elsewhere a near-tie
+    # may flip, so only float32 fails the command.
+    broken = [row for row in rows if row["kind"] == "specdec" and row["system"] != "specdec"
+              and row["identical_to_specdec"] is False]
+    if broken and dtype == torch.float32:
+        print("speculation changed the float32 output of: " + ", ".join(
+            sorted({row["system"] for row in broken})), file=sys.stderr)
+        return report, 1
+    return report, 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=args.log_level.upper(),
+                        format="%(asctime)s bench-compare %(levelname)s %(name)s: %(message)s")
+    if args.log_level != "debug":
+        import transformers
+        transformers.logging.set_verbosity_error()
+        transformers.logging.disable_progress_bar()
+    args.threads = args.threads or torch.get_num_threads()
+    torch.set_num_threads(args.threads)
+    try:
+        report, code = asyncio.run(_compare(args))
+    except ConfigError as exc:
+        print(f"error: {exc.message}", file=sys.stderr)
+        return 2
+    if args.json:
+        Path(args.json).write_text(json.dumps(report, indent=2) + "\n")
+    return code

@@ -1,0 +1,344 @@
+"""`python -m specdec bench serve`: load a running server the way vLLM's benchmark_serving does.
+
+N requests go to an OpenAI-compatible server (specdec's gateway, or any other) at a
+Poisson request rate (inf: all at once) and/or under a concurrency cap. Every request is
+streamed unless told otherwise, and timed on the client:
+
+- TTFT: time to the first chunk carrying text;
+- TPOT: per request, (e2e latency - TTFT) / (output tokens - 1), output tokens from the
+  usage chunk (`stream_options.include_usage`);
+- ITL: the gaps between successive text chunks. A verify step that accepts drafts sends
+  several tokens in one chunk, so with speculation ITL rises while TPOT falls.
+
+The speculation block comes from the gateway's `/metrics` (vLLM's counters, read before
+and after the run), or from the responses' `usage.speculation` when /metrics lacks them;
+per-position acceptance likewise (accepted at position i / drafts). A failed request is
+counted and reported, never raised; the command exits 1 when any request failed.
+`run_benchmark` is the async API behind the command (tests drive load with it).
+Several comma-separated `--speculation` settings are compared side by side over `--rounds`
+(specdec/bench/serve_compare.py).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import dataclasses
+import json
+import logging
+import math
+import random
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+from specdec.bench.serve_compare import (compare, format_comparison, format_run, parse_settings,
+                                         parse_speculation, run_rounds)
+from specdec.bench.serve_report import (SpecCounters, format_summary,
+                                        parse_speculation_metrics, responses_speculation,
+                                        summarise, write_plot)
+from specdec.bench.serve_requests import (DEFAULT_MAX_TOKENS, ENDPOINTS, BenchRequest,
+                                          RequestResult, describe_error, load_requests,
+                                          send_request)
+
+__all__ = ["BenchConfig", "BenchReport", "BenchRequest", "RequestResult", "load_requests",
+           "main", "run_benchmark", "summarise", "format_summary"]
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_BASE_URL = "http://127.0.0.1:8000"
+
+
+@dataclass(frozen=True, slots=True)
+class BenchConfig:
+    base_url: str = DEFAULT_BASE_URL
+    model: str | None = None        # None: the first of GET /v1/models
+    request_rate: float = math.inf  # requests/s, Poisson arrivals
+    max_concurrency: int | None = None
+    api_key: str | None = None
+    timeout_s: float = 600.0
+    seed: int = 0
+    progress: bool = True
+    # Where the speculation counters are read; None: the server's own /metrics. Point it at
+    # the verifier's metrics port for its per-position counters, or for several gateways.
+    metrics_url: str | None = None
+
+    def __post_init__(self) -> None:
+        if not self.request_rate > 0:
+            raise ValueError(f"--request-rate must be > 0 (inf: all at once), got {self.request_rate}")
+        if self.max_concurrency is not None and self.max_concurrency < 1:
+            raise ValueError(f"--max-concurrency must be >= 1, got {self.max_concurrency}")
+        object.__setattr__(self, "base_url", _normalise_base_url(self.base_url))
+
+
+@dataclass(slots=True)
+class BenchReport:
+    config: BenchConfig
+    model: str | None
+    results: list[RequestResult]
+    duration_s: float
+    metrics_delta: SpecCounters | None  # None: /metrics unreadable or without the counters
+
+    @property
+    def failed(self) -> list[RequestResult]:
+        return [r for r in self.results if not r.success]
+
+
+# ------------------------------------------------------------------ the run
+
+async def run_benchmark(config: BenchConfig, requests: list[BenchRequest],
+                        on_result: Callable[[RequestResult], None] | None = None,
+                        ) -> BenchReport:
+    """Sends `requests` as configured; returns every result (failures included)."""
+    headers = {"Authorization": f"Bearer {config.api_key}"} if config.api_key else {}
+    async with httpx.AsyncClient(base_url=config.base_url, headers=headers,
+                                 timeout=httpx.Timeout(config.timeout_s, connect=10.0),
+                                 limits=httpx.Limits(max_connections=config.max_concurrency,
+                                                     max_keepalive_connections=None)) as client:
+        model = config.model or await fetch_model(client)
+        metrics_url = config.metrics_url or "/metrics"
+        before = await scrape_speculation(client, metrics_url)
+        semaphore = asyncio.Semaphore(config.max_concurrency or len(requests) or 1)
+        arrivals = random.Random(config.seed)
+        progress = _Progress(len(requests), config.progress)
+        started = time.perf_counter()
+
+        async def one(index: int, request: BenchRequest) -> RequestResult:
+            async with semaphore:
+                result = RequestResult(index, start_s=time.perf_counter() - started)
+                await send_request(client, request, model, result)
+            progress.update()
+            if on_result is not None:
+                on_result(result)
+            return result
+
+        tasks = []
+        try:
+            for index, request in enumerate(requests):
+                if index and math.isfinite(config.request_rate):
+                    await asyncio.sleep(arrivals.expovariate(config.request_rate))
+                tasks.append(asyncio.create_task(one(index, request)))
+            results = list(await asyncio.gather(*tasks))
+        finally:
+            for task in tasks:
+                task.cancel()
+            progress.close()
+        duration_s = time.perf_counter() - started
+        after = await _scrape_settled(client, metrics_url, results)
+    delta = None
+    if before is not None and after is not None and after.exported:
+        delta = after.minus(before)
+    return BenchReport(config, model, results, duration_s, delta)
+
+
+async def fetch_model(client: httpx.AsyncClient) -> str | None:
+    try:
+        response = await client.get("/v1/models")
+        response.raise_for_status()
+        return response.json()["data"][0]["id"]
+    except Exception as exc:  # noqa: BLE001
+        logger.warning("cannot list models (%s); sending requests without a model name",
+                       describe_error(exc))
+        return None
+
+
+async def scrape_speculation(client: httpx.AsyncClient, url: str = "/metrics",
+                             ) -> SpecCounters | None:
+    """The speculation counters on /metrics; None when /metrics cannot be read."""
+    try:
+        response = await client.get(url)
+        response.raise_for_status()
+        return parse_speculation_metrics(response.text)
+    except Exception as exc:  # noqa: BLE001
+        logger.debug("cannot read /metrics: %s", describe_error(exc))
+        return None
+
+
+async def _scrape_settled(client: httpx.AsyncClient, url: str,
+                          results: list[RequestResult]) -> SpecCounters | None:
+    """The gateway counts a streamed request when its stream closes, a moment after the
+    client read [DONE]: re-read briefly until the counters cover what the responses saw."""
+    expected = responses_speculation(results).num_drafts
+    after = await scrape_speculation(client, url)
+    for _ in range(10):
+        if after is None or after.num_drafts >= expected:
+            break
+        await asyncio.sleep(0.05)
+        after = await scrape_speculation(client, url)
+    return after
+
+
+class _Progress:
+    """tqdm when importable, else a plain counter on stderr."""
+
+    def __init__(self, total: int, enabled: bool) -> None:
+        self._total, self._done, self._bar = total, 0, None
+        self._enabled = enabled and total > 0
+        if self._enabled:
+            try:
+                from tqdm import tqdm
+                self._bar = tqdm(total=total, unit="req", file=sys.stderr)
+            except ImportError:
+                pass
+
+    def update(self) -> None:
+        self._done += 1
+        if self._bar is not None:
+            self._bar.update(1)
+        elif self._enabled:
+            end = "\n" if self._done == self._total else ""
+            print(f"\r{self._done}/{self._total} requests", end=end, file=sys.stderr, flush=True)
+
+    def close(self) -> None:
+        if self._bar is not None:
+            self._bar.close()
+
+
+# ------------------------------------------------------------------ the command
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="python -m specdec bench serve",
+        description="Load a running OpenAI-compatible server (vLLM's benchmark_serving): "
+                    "throughput, TTFT, TPOT, ITL and speculation figures.")
+    parser.add_argument("--base-url", default=DEFAULT_BASE_URL,
+                        help="server root, e.g. %(default)s (a trailing /v1 is accepted)")
+    parser.add_argument("--model", default=None,
+                        help="served model name (default: the first of GET /v1/models)")
+    parser.add_argument("--endpoint", choices=sorted(ENDPOINTS), default="chat",
+                        help="API to load; prompts become user messages for chat")
+    parser.add_argument("--dataset", default="builtin",
+                        help="'builtin' (varied chat prompts shipped with specdec), 'repeat' "
+                             "(eight shipped 'repeat this paragraph' prompts) or a JSONL "
+                             'file of {"prompt": ...} or {"messages": [...]}, optional '
+                             '"max_tokens"')
+    parser.add_argument("--num-prompts", type=int, default=None,
+                        help="requests to send (default: each dataset line once; cycles)")
+    parser.add_argument("--request-rate", type=float, default=math.inf,
+                        help="requests/s with Poisson arrivals (default inf: all at once)")
+    parser.add_argument("--max-concurrency", type=int, default=None,
+                        help="at most this many requests in flight")
+    parser.add_argument("--max-tokens", type=int, default=None,
+                        help=f"output tokens per request (default: the line's, else "
+                             f"{DEFAULT_MAX_TOKENS})")
+    parser.add_argument("--temperature", type=float, default=0.0, help="default 0 (greedy)")
+    parser.add_argument("--ignore-eos", action="store_true",
+                        help="generate exactly max_tokens (fixed output lengths)")
+    parser.add_argument("--speculation", default=None,
+                        help="per-request override: 'off', 'on' or a number of speculative "
+                             "tokens (default: the server's setting); several, comma-separated "
+                             "(e.g. off,on), are compared side by side over --rounds")
+    parser.add_argument("--rounds", type=int, default=1,
+                        help="with several --speculation settings: rounds of one run per "
+                             "setting (per pair of rounds an order drawn from --seed, then its "
+                             "reverse), reported as per-round throughput ratios with a 95%% "
+                             "interval (default 1)")
+    parser.add_argument("--no-stream", action="store_true",
+                        help="non-streaming requests (no TTFT / TPOT / ITL)")
+    parser.add_argument("--seed", type=int, default=0,
+                        help="seed of the Poisson arrivals and of the rounds' order")
+    parser.add_argument("--api-key", default=None, help="sent as 'Authorization: Bearer KEY'")
+    parser.add_argument("--metrics-url", default=None,
+                        help="Prometheus endpoint with the speculation counters (default: "
+                             "BASE_URL/metrics; e.g. the verifier's, for per-position counts)")
+    parser.add_argument("--timeout", type=float, default=600.0, help="per request, seconds")
+    parser.add_argument("--output-json", default=None, metavar="PATH",
+                        help="write every figure (and per-request data) here")
+    parser.add_argument("--plot", default=None, metavar="PATH.png",
+                        help="acceptance per position and latency per request (needs matplotlib)")
+    parser.add_argument("--disable-tqdm", action="store_true", help="no progress bar")
+    parser.add_argument("--log-level", default="warning",
+                        choices=["debug", "info", "warning", "error"])
+    return parser
+
+
+def _options(args: argparse.Namespace, speculation: str | None) -> dict[str, Any]:
+    options: dict[str, Any] = {"temperature": args.temperature}
+    if args.ignore_eos:
+        options["ignore_eos"] = True
+    if speculation is not None:
+        options["speculation"] = parse_speculation(speculation)
+    return options
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=args.log_level.upper(),
+                        format="%(asctime)s bench %(levelname)s %(name)s: %(message)s")
+    try:
+        if args.num_prompts is not None and args.num_prompts < 1:
+            raise ValueError(f"--num-prompts must be >= 1, got {args.num_prompts}")
+        if args.max_tokens is not None and args.max_tokens < 1:
+            raise ValueError(f"--max-tokens must be >= 1, got {args.max_tokens}")
+        config = BenchConfig(base_url=args.base_url, model=args.model,
+                             request_rate=args.request_rate, max_concurrency=args.max_concurrency,
+                             api_key=args.api_key, timeout_s=args.timeout, seed=args.seed,
+                             progress=not args.disable_tqdm, metrics_url=args.metrics_url)
+        settings = parse_settings(args.speculation) if args.speculation is not None else [None]
+        if args.rounds < 1:
+            raise ValueError(f"--rounds must be >= 1, got {args.rounds}")
+        if args.rounds > 1 and len(settings) < 2:
+            raise ValueError("--rounds compares settings: give two or more, e.g. --speculation off,on")
+        if len(settings) > 1 and args.plot:
+            raise ValueError("--plot draws one run; leave it out when comparing --speculation settings")
+        requests_for = {setting: load_requests(args.dataset, args.num_prompts, endpoint=args.endpoint,
+                                               max_tokens=args.max_tokens, options=_options(args, setting))
+                        for setting in settings}
+    except ValueError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    if args.no_stream:
+        requests_for = {setting: [dataclasses.replace(request, stream=False) for request in requests]
+                        for setting, requests in requests_for.items()}
+    if len(settings) > 1:
+        return _compare_settings(args, config, settings, requests_for)  # type: ignore[arg-type]
+    report = asyncio.run(run_benchmark(config, requests_for[settings[0]]))
+    summary = summarise(report)
+    print(format_summary(summary))
+    if args.output_json:
+        Path(args.output_json).write_text(json.dumps(summary, indent=2) + "\n")
+    if args.plot:
+        write_plot(summary, args.plot)
+    if report.failed:
+        print(f"{len(report.failed)} of {len(report.results)} requests failed",
+              file=sys.stderr)
+        return 1
+    return 0
+
+
+def _compare_settings(args: argparse.Namespace, config: BenchConfig, settings: list[str],
+                      requests_for: dict[str, list[BenchRequest]]) -> int:
+    """Rounds of one run per setting (see specdec/bench/serve_compare.py); prints each run
+    and the comparison, writes every run's summary and the comparison to --output-json."""
+    failed = 0
+
+    async def run_one(setting: str) -> dict[str, Any]:
+        nonlocal failed
+        report = await run_benchmark(config, requests_for[setting])
+        failed += len(report.failed)
+        return summarise(report)
+
+    def on_run(round_index: int, setting: str, summary: dict[str, Any]) -> None:
+        print(format_run(round_index, setting, summary), flush=True)
+
+    runs = asyncio.run(run_rounds(settings, args.rounds, run_one, on_run, seed=args.seed))
+    comparison = compare(settings, runs)
+    print(format_comparison(comparison, args.rounds))
+    if args.output_json:
+        Path(args.output_json).write_text(json.dumps(
+            {"settings": settings, "rounds": args.rounds, "comparison": comparison, "runs": runs},
+            indent=2) + "\n")
+    if failed:
+        print(f"{failed} requests failed over {len(runs)} runs", file=sys.stderr)
+        return 1
+    return 0
+
+
+def _normalise_base_url(url: str) -> str:
+    url = url.rstrip("/")
+    return url[:-3] if url.endswith("/v1") else url

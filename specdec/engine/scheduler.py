@@ -1,0 +1,133 @@
+"""Continuous batching: which sequences run this step, and how many tokens each.
+
+The scheduler owns the waiting queue and the running list; the block manager owns the
+blocks. Every step it plans, within `max_num_batched_tokens`:
+- each running sequence in decode (one uncomputed token) runs that token plus up to k
+  draft slots;
+- each sequence still prefilling runs its next chunk (chunked prefill);
+- waiting sequences are admitted while `max_num_seqs` and the budget allow.
+When the pool runs out, a decode first gives up its draft slots, then the youngest
+running sequence is preempted: its blocks are freed and it is recomputed later. Nothing
+waits on a block that only a waiting sequence could free, so nothing deadlocks.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from specdec.engine.block_manager import BlockManager
+from specdec.config import EngineConfig
+from specdec.engine.sequence import FinishReason, Sequence, SequenceStatus
+
+
+@dataclass(slots=True)
+class ScheduledSequence:
+    seq: Sequence
+    # Uncomputed tokens of the sequence run this step (the chunk), drafts excluded.
+    num_query_tokens: int
+    # Draft slots reserved after them (decode only); drafts may fill fewer.
+    num_speculative_tokens: int = 0
+
+    @property
+    def samples(self) -> bool:
+        """The chunk reaches the end of the sequence, so this step samples tokens for it."""
+        return self.seq.num_computed_tokens + self.num_query_tokens == self.seq.num_tokens
+
+
+@dataclass(slots=True)
+class SchedulerOutput:
+    scheduled: list[ScheduledSequence] = field(default_factory=list)
+    preempted: list[Sequence] = field(default_factory=list)
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(s.num_query_tokens + s.num_speculative_tokens for s in self.scheduled)
+
+
+class Scheduler:
+    def __init__(self, config: EngineConfig, block_manager: BlockManager) -> None:
+        self.config = config
+        self.block_manager = block_manager
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+        self.num_preemptions = 0
+
+    def add(self, seq: Sequence) -> None:
+        seq.status = SequenceStatus.WAITING
+        self.waiting.append(seq)
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def finish(self, seq: Sequence, reason: FinishReason) -> None:
+        """Ends `seq` (done, aborted or cancelled) and returns its blocks at once."""
+        if seq.is_finished:
+            return
+        seq.status = SequenceStatus.FINISHED
+        seq.finish_reason = reason
+        self.block_manager.free(seq)
+        if seq in self.running:
+            self.running.remove(seq)
+        else:
+            try:
+                self.waiting.remove(seq)
+            except ValueError:
+                pass
+
+    def schedule(self, speculative_tokens_for: Callable[[Sequence], int]) -> SchedulerOutput:
+        """Plans one step. `speculative_tokens_for(seq)` gives the draft length wanted."""
+        output = SchedulerOutput()
+        budget = self.config.max_num_batched_tokens
+        block_manager = self.block_manager
+
+        index = 0
+        while index < len(self.running) and budget > 0:
+            seq = self.running[index]
+            num_query = min(seq.num_uncomputed_tokens, budget)
+            assert num_query >= 1, "a running sequence always has an uncomputed token"
+            num_spec = 0
+            if num_query == seq.num_uncomputed_tokens == 1:
+                num_spec = max(0, min(speculative_tokens_for(seq), budget - 1))
+            scheduled_self = True
+            while not block_manager.can_allocate(seq, seq.num_computed_tokens + num_query + num_spec):
+                if num_spec > 0:
+                    num_spec = 0
+                    continue
+                victim = self.running[-1]
+                self._preempt(victim, output)
+                if victim is seq:
+                    scheduled_self = False
+                    break
+            if not scheduled_self:
+                break
+            block_manager.allocate(seq, seq.num_computed_tokens + num_query + num_spec)
+            output.scheduled.append(ScheduledSequence(seq, num_query, num_spec))
+            budget -= num_query + num_spec
+            index += 1
+
+        while (self.waiting and budget > 0 and not output.preempted
+               and len(self.running) < self.config.max_num_seqs):
+            seq = self.waiting[0]
+            num_query = min(seq.num_uncomputed_tokens, budget)
+            if not block_manager.can_allocate(seq, seq.num_computed_tokens + num_query):
+                break
+            self.waiting.popleft()
+            block_manager.allocate(seq, seq.num_computed_tokens + num_query)
+            seq.status = SequenceStatus.RUNNING
+            self.running.append(seq)
+            output.scheduled.append(ScheduledSequence(seq, num_query, 0))
+            budget -= num_query
+        return output
+
+    def _preempt(self, seq: Sequence, output: SchedulerOutput) -> None:
+        """Frees `seq`'s blocks; it goes back to the front of the queue and is recomputed."""
+        self.running.remove(seq)
+        self.block_manager.free(seq)
+        seq.num_computed_tokens = 0
+        seq.status = SequenceStatus.WAITING
+        self.waiting.appendleft(seq)
+        self.num_preemptions += 1
+        output.preempted.append(seq)
+        output.scheduled[:] = [s for s in output.scheduled if s.seq is not seq]

@@ -1,0 +1,1 @@
+"""Attention backends and the C++ CPU kernels (csrc/) with their loader."""

@@ -1,0 +1,356 @@
+"""The verifier's client of the drafter replicas: one bidi stream each, one message per step.
+
+Each engine step the engine calls `DrafterPool.propose` once. The pool sends ONE
+ProposeRequest to every replica that holds some of the step's sequences, all at once,
+waits at most `timeout_s`, and returns the drafts that arrived in time. A drafter can
+cost speed, never correctness: a replica that is slow, down, refused or answering
+garbage simply yields no drafts (each failure counted in `errors`, see drafter_errors),
+and `propose` never raises.
+
+Invariants:
+- a sequence sticks to the replica it was assigned to (least loaded healthy one) until
+  that replica goes down; then it is reassigned on its next step with a full resync;
+- `_SeqState.num_synced_tokens` tokens of the sequence's verified context are on its
+  replica; each step sends only `token_ids[num_synced_tokens:]`. It is advanced when the
+  message is queued: the stream is ordered, and a stream that breaks loses all the
+  replica's state anyway (its sequences are dropped here and resynced elsewhere);
+- responses are matched by step_id; a late one is discarded except for its
+  needs_resync flags (the drafter restarts a sequence from any full context, so an
+  extra resync is harmless).
+
+Replicas come from `targets` ("host:port"); each host name is resolved at start and
+every `resolve_interval_s`, one replica per address, so a compose service scaled to N
+drafters behind one name gives N replicas.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import socket
+import time
+from dataclasses import dataclass
+
+import torch
+
+from specdec.errors import ConfigError, DrafterMismatchError, InvalidRequestError
+from specdec.rpc.grpc_server import client_keepalive_options
+from specdec.rpc.tensors import FLOAT_DTYPE_NAMES, decode_tensor, encode_tensor
+from specdec.rpc.tls import GrpcTlsConfig
+from specdec.v1 import specdec_pb2
+from verifier_svc.drafting.drafter_errors import BAD_RESPONSE, TIMEOUT, DrafterErrors
+from verifier_svc.drafting.drafter_replica import DrafterReplica
+
+logger = logging.getLogger(__name__)
+
+
+
+@dataclass(slots=True)
+class DraftRequest:
+    seq_id: int
+    token_ids: list[int]          # the whole verified context (prompt + output so far); read, never copied by the caller
+    num_accepted_tokens: int      # of this sequence's previous draft
+    num_speculative_tokens: int   # 0 = just sync state
+    # Target hidden states of context positions [0, rows), [rows, width]; rows is
+    # len(token_ids) - 1 once the sequence is in decode. None when not captured.
+    hidden_states: torch.Tensor | None = None
+
+
+@dataclass(slots=True)
+class Draft:
+    token_ids: list[int]
+    probs: torch.Tensor | None    # [len(token_ids), vocab] or None
+
+
+@dataclass(slots=True)
+class _SeqState:
+    replica: DrafterReplica
+    num_synced_tokens: int
+    num_synced_hidden_rows: int = 0
+
+
+class DrafterPool:
+    def __init__(self, targets: list[str], *, resolve_interval_s: float = 10.0,
+                 backoff_initial_s: float = 0.5, backoff_max_s: float = 10.0,
+                 vocab_size: int, tokenizer_fingerprint: str,
+                 max_message_bytes: int = 64 << 20, tls: GrpcTlsConfig | None = None,
+                 internal_token: str | None = None) -> None:
+        self._targets = [_split_host_port(target) for target in targets]
+        self._resolve_interval_s = resolve_interval_s
+        self.backoff_initial_s = backoff_initial_s
+        self.backoff_max_s = backoff_max_s
+        self.vocab_size = vocab_size
+        self.tokenizer_fingerprint = tokenizer_fingerprint
+        self.tls = tls  # client side (CA, client certificate) of the drafter channels
+        self.internal_token = internal_token  # sent on every call (specdec.rpc.internal_auth)
+        self.channel_options = [
+            ("grpc.max_send_message_length", max_message_bytes),
+            ("grpc.max_receive_message_length", max_message_bytes),
+            # Our own backoff decides when to retry; a shared subchannel stuck in gRPC's
+            # reconnect backoff (up to 120 s) would make a restarted drafter look down.
+            ("grpc.use_local_subchannel_pool", 1),
+            ("grpc.initial_reconnect_backoff_ms", int(backoff_initial_s * 1000)),
+            ("grpc.min_reconnect_backoff_ms", int(backoff_initial_s * 1000)),
+            ("grpc.max_reconnect_backoff_ms", int(backoff_max_s * 1000)),
+            # Notice a vanished drafter (container killed) within ~15 s; the drafter's
+            # server accepts these pings (specdec.rpc.grpc_server: one setting for both ends).
+            *client_keepalive_options(),
+        ]
+        # Failures by replica and kind (exported as specdec:drafter_errors_total).
+        self.errors = DrafterErrors()
+        self._replicas: dict[str, DrafterReplica] = {}
+        self._addresses_by_target: dict[tuple[str, int], set[str]] = {}
+        self._seqs: dict[int, _SeqState] = {}
+        # The target layers every replica needs (GetInfo), fixed by the first replica
+        # accepted; () when none are needed, None until a replica has connected.
+        self.hidden_state_layer_ids: tuple[int, ...] | None = None
+        self._step_id = 0
+        self._resolve_task: asyncio.Task[None] | None = None
+
+    async def start(self) -> None:
+        """Resolves the targets and starts connecting; does not wait for any replica."""
+        await self._resolve()
+        self._resolve_task = asyncio.create_task(self._resolve_periodically())
+
+    async def close(self) -> None:
+        if self._resolve_task is not None:
+            self._resolve_task.cancel()
+            await asyncio.gather(self._resolve_task, return_exceptions=True)
+            self._resolve_task = None
+        replicas, self._replicas = list(self._replicas.values()), {}
+        await asyncio.gather(*(replica.close() for replica in replicas))
+        self._seqs.clear()
+
+    def num_healthy(self) -> int:
+        return sum(replica.healthy for replica in self._replicas.values())
+
+    async def wait_for_healthy(self, num_replicas: int = 1, timeout_s: float = 10.0) -> bool:
+        """Waits until at least num_replicas replicas are healthy; False on timeout."""
+        deadline = time.monotonic() + timeout_s
+        while self.num_healthy() < num_replicas:
+            if time.monotonic() >= deadline:
+                return False
+            await asyncio.sleep(0.01)
+        return True
+
+    async def propose(self, requests: list[DraftRequest], finished_seq_ids: list[int],
+                      timeout_s: float) -> dict[int, Draft]:
+        """Drafts for the sequences whose replica answered within timeout_s; never raises."""
+        try:
+            return await self._propose(requests, finished_seq_ids, timeout_s)
+        except Exception:
+            logger.exception("drafter pool: propose failed; no drafts this step")
+            return {}
+
+    async def _propose(self, requests: list[DraftRequest], finished_seq_ids: list[int],
+                       timeout_s: float) -> dict[int, Draft]:
+        self._step_id += 1
+        step_id = self._step_id
+        messages: dict[DrafterReplica, specdec_pb2.ProposeRequest] = {}
+        # Per replica: seq_id -> number of draft tokens asked for.
+        asked: dict[DrafterReplica, dict[int, int]] = {}
+
+        def message_for(replica: DrafterReplica) -> specdec_pb2.ProposeRequest:
+            message = messages.get(replica)
+            if message is None:
+                message = messages[replica] = specdec_pb2.ProposeRequest(step_id=step_id)
+                asked[replica] = {}
+            return message
+
+        for seq_id in finished_seq_ids:
+            state = self._seqs.pop(seq_id, None)
+            if state is not None:
+                state.replica.seq_ids.discard(seq_id)
+                if state.replica.healthy:
+                    message_for(state.replica).finished_seq_ids.append(seq_id)
+
+        for request in requests:
+            state = self._seqs.get(request.seq_id)
+            if state is None or not state.replica.healthy:
+                state = self._assign(request.seq_id)
+                if state is None:
+                    continue  # no healthy replica: no drafts this step
+            replica = state.replica
+            token_ids = request.token_ids
+            if state.num_synced_tokens > len(token_ids):
+                state.num_synced_tokens = 0  # the context shrank (should not happen): resync
+            hidden_rows = None
+            if self.hidden_state_layer_ids:
+                # Rows cover every context position but the last (see the .proto).
+                num_rows = len(token_ids) - 1
+                hidden = request.hidden_states
+                if hidden is None or hidden.shape[0] < num_rows:
+                    continue  # states not captured for this sequence: it cannot be drafted
+                if state.num_synced_tokens == 0:
+                    state.num_synced_hidden_rows = 0
+                hidden_rows = hidden[state.num_synced_hidden_rows:num_rows]
+                state.num_synced_hidden_rows = num_rows
+            num_tokens = min(max(request.num_speculative_tokens, 0),
+                             replica.max_num_speculative_tokens)
+            update = message_for(replica).sequences.add(
+                seq_id=request.seq_id,
+                new_token_ids=token_ids[state.num_synced_tokens:],
+                num_accepted_tokens=max(request.num_accepted_tokens, 0),
+                context_len=len(token_ids),
+                num_speculative_tokens=num_tokens,
+            )
+            if hidden_rows is not None:
+                encode_tensor(hidden_rows, update.hidden_states)
+            state.num_synced_tokens = len(token_ids)
+            if num_tokens > 0:
+                asked[replica][request.seq_id] = num_tokens
+
+        waiting: dict[asyncio.Future[specdec_pb2.ProposeResponse | None], DrafterReplica] = {}
+        for replica, message in messages.items():
+            future = replica.send(message, wants_response=bool(asked[replica]))
+            if future is not None:
+                waiting[future] = replica
+        if not waiting:
+            return {}
+        done, late = await asyncio.wait(waiting, timeout=timeout_s)
+        for future in late:
+            waiting[future].forget(step_id)
+            # INFO: late drafts cost speed only, and a loaded drafter is late routinely.
+            self.errors.record(waiting[future].address, TIMEOUT,
+                               f"no drafts within the {timeout_s * 1000:g} ms deadline; the "
+                               "step ran without them", logging.INFO)
+        drafts: dict[int, Draft] = {}
+        for future in done:
+            response = future.result()
+            if response is not None:  # None: the replica failed during the step
+                replica = waiting[future]
+                self._collect(replica, response, asked[replica], drafts)
+        return drafts
+
+    def _assign(self, seq_id: int) -> _SeqState | None:
+        """Puts seq_id on the least loaded healthy replica, to be synced from scratch."""
+        healthy = [replica for replica in self._replicas.values() if replica.healthy]
+        if not healthy:
+            return None
+        old = self._seqs.get(seq_id)
+        if old is not None:
+            old.replica.seq_ids.discard(seq_id)
+        replica = min(healthy, key=lambda candidate: len(candidate.seq_ids))
+        replica.seq_ids.add(seq_id)
+        state = self._seqs[seq_id] = _SeqState(replica, 0)
+        return state
+
+    def _collect(self, replica: DrafterReplica, response: specdec_pb2.ProposeResponse,
+                 asked: dict[int, int], drafts: dict[int, Draft]) -> None:
+        """Validates one in-time response; bad drafts are dropped, counted and (rate-limited)
+        logged."""
+        for sequence_draft in response.drafts:
+            seq_id = sequence_draft.seq_id
+            if sequence_draft.needs_resync:
+                self.mark_needs_resync(replica, seq_id)
+                continue
+            token_ids = list(sequence_draft.draft_token_ids)
+            num_asked = asked.get(seq_id)
+            if not token_ids or seq_id in drafts:
+                continue
+            if num_asked is None or len(token_ids) > num_asked:
+                self.errors.record(replica.address, BAD_RESPONSE,
+                                   f"dropped a draft for seq {seq_id}: {len(token_ids)} "
+                                   f"tokens, asked for {num_asked or 0}")
+                continue
+            if self.vocab_size and max(token_ids) >= self.vocab_size:
+                self.errors.record(replica.address, BAD_RESPONSE,
+                                   f"dropped a draft for seq {seq_id}: token id "
+                                   f"{max(token_ids)} is outside the vocabulary (size "
+                                   f"{self.vocab_size})")
+                continue
+            probs = None
+            if sequence_draft.HasField("draft_probs"):
+                probs = _decode_probs(sequence_draft.draft_probs, len(token_ids), self.vocab_size)
+                if probs is None:
+                    self.errors.record(replica.address, BAD_RESPONSE,
+                                       f"dropped a draft for seq {seq_id}: malformed draft_probs")
+                    continue
+            drafts[seq_id] = Draft(token_ids, probs)
+
+    def mark_needs_resync(self, replica: DrafterReplica, seq_id: int) -> None:
+        state = self._seqs.get(seq_id)
+        if state is not None and state.replica is replica:
+            state.num_synced_tokens = 0
+            state.num_synced_hidden_rows = 0
+
+    def check_info(self, info: specdec_pb2.DrafterInfo) -> DrafterMismatchError | None:
+        """Why a drafter cannot serve this verifier, or None when it can."""
+        problems = []
+        if info.vocab_size and info.vocab_size != self.vocab_size:
+            problems.append(f"its vocab_size is {info.vocab_size}, the verifier's is "
+                            f"{self.vocab_size}")
+        if info.tokenizer_fingerprint and info.tokenizer_fingerprint != self.tokenizer_fingerprint:
+            problems.append(f"its tokenizer fingerprint is {info.tokenizer_fingerprint!r}, the "
+                            f"verifier's is {self.tokenizer_fingerprint!r}")
+        if problems:
+            return DrafterMismatchError("drafter built for another model: " + "; ".join(problems))
+        layer_ids = tuple(info.hidden_state_layer_ids)
+        if self.hidden_state_layer_ids is None:
+            self.hidden_state_layer_ids = layer_ids
+        elif layer_ids != self.hidden_state_layer_ids:
+            return DrafterMismatchError(
+                f"drafter method {info.method!r} needs target hidden states of layers "
+                f"{list(layer_ids)}, but the replicas already serving need "
+                f"{list(self.hidden_state_layer_ids)}")
+        return None
+
+    def drop_replica_sequences(self, replica: DrafterReplica) -> None:
+        """The replica lost its stream: its sequences get reassigned on their next step."""
+        for seq_id in replica.seq_ids:
+            state = self._seqs.get(seq_id)
+            if state is not None and state.replica is replica:
+                del self._seqs[seq_id]
+        replica.seq_ids.clear()
+
+    async def _resolve_periodically(self) -> None:
+        while True:
+            await asyncio.sleep(self._resolve_interval_s)
+            try:
+                await self._resolve()
+            except Exception:
+                logger.exception("drafter pool: resolving %s failed", self._targets)
+
+    async def _resolve(self) -> None:
+        """Reconciles replicas with what the targets resolve to now (a failed lookup keeps the old)."""
+        for host, port in self._targets:
+            try:
+                infos = await asyncio.to_thread(socket.getaddrinfo, host, port,
+                                                type=socket.SOCK_STREAM)
+            except OSError as exc:
+                logger.warning("drafter pool: cannot resolve %s:%d: %s", host, port, exc)
+                continue
+            self._addresses_by_target[(host, port)] = {
+                _format_address(info[4][0], port) for info in infos
+                if info[0] in (socket.AF_INET, socket.AF_INET6)}
+        wanted = set().union(*self._addresses_by_target.values())
+        for address in sorted(set(self._replicas) - wanted):
+            logger.info("drafter pool: replica %s is gone from DNS", address)
+            await self._replicas.pop(address).close()
+            self.errors.forget(address)
+        for address in sorted(wanted - set(self._replicas)):
+            logger.info("drafter pool: adding replica %s", address)
+            replica = self._replicas[address] = DrafterReplica(self, address)
+            replica.start()
+
+
+def _decode_probs(message: specdec_pb2.Tensor, num_tokens: int, vocab_size: int,
+                  ) -> torch.Tensor | None:
+    """[num_tokens, vocab] float32 probabilities, or None when the message is malformed."""
+    try:
+        probs = decode_tensor(message, field="draft_probs", dtypes=FLOAT_DTYPE_NAMES,
+                              shape=(num_tokens, vocab_size or None))
+    except InvalidRequestError:
+        return None
+    return probs.float() if probs.shape[1] else None
+
+
+def _split_host_port(target: str) -> tuple[str, int]:
+    host, sep, port = target.rpartition(":")
+    if not sep or not host or not port.isdigit():
+        raise ConfigError(f"drafter target {target!r} is not host:port", param="drafters")
+    return host.strip("[]"), int(port)
+
+
+def _format_address(ip: str, port: int) -> str:
+    return f"[{ip}]:{port}" if ":" in ip else f"{ip}:{port}"

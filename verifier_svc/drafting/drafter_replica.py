@@ -1,0 +1,174 @@
+"""One drafter replica as the verifier sees it: a channel, one Propose stream, a health flag.
+
+The replica checks the drafter's GetInfo with its pool before opening the stream,
+reconnects with exponential backoff after any failure, and reconnects a stream that
+stopped answering. When it goes down, its pool forgets the replica's sequences, which
+are reassigned and resynced on their next step.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from typing import TYPE_CHECKING
+
+import grpc
+
+from specdec.errors import DrafterMismatchError
+from specdec.rpc.tls import open_channel
+from specdec.v1 import specdec_pb2, specdec_pb2_grpc
+from verifier_svc.drafting.drafter_errors import REFUSED, STREAM_ERROR, UNAVAILABLE
+
+if TYPE_CHECKING:
+    from verifier_svc.drafting.drafter_pool import DrafterPool
+
+logger = logging.getLogger(__name__)
+
+_GET_INFO_TIMEOUT_S = 5.0
+# Steps sent but not yet answered before a replica counts as stuck and is reconnected.
+_MAX_UNANSWERED_STEPS = 32
+
+
+class DrafterReplica:
+    """One drafter address: a channel, one long-lived Propose stream, a health flag."""
+
+    def __init__(self, pool: DrafterPool, address: str) -> None:
+        self.pool = pool
+        self.address = address
+        self.healthy = False
+        self.max_num_speculative_tokens = 0
+        self.seq_ids: set[int] = set()
+        self._outbox: asyncio.Queue[specdec_pb2.ProposeRequest | None] = asyncio.Queue()
+        self._pending: dict[int, asyncio.Future[specdec_pb2.ProposeResponse | None]] = {}
+        self._num_unanswered = 0
+        self._call: grpc.aio.StreamStreamCall | None = None
+        self._task: asyncio.Task[None] | None = None
+        self._closing = False
+        self._last_refusal = ""
+
+    def start(self) -> None:
+        self._task = asyncio.create_task(self._run(), name=f"drafter-replica-{self.address}")
+
+    async def close(self) -> None:
+        self._closing = True
+        self._outbox.put_nowait(None)  # half-close the stream: the drafter drops our state
+        await asyncio.sleep(0)
+        if self._task is not None:
+            self._task.cancel()
+            await asyncio.gather(self._task, return_exceptions=True)
+
+    def send(self, message: specdec_pb2.ProposeRequest, wants_response: bool,
+             ) -> asyncio.Future[specdec_pb2.ProposeResponse | None] | None:
+        """Queues one step's message; returns the future of its response, if one is wanted."""
+        if not self.healthy:
+            return None
+        if self._num_unanswered >= _MAX_UNANSWERED_STEPS and self._call is not None:
+            self.pool.errors.record(self.address, STREAM_ERROR, f"has not answered "
+                                    f"{self._num_unanswered} steps; reconnecting")
+            self._call.cancel()
+            return None
+        self._num_unanswered += 1
+        self._outbox.put_nowait(message)
+        if not wants_response:
+            return None
+        future: asyncio.Future[specdec_pb2.ProposeResponse | None] = (
+            asyncio.get_running_loop().create_future())
+        self._pending[message.step_id] = future
+        return future
+
+    def forget(self, step_id: int) -> None:
+        future = self._pending.pop(step_id, None)
+        if future is not None and not future.done():
+            future.cancel()
+
+    async def _run(self) -> None:
+        backoff_s = self.pool.backoff_initial_s
+        was_up = True  # the first failure is logged at WARNING, repeats at DEBUG
+        while True:
+            channel = open_channel(self.pool.tls, self.address, self.pool.channel_options,
+                                   internal_token=self.pool.internal_token)
+            try:
+                async for _ in self._serve(channel):
+                    backoff_s = self.pool.backoff_initial_s
+                    was_up = True
+                raise ConnectionError("the drafter ended the stream")
+            except DrafterMismatchError as exc:
+                # ERROR once per distinct reason; the periodic re-checks repeat it at DEBUG.
+                self.pool.errors.record(
+                    self.address, REFUSED, f"refused: {exc.message}; serving without it",
+                    logging.ERROR if exc.message != self._last_refusal else logging.DEBUG)
+                self._last_refusal = exc.message
+                backoff_s = self.pool.backoff_max_s
+            except asyncio.CancelledError:
+                current = asyncio.current_task()
+                if self._closing or (current is not None and current.cancelling()):
+                    raise
+                # Our own call.cancel() (a stuck replica, counted then): reconnect.
+                logger.debug("drafter %s: stream cancelled; reconnecting", self.address)
+            except Exception as exc:
+                # Counted by where it failed: an open stream (e.g. a GOAWAY), or connecting.
+                # A drafter still down after a failure logged already repeats at DEBUG.
+                kind, what = ((STREAM_ERROR, "stream broke") if self.healthy
+                              else (UNAVAILABLE, "unavailable"))
+                self.pool.errors.record(
+                    self.address, kind, f"{what} ({_describe(exc)}); retrying in "
+                    f"{backoff_s:.2f} s", logging.WARNING if was_up else logging.DEBUG)
+                was_up = False
+            finally:
+                self._mark_down()
+                await channel.close(grace=None)
+            await asyncio.sleep(backoff_s)
+            backoff_s = min(backoff_s * 2, self.pool.backoff_max_s)
+
+    async def _serve(self, channel: grpc.aio.Channel):
+        """Checks GetInfo, opens the Propose stream; yields once connected and after each response."""
+        stub = specdec_pb2_grpc.DrafterStub(channel)
+        info = await stub.GetInfo(specdec_pb2.GetDrafterInfoRequest(),
+                                  timeout=_GET_INFO_TIMEOUT_S)
+        refusal = self.pool.check_info(info)
+        if refusal is not None:
+            raise refusal
+        self.max_num_speculative_tokens = info.max_num_speculative_tokens
+        self._outbox = asyncio.Queue()
+        self._call = stub.Propose(_drain(self._outbox))
+        self.healthy = True
+        logger.info("drafter %s connected: method=%s max k=%d", self.address, info.method,
+                    info.max_num_speculative_tokens)
+        yield
+        async for response in self._call:
+            self._on_response(response)
+            yield
+
+    def _on_response(self, response: specdec_pb2.ProposeResponse) -> None:
+        self._num_unanswered = max(0, self._num_unanswered - 1)
+        future = self._pending.pop(response.step_id, None)
+        if future is not None and not future.done():
+            future.set_result(response)
+            return
+        for sequence_draft in response.drafts:  # late: only its resync requests still count
+            if sequence_draft.needs_resync:
+                self.pool.mark_needs_resync(self, sequence_draft.seq_id)
+
+    def _mark_down(self) -> None:
+        self.healthy = False
+        self._call = None
+        self._num_unanswered = 0
+        self._outbox.put_nowait(None)  # ends the request stream of a half-dead call
+        for future in self._pending.values():
+            if not future.done():
+                future.set_result(None)
+        self._pending.clear()
+        self.pool.drop_replica_sequences(self)
+
+
+async def _drain(outbox: asyncio.Queue[specdec_pb2.ProposeRequest | None]):
+    """The request side of a Propose stream: messages as propose() queues them."""
+    while (message := await outbox.get()) is not None:
+        yield message
+
+
+def _describe(exc: Exception) -> str:
+    if isinstance(exc, grpc.aio.AioRpcError):
+        return f"{exc.code().name}: {exc.details()}"
+    return str(exc) or type(exc).__name__
+
