@@ -18,11 +18,17 @@ import torch
 
 from drafter_svc.model_proposer import DraftKVPool, ModelProposer
 from drafter_svc.proposer import ModelOptions, ProposerInfo
-from specdec.layers.attention import AttentionMetadata
 from specdec.config import SpeculativeConfig
 from specdec.device import resolve_device, resolve_dtype
 from specdec.errors import ConfigError
-from specdec.models import LlamaForCausalLM, load_model, load_tokenizer, resolve_model, tokenizer_fingerprint
+from specdec.layers.attention import AttentionMetadata
+from specdec.models import (
+    LlamaForCausalLM,
+    load_model,
+    load_tokenizer,
+    resolve_model,
+    tokenizer_fingerprint,
+)
 from specdec.models.cpu_stack import CpuDecoderStack, make_cpu_stack
 from specdec.models.packed_linear import pack_for_device
 from specdec.models.token_map import load_token_map, restrict_lm_head

@@ -16,10 +16,10 @@ import torch
 from drafter_svc.eagle_proposer import HeadProposer, load_target_for_head
 from drafter_svc.model_proposer import DraftKVPool
 from drafter_svc.proposer import ModelOptions, ProposerInfo
-from specdec.layers.attention import AttentionMetadata
 from specdec.config import SpeculativeConfig
 from specdec.device import resolve_device, resolve_dtype
 from specdec.errors import ConfigError
+from specdec.layers.attention import AttentionMetadata
 from specdec.models import resolve_model
 from specdec.models.eagle3 import load_eagle3_head
 from specdec.models.packed_linear import pack_for_device

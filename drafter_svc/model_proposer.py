@@ -38,10 +38,10 @@ from typing import ClassVar
 import torch
 
 from drafter_svc.proposer import Proposal, ProposerInfo
-from specdec.layers.attention import AttentionMetadata
 from specdec.engine.block_manager import BlockManager
 from specdec.engine.kv_cache import KVCache
 from specdec.engine.logits_processor import argmax_rows
+from specdec.layers.attention import AttentionMetadata
 from specdec.models.model_config import ModelConfig
 
 logger = logging.getLogger(__name__)

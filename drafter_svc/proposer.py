@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import json
 import logging
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Protocol
@@ -228,29 +228,3 @@ def target_limits(target_model: str) -> tuple[int, int]:
     except (OSError, ValueError, TypeError, AttributeError) as exc:
         logger.warning("ngram: cannot read the target's limits from %s: %s", path, exc)
         return 0, 0
-
-
-def proposer_factory(config: SpeculativeConfig,
-                     options: ModelOptions | None = None) -> Callable[[], Proposer]:
-    """Checks the method at start-up; returns a callable making a fresh Proposer per stream.
-
-    Model methods load their weights and allocate the draft KV pool here, once per server;
-    each stream's Proposer holds only its sequences' state and block tables.
-    """
-    if config.method == "ngram":
-        method = NgramMethod.from_config(config, options)  # validates once, at start-up
-        return lambda: NgramMethod(method.proposer, method.info)
-    options = options or ModelOptions()
-    if config.method == "draft_model":
-        from drafter_svc.draft_model_proposer import build_draft_model_method
-
-        return build_draft_model_method(config, options)
-    if config.method == "eagle":
-        from drafter_svc.eagle_proposer import build_eagle_method
-
-        return build_eagle_method(config, options)
-    if config.method == "eagle3":
-        from drafter_svc.eagle3_proposer import build_eagle3_method
-
-        return build_eagle3_method(config, options)
-    raise ConfigError(f"speculative config: unknown method {config.method!r}", param="method")

@@ -7,7 +7,8 @@ import asyncio
 import logging
 
 from drafter_svc.metrics import DrafterMetrics
-from drafter_svc.proposer import ModelOptions, proposer_factory
+from drafter_svc.proposer import ModelOptions
+from drafter_svc.proposer_factory import proposer_factory
 from drafter_svc.servicer import (
     DEFAULT_MAX_SEQS_PER_STREAM,
     DEFAULT_SEQ_IDLE_TIMEOUT_S,
@@ -17,7 +18,11 @@ from drafter_svc.servicer import (
 from specdec.config import SpeculativeConfig
 from specdec.errors import ConfigError
 from specdec.rpc.grpc_server import GrpcServer, run_until_signalled
-from specdec.rpc.internal_auth import add_internal_auth_args, check_server_token, load_internal_token
+from specdec.rpc.internal_auth import (
+    add_internal_auth_args,
+    check_server_token,
+    load_internal_token,
+)
 from specdec.rpc.tls import GrpcTlsConfig, add_grpc_tls_args, grpc_tls_from_args
 from specdec.v1 import specdec_pb2, specdec_pb2_grpc
 

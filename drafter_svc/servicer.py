@@ -38,7 +38,12 @@ from typing import TYPE_CHECKING
 
 import grpc
 
-from drafter_svc.proposer import DEFAULT_NGRAM_MAX_MODEL_LEN, Proposal, Proposer, ProposerInfo
+from drafter_svc.proposer import (
+    DEFAULT_NGRAM_MAX_MODEL_LEN,
+    Proposal,
+    Proposer,
+    ProposerInfo,
+)
 from specdec.errors import ConfigError, InvalidRequestError, SpecdecError
 from specdec.rpc.grpc_status import error_details, status_for
 from specdec.v1 import specdec_pb2, specdec_pb2_grpc

@@ -12,7 +12,11 @@ from gateway.app import GatewayConfig, create_app
 from gateway.server import add_server_args, limits_from_args, uvicorn_config
 from gateway.verifier_client import VerifierClient
 from specdec.errors import SpecdecError
-from specdec.rpc.internal_auth import add_internal_auth_args, load_api_key, load_internal_token
+from specdec.rpc.internal_auth import (
+    add_internal_auth_args,
+    load_api_key,
+    load_internal_token,
+)
 from specdec.rpc.tls import add_grpc_tls_args, grpc_tls_from_args
 
 logger = logging.getLogger("gateway")

@@ -26,15 +26,27 @@ import sys
 import time
 import urllib.request
 
-from specdec.cli import (ADDITIONAL_CONFIG_KEYS, add_engine_args, add_logging_args,
-                         add_model_args, add_shutdown_args, add_speculative_args,
-                         served_model_name)
+from specdec.cli import (
+    ADDITIONAL_CONFIG_KEYS,
+    add_engine_args,
+    add_logging_args,
+    add_model_args,
+    add_shutdown_args,
+    add_speculative_args,
+    served_model_name,
+)
 from specdec.config import SpeculativeConfig, parse_additional_config
-from specdec.rpc.internal_auth import (API_KEY_ENV, TOKEN_ENV, TOKEN_FILE_ENV, VLLM_API_KEY_ENV,
-                                   generate_token, load_api_key)
 from specdec.models.loader import load_model_config
 from specdec.models.model_files import resolve_model
 from specdec.models.parallel import check_tensor_parallel
+from specdec.rpc.internal_auth import (
+    API_KEY_ENV,
+    TOKEN_ENV,
+    TOKEN_FILE_ENV,
+    VLLM_API_KEY_ENV,
+    generate_token,
+    load_api_key,
+)
 from specdec.rpc.tls import add_grpc_tls_args, grpc_tls_flags, grpc_tls_from_args
 
 logger = logging.getLogger(__name__)

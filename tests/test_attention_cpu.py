@@ -15,7 +15,12 @@ import pytest
 import torch
 
 from specdec.layers import cpu_extension
-from specdec.layers.attention import ATTENTION_BACKEND_ENV, AttentionMetadata, TorchPagedAttention, write_kv
+from specdec.layers.attention import (
+    ATTENTION_BACKEND_ENV,
+    AttentionMetadata,
+    TorchPagedAttention,
+    write_kv,
+)
 from specdec.layers.attention_cpu import CpuPagedAttention
 from specdec.layers.cpu_extension import load_extension
 from tests.cpu_kernels import extension_or_skip

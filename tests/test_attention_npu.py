@@ -19,11 +19,15 @@ from typing import Any
 import pytest
 import torch
 
-from specdec.layers.attention import (ATTENTION_BACKEND_ENV, AttentionMetadata, TorchPagedAttention,
-                               make_attention_backend)
+from specdec.errors import ConfigError
+from specdec.layers.attention import (
+    ATTENTION_BACKEND_ENV,
+    AttentionMetadata,
+    TorchPagedAttention,
+    make_attention_backend,
+)
 from specdec.layers.attention_cpu import CpuPagedAttention
 from specdec.layers.attention_npu import NpuFusedPagedAttention
-from specdec.errors import ConfigError
 
 BLOCK_SIZE = 16
 NUM_BLOCKS = 48
@@ -246,7 +250,11 @@ def test_unknown_backend_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 def test_npu_alloc_conf_default_only_when_unset(monkeypatch: pytest.MonkeyPatch) -> None:
-    from specdec.device import DEFAULT_NPU_ALLOC_CONF, NPU_ALLOC_CONF_ENV, configure_npu_allocator
+    from specdec.device import (
+        DEFAULT_NPU_ALLOC_CONF,
+        NPU_ALLOC_CONF_ENV,
+        configure_npu_allocator,
+    )
 
     monkeypatch.delenv(NPU_ALLOC_CONF_ENV, raising=False)
     assert configure_npu_allocator() == DEFAULT_NPU_ALLOC_CONF == "expandable_segments:True"

@@ -11,8 +11,13 @@ from safetensors.torch import load_file, save_file
 
 from specdec.bench import compare as bench_compare
 from specdec.bench.compare_report import same_output, summarise
-from specdec.bench.compare_systems import (Generation, llama_cpp_installed, load_assistant,
-                                           load_transformers_model, strip_stop)
+from specdec.bench.compare_systems import (
+    Generation,
+    llama_cpp_installed,
+    load_assistant,
+    load_transformers_model,
+    strip_stop,
+)
 from specdec.config import SpeculativeConfig
 from specdec.errors import ConfigError
 from tests.draft_checkpoints import make_draft_model

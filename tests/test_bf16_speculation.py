@@ -14,14 +14,19 @@ from pathlib import Path
 import pytest
 import torch
 
-from specdec.layers.attention import AttentionMetadata
 from specdec.engine.kv_cache import KVCache
+from specdec.layers.attention import AttentionMetadata
+from specdec.layers.cpu_extension import linear_supports
 from specdec.models.compiled_forward import CompiledForward, linears_to_pack, warm_up
 from specdec.models.cpu_stack import CPU_STACK_ENV, CpuDecoderStack
 from specdec.models.loader import load_model
 from specdec.models.model_files import DEFAULT_MODEL, resolve_model
-from specdec.layers.cpu_extension import linear_supports
-from specdec.models.packed_linear import PackedLinear, choose_kernel, mkldnn_supported, pack_linears
+from specdec.models.packed_linear import (
+    PackedLinear,
+    choose_kernel,
+    mkldnn_supported,
+    pack_linears,
+)
 from tests.engine_driver import generate
 from tests.test_engine import PROMPTS, EngineHarness, greedy
 from tests.tiny_models import make_tiny_llama

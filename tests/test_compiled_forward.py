@@ -10,9 +10,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from specdec.layers.attention import AttentionMetadata
-from specdec.errors import ConfigError
 from specdec.engine.kv_cache import KVCache
+from specdec.errors import ConfigError
+from specdec.layers.attention import AttentionMetadata
 from specdec.models.compiled_forward import CompiledForward, linears_to_pack, warm_up
 from specdec.models.cpu_stack import CPU_STACK_ENV
 from specdec.models.loader import load_model

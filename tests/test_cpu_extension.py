@@ -13,7 +13,13 @@ import pytest
 from torch.utils import cpp_extension
 
 from specdec.layers import cpu_extension
-from specdec.layers.cpu_extension import PREBUILT_ENV, VARIANTS, build_name, load_extension, supported_variants
+from specdec.layers.cpu_extension import (
+    PREBUILT_ENV,
+    VARIANTS,
+    build_name,
+    load_extension,
+    supported_variants,
+)
 
 AVX512 = {"avx512f", "avx512bw", "avx512vl", "avx512dq", "avx2", "fma", "f16c"}
 

@@ -10,11 +10,16 @@ from pathlib import Path
 import pytest
 import torch
 
+from specdec.engine.kv_cache import KVCache
 from specdec.layers.attention import AttentionMetadata
 from specdec.layers.cpu_extension import linear_supports
-from specdec.engine.kv_cache import KVCache
 from specdec.models.compiled_forward import CompiledForward
-from specdec.models.cpu_stack import CPU_STACK_ENV, CpuDecoderStack, make_cpu_stack, unsupported_reason
+from specdec.models.cpu_stack import (
+    CPU_STACK_ENV,
+    CpuDecoderStack,
+    make_cpu_stack,
+    unsupported_reason,
+)
 from specdec.models.loader import load_model
 from specdec.models.packed_linear import pack_linears
 from tests.engine_driver import generate

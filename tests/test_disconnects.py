@@ -26,8 +26,8 @@ from specdec.config import SpeculativeConfig
 from specdec.v1 import specdec_pb2_grpc
 from tests.tiny_models import make_tiny_llama
 from tests.verifier_harness import StartVerifier, request, slow_down, verifier_starter
-from verifier_svc.speculation import probe_schedule
 from verifier_svc.server import RunningVerifier
+from verifier_svc.speculation import probe_schedule
 
 ROOT = Path(__file__).resolve().parent.parent
 NUM_BLOCKS = 128

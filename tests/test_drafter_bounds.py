@@ -16,8 +16,14 @@ from pathlib import Path
 import grpc
 import pytest
 
-from drafter_svc.proposer import ModelOptions, NgramMethod, Proposal, proposer_factory
-from drafter_svc.server import DRAFTER_SERVICE_NAME, main, start_drafter_server, stop_drafter_server
+from drafter_svc.proposer import ModelOptions, NgramMethod, Proposal
+from drafter_svc.proposer_factory import proposer_factory
+from drafter_svc.server import (
+    DRAFTER_SERVICE_NAME,
+    main,
+    start_drafter_server,
+    stop_drafter_server,
+)
 from drafter_svc.servicer import (
     TOKEN_IDS_FIELD,
     DrafterServicer,

@@ -25,7 +25,8 @@ from pathlib import Path
 import grpc
 import pytest
 
-from drafter_svc.proposer import NgramMethod, proposer_factory
+from drafter_svc.proposer import NgramMethod
+from drafter_svc.proposer_factory import proposer_factory
 from drafter_svc.servicer import DrafterServicer
 from specdec.config import SpeculativeConfig
 from specdec.engine.sampling_params import SamplingParams

@@ -11,12 +11,13 @@ import pytest
 import torch
 
 from drafter_svc.ngram_proposer import NgramProposer
-from drafter_svc.proposer import NgramMethod, proposer_factory
+from drafter_svc.proposer import NgramMethod
+from drafter_svc.proposer_factory import proposer_factory
 from drafter_svc.server import start_drafter_server, stop_drafter_server
 from drafter_svc.servicer import DrafterServicer
 from specdec.config import SpeculativeConfig
 from specdec.v1 import specdec_pb2, specdec_pb2_grpc
-from verifier_svc.drafting.drafter_pool import DraftRequest, DrafterPool
+from verifier_svc.drafting.drafter_pool import DrafterPool, DraftRequest
 
 K = 3
 VOCAB_SIZE = 100

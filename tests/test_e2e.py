@@ -26,9 +26,9 @@ import torch
 
 from drafter_svc.server import start_drafter_server, stop_drafter_server
 from specdec.config import SpeculativeConfig
+from specdec.engine.sampling_params import SamplingParams
 from specdec.layers.cpu_extension import linear_supports
 from specdec.models.model_files import DEFAULT_MODEL, load_tokenizer, resolve_model
-from specdec.engine.sampling_params import SamplingParams
 from tests.engine_driver import generate
 from verifier_svc.builder import VerifierConfig, build_engine
 from verifier_svc.engine import Engine

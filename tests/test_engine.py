@@ -14,13 +14,13 @@ import torch
 
 from drafter_svc.server import start_drafter_server, stop_drafter_server
 from specdec.config import SpeculativeConfig
-from specdec.errors import InvalidRequestError
 from specdec.engine.sampling_params import SamplingParams
+from specdec.errors import InvalidRequestError
 from tests.engine_driver import generate
 from tests.tiny_models import EOS_TOKEN_ID, make_tiny_llama
 from verifier_svc.builder import VerifierConfig, build_engine
-from verifier_svc.speculation import probe_schedule
 from verifier_svc.engine import Engine, StepRecord
+from verifier_svc.speculation import probe_schedule
 
 # Prompts with repeats, so the ngram drafter finds matches.
 PROMPTS = [
@@ -288,8 +288,8 @@ async def test_invalid_requests_are_refused(tiny_model: Path, device, prompt, pa
 
 
 def test_kv_pool_is_sized_from_the_memory_budget(tiny_model: Path, device) -> None:
-    from specdec.errors import ConfigError
     from specdec.engine.kv_cache import KVCache
+    from specdec.errors import ConfigError
     from specdec.models.loader import load_model_config
 
     model_config = load_model_config(tiny_model)

@@ -9,7 +9,11 @@ import gguf
 import numpy as np
 import pytest
 
-from specdec.models.gguf_precision import convert_gguf, gguf_at_precision, precision_for_dtype
+from specdec.models.gguf_precision import (
+    convert_gguf,
+    gguf_at_precision,
+    precision_for_dtype,
+)
 
 Q8 = gguf.GGMLQuantizationType.Q8_0
 

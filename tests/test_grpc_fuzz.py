@@ -33,7 +33,8 @@ import torch
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
-from drafter_svc.proposer import ModelOptions, proposer_factory
+from drafter_svc.proposer import ModelOptions
+from drafter_svc.proposer_factory import proposer_factory
 from drafter_svc.server import DRAFTER_SERVICE_NAME, start_drafter_server
 from drafter_svc.servicer import DrafterServicer
 from specdec.config import SpeculativeConfig

@@ -10,11 +10,12 @@ import grpc
 import pytest
 import torch
 
-from drafter_svc.proposer import NgramMethod, ProposerInfo, proposer_factory
+from drafter_svc.proposer import NgramMethod, ProposerInfo
+from drafter_svc.proposer_factory import proposer_factory
 from drafter_svc.servicer import DrafterServicer
 from specdec.config import SpeculativeConfig
 from specdec.v1 import specdec_pb2, specdec_pb2_grpc
-from verifier_svc.drafting.drafter_pool import DraftRequest, DrafterPool
+from verifier_svc.drafting.drafter_pool import DrafterPool, DraftRequest
 
 CONFIG = SpeculativeConfig.parse({"method": "ngram", "num_speculative_tokens": 2,
                                   "prompt_lookup_min": 1, "prompt_lookup_max": 2})
@@ -117,10 +118,10 @@ async def test_replica_needing_other_layers_is_refused(caplog: pytest.LogCapture
 
 async def test_engine_sends_the_target_states_of_every_position(tmp_path, device) -> None:
     """The rows a drafter receives equal the target's states from one plain prefill."""
-    from specdec.layers.attention import AttentionMetadata
     from specdec.engine.kv_cache import KVCache
-    from specdec.models.loader import load_model
     from specdec.engine.sampling_params import SamplingParams
+    from specdec.layers.attention import AttentionMetadata
+    from specdec.models.loader import load_model
     from tests.tiny_models import make_tiny_llama
     from verifier_svc.builder import VerifierConfig, build_engine
 

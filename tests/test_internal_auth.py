@@ -30,9 +30,15 @@ from gateway import __main__ as gateway_main
 from specdec import launcher
 from specdec.config import SpeculativeConfig
 from specdec.errors import ConfigError
-from specdec.rpc.internal_auth import (METADATA_KEY, REFUSAL_DETAILS, check_server_token,
-                                   is_loopback, load_api_key, load_internal_token)
 from specdec.models.model_files import load_tokenizer
+from specdec.rpc.internal_auth import (
+    METADATA_KEY,
+    REFUSAL_DETAILS,
+    check_server_token,
+    is_loopback,
+    load_api_key,
+    load_internal_token,
+)
 from specdec.rpc.tls import open_channel
 from specdec.v1 import specdec_pb2, specdec_pb2_grpc
 from tests.fake_verifier import LiveGateway
@@ -40,7 +46,7 @@ from tests.served_stack import served_stack
 from tests.tiny_models import make_tiny_llama
 from tests.verifier_harness import StartVerifier, request, verifier_starter
 from verifier_svc import __main__ as verifier_main
-from verifier_svc.drafting.drafter_pool import DraftRequest, DrafterPool
+from verifier_svc.drafting.drafter_pool import DrafterPool, DraftRequest
 
 TOKEN = "the-right-token-0123456789"
 WRONG = "the-wrong-token-0123456789"

@@ -13,12 +13,17 @@ import asyncio
 import grpc
 import pytest
 
-from drafter_svc.proposer import proposer_factory
+from drafter_svc.proposer_factory import proposer_factory
 from drafter_svc.server import DRAFTER_SERVICE_NAME
 from drafter_svc.servicer import DrafterServicer
 from specdec.config import SpeculativeConfig
-from specdec.rpc.grpc_server import (CHANNEL_OPTIONS, KEEPALIVE_TIME_MS, GrpcServer,
-                                 client_keepalive_options, server_keepalive_options)
+from specdec.rpc.grpc_server import (
+    CHANNEL_OPTIONS,
+    KEEPALIVE_TIME_MS,
+    GrpcServer,
+    client_keepalive_options,
+    server_keepalive_options,
+)
 from specdec.v1 import specdec_pb2, specdec_pb2_grpc
 from verifier_svc.drafting.drafter_pool import DrafterPool
 

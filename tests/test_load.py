@@ -46,7 +46,13 @@ from typing import Any
 import httpx
 import pytest
 
-from specdec.bench.serve import BenchConfig, BenchRequest, RequestResult, run_benchmark, summarise
+from specdec.bench.serve import (
+    BenchConfig,
+    BenchRequest,
+    RequestResult,
+    run_benchmark,
+    summarise,
+)
 from tests.served_stack import ENV, NGRAM_SPEC, ROOT, Stack, free_port, served_stack
 from tests.tiny_models import make_tiny_llama
 

@@ -15,10 +15,16 @@ import pytest
 import torch
 import transformers
 
-from specdec.layers.attention import AttentionMetadata
 from specdec.engine.kv_cache import KVCache
+from specdec.layers.attention import AttentionMetadata
 from specdec.layers.cpu_extension import linear_supports
-from specdec.models import DEFAULT_MODEL, LlamaForCausalLM, load_model, load_tokenizer, resolve_model
+from specdec.models import (
+    DEFAULT_MODEL,
+    LlamaForCausalLM,
+    load_model,
+    load_tokenizer,
+    resolve_model,
+)
 from specdec.models.cpu_stack import CpuDecoderStack, unsupported_reason
 
 BLOCK_SIZE = 4

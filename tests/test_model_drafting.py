@@ -20,8 +20,8 @@ import torch
 from drafter_svc.proposer import ModelOptions
 from drafter_svc.server import start_drafter_server, stop_drafter_server
 from specdec.config import SpeculativeConfig
-from specdec.models.cpu_stack import CPU_STACK_ENV
 from specdec.engine.sampling_params import SamplingParams
+from specdec.models.cpu_stack import CPU_STACK_ENV
 from tests.draft_checkpoints import make_draft_model, make_eagle3_head, make_eagle_head
 from tests.engine_driver import generate
 from tests.tiny_models import make_tiny_llama

@@ -17,12 +17,18 @@ import torch
 import transformers
 from safetensors.torch import load_file, save_file
 
-from specdec.errors import ConfigError
 from specdec.engine.kv_cache import KVCache
+from specdec.errors import ConfigError
 from specdec.models import (
-    DEFAULT_MODEL, ModelConfig, load_model, load_model_config, load_tokenizer, resolve_model, tokenizer_fingerprint,
+    DEFAULT_MODEL,
+    ModelConfig,
+    load_model,
+    load_model_config,
+    load_tokenizer,
+    model_files,
+    resolve_model,
+    tokenizer_fingerprint,
 )
-from specdec.models import model_files
 
 
 @pytest.fixture(scope="module")

@@ -31,13 +31,14 @@ import torch.nn.functional as F
 import transformers
 from safetensors.torch import save_file
 
-from drafter_svc.proposer import ModelOptions, Proposer, proposer_factory
+from drafter_svc.proposer import ModelOptions, Proposer
+from drafter_svc.proposer_factory import proposer_factory
 from drafter_svc.server import start_drafter_server, stop_drafter_server
 from drafter_svc.servicer import handle_propose_request
-from specdec.layers.attention import AttentionMetadata
 from specdec.config import SpeculativeConfig
-from specdec.errors import ConfigError, DrafterMismatchError, InvalidRequestError
 from specdec.engine.kv_cache import KVCache
+from specdec.errors import ConfigError, DrafterMismatchError, InvalidRequestError
+from specdec.layers.attention import AttentionMetadata
 from specdec.models import load_model, load_tokenizer, tokenizer_fingerprint
 from specdec.models.eagle3 import aux_layer_ids_from_config, default_aux_layer_ids
 from specdec.models.packed_linear import PackedLinear, mkldnn_supported

@@ -16,8 +16,8 @@ import grpc
 import pytest
 
 from specdec.config import EngineConfig
-from specdec.errors import ConfigError, OverloadedError
 from specdec.engine.sampling_params import SamplingParams
+from specdec.errors import ConfigError, OverloadedError
 from specdec.v1 import specdec_pb2, specdec_pb2_grpc
 from tests.tiny_models import make_tiny_llama
 from tests.verifier_harness import StartVerifier, request, verifier_starter

@@ -9,11 +9,16 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from specdec.errors import ConfigError
 from specdec.layers import cpu_extension
 from specdec.layers.cpu_extension import linear_supports
-from specdec.errors import ConfigError
 from specdec.models.loader import load_model
-from specdec.models.packed_linear import PackedLinear, choose_kernel, mkldnn_supported, pack_linears
+from specdec.models.packed_linear import (
+    PackedLinear,
+    choose_kernel,
+    mkldnn_supported,
+    pack_linears,
+)
 from tests.tiny_models import make_tiny_llama
 
 needs_bf16_mkldnn = pytest.mark.skipif(not mkldnn_supported(torch.bfloat16),

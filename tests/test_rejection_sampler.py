@@ -16,7 +16,12 @@ import torch
 from torch import Tensor
 
 from specdec.engine.logits_processor import target_probs_from_logits
-from specdec.engine.rejection_sampler import accept_greedy, argmax_ids, needs_only_argmax, verify
+from specdec.engine.rejection_sampler import (
+    accept_greedy,
+    argmax_ids,
+    needs_only_argmax,
+    verify,
+)
 from specdec.engine.sampling_params import SamplingParams
 
 GREEDY = SamplingParams(temperature=0.0)

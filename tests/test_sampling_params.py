@@ -6,8 +6,8 @@ import dataclasses
 
 import pytest
 
-from specdec.errors import InvalidRequestError
 from specdec.engine.sampling_params import SamplingParams
+from specdec.errors import InvalidRequestError
 
 
 def test_defaults_follow_vllm() -> None:

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from specdec.engine.block_manager import BlockManager
 from specdec.config import EngineConfig
+from specdec.engine.block_manager import BlockManager
 from specdec.engine.sampling_params import SamplingParams
 from specdec.engine.scheduler import Scheduler
 from specdec.engine.sequence import FinishReason, Sequence, SequenceStatus

@@ -17,8 +17,8 @@ from drafter_svc.proposer import ModelOptions
 from drafter_svc.server import start_drafter_server, stop_drafter_server
 from specdec.config import SpeculativeConfig
 from specdec.drafts import SHIPPED_DRAFTS, drafts_root, shipped_draft_dir
-from specdec.models.model_files import DEFAULT_MODEL, load_tokenizer, resolve_model
 from specdec.engine.sampling_params import SamplingParams
+from specdec.models.model_files import DEFAULT_MODEL, load_tokenizer, resolve_model
 from specdec.train.prompts import heldout_prompts
 from tests.engine_driver import generate
 from verifier_svc.builder import VerifierConfig, build_engine

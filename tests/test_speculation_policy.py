@@ -7,10 +7,24 @@ import random
 import pytest
 
 from verifier_svc.speculation.acceptance_stats import AcceptanceStats
-from verifier_svc.speculation.probe_schedule import (FIRST_PROBE_INTERVAL, HOPEFUL_RATE, MAX_PROBE_INTERVAL, PROBE_BUDGET,
-                                         PROBE_INTERVAL, hopeful_share)
-from verifier_svc.speculation.policy import COST_REFRESH_PLANS, Candidate, SpeculationPolicy
-from verifier_svc.speculation.step_cost import LinearCostModel, VerifyCostModel, _solve_linear
+from verifier_svc.speculation.policy import (
+    COST_REFRESH_PLANS,
+    Candidate,
+    SpeculationPolicy,
+)
+from verifier_svc.speculation.probe_schedule import (
+    FIRST_PROBE_INTERVAL,
+    HOPEFUL_RATE,
+    MAX_PROBE_INTERVAL,
+    PROBE_BUDGET,
+    PROBE_INTERVAL,
+    hopeful_share,
+)
+from verifier_svc.speculation.step_cost import (
+    LinearCostModel,
+    VerifyCostModel,
+    _solve_linear,
+)
 
 MS = 1e-3
 

@@ -21,20 +21,20 @@ import pytest_asyncio
 import torch
 
 from drafter_svc.server import start_drafter_server, stop_drafter_server
-from specdec.layers.attention import AttentionMetadata
 from specdec.config import SpeculativeConfig
-from specdec.errors import ConfigError
 from specdec.engine.kv_cache import KVCache
+from specdec.engine.sampling_params import SamplingParams
+from specdec.errors import ConfigError
+from specdec.layers.attention import AttentionMetadata
 from specdec.models.loader import load_model
 from specdec.models.parallel import ParallelContext, shard_tensor
-from specdec.engine.sampling_params import SamplingParams
 from tests.engine_driver import generate
 from tests.tiny_models import make_tiny_llama
+from verifier_svc import tp_worker
 from verifier_svc.builder import VerifierConfig, build_engine
 from verifier_svc.engine import Engine
 from verifier_svc.model_runner import StepInput
 from verifier_svc.requests import EngineError
-from verifier_svc import tp_worker
 from verifier_svc.server import RunningVerifier
 
 PROMPTS = [

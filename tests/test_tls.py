@@ -13,6 +13,7 @@ import subprocess
 from pathlib import Path
 
 import pytest
+from fake_verifier import FakeVerifier
 
 from drafter_svc import server as drafter_server
 from drafter_svc.server import start_drafter_server, stop_drafter_server
@@ -24,9 +25,8 @@ from specdec.errors import ConfigError, UnavailableError
 from specdec.rpc.grpc_server import GrpcServer
 from specdec.rpc.tls import GrpcTlsConfig, grpc_tls_from_args
 from specdec.v1 import specdec_pb2, specdec_pb2_grpc
-from fake_verifier import FakeVerifier
 from verifier_svc import __main__ as verifier_main
-from verifier_svc.drafting.drafter_pool import DraftRequest, DrafterPool
+from verifier_svc.drafting.drafter_pool import DrafterPool, DraftRequest
 
 pytestmark = pytest.mark.skipif(shutil.which("openssl") is None, reason="needs the openssl CLI")
 

@@ -26,7 +26,7 @@ from specdec.train.eagle_trainer import EagleTrainer
 from specdec.train.features import FeatureSet, choose_draft_vocab, extract_features
 from specdec.train.loop import TrainOptions, train
 from specdec.train.prompts import builtin_prompts, heldout_prompts, training_prompts
-from tests.test_model_drafting import K, NUM_LAYERS, serve_and_generate
+from tests.test_model_drafting import NUM_LAYERS, K, serve_and_generate
 from tests.tiny_models import make_tiny_llama
 
 DRAFT_VOCAB = 40
@@ -137,8 +137,8 @@ def test_the_token_map_phase_writes_eagle3s_draft_vocabulary(target, features, t
     as a map specdec's loader reads (specdec/models/token_map.py)."""
     import argparse
 
-    from specdec.train.cli import run_token_map
     from specdec.models.token_map import load_token_map
+    from specdec.train.cli import run_token_map
 
     features.save(tmp_path / "features.pt")
     args = argparse.Namespace(model=str(target), work_dir=tmp_path, output=None, draft_vocab_size=DRAFT_VOCAB)

@@ -21,7 +21,7 @@ from tests.engine_driver import generate
 from tests.tiny_models import make_tiny_llama
 from verifier_svc.builder import VerifierConfig, build_engine
 from verifier_svc.drafting.drafter_errors import DrafterErrors
-from verifier_svc.drafting.drafter_pool import DraftRequest, DrafterPool
+from verifier_svc.drafting.drafter_pool import DrafterPool, DraftRequest
 from verifier_svc.metrics import VerifierMetrics
 from verifier_svc.server import start_verifier
 
@@ -243,8 +243,9 @@ def test_the_served_name_of_a_model() -> None:
 
 
 def test_the_launcher_gives_the_verifier_the_name_not_the_path() -> None:
-    from specdec.launcher import _child_commands, add_serve_args
     import argparse
+
+    from specdec.launcher import _child_commands, add_serve_args
 
     parser = argparse.ArgumentParser()
     add_serve_args(parser)

@@ -9,13 +9,23 @@ import sys
 
 import torch
 
-from specdec.cli import (ADDITIONAL_CONFIG_KEYS, add_engine_args, add_logging_args,
-                         add_model_args, add_shutdown_args, add_speculative_args,
-                         setup_logging)
+from specdec.cli import (
+    ADDITIONAL_CONFIG_KEYS,
+    add_engine_args,
+    add_logging_args,
+    add_model_args,
+    add_shutdown_args,
+    add_speculative_args,
+    setup_logging,
+)
 from specdec.config import SpeculativeConfig, parse_additional_config
 from specdec.errors import ConfigError
 from specdec.rpc.grpc_server import wait_for_signal
-from specdec.rpc.internal_auth import add_internal_auth_args, check_server_token, load_internal_token
+from specdec.rpc.internal_auth import (
+    add_internal_auth_args,
+    check_server_token,
+    load_internal_token,
+)
 from specdec.rpc.tls import add_grpc_tls_args, grpc_tls_from_args
 from verifier_svc.builder import VerifierConfig, compile_by_default
 from verifier_svc.server import start_verifier

@@ -11,19 +11,23 @@ from pathlib import Path
 
 import torch
 
-from specdec.engine.block_manager import BlockManager
 from specdec.cli import served_model_name
 from specdec.config import EngineConfig, SpeculativeConfig, default_draft_timeout_s
 from specdec.device import device_memory_bytes, resolve_device, resolve_dtype
-from specdec.errors import ConfigError
+from specdec.engine.block_manager import BlockManager
 from specdec.engine.kv_cache import KVCache
+from specdec.engine.scheduler import Scheduler
+from specdec.errors import ConfigError
 from specdec.models.compiled_forward import CompiledForward, linears_to_pack, warm_up
 from specdec.models.cpu_stack import CpuDecoderStack, make_cpu_stack
 from specdec.models.loader import load_model, load_model_config
-from specdec.models.model_files import load_tokenizer, resolve_model, tokenizer_fingerprint
+from specdec.models.model_files import (
+    load_tokenizer,
+    resolve_model,
+    tokenizer_fingerprint,
+)
 from specdec.models.packed_linear import choose_kernel, pack_linears
 from specdec.models.parallel import ParallelContext, check_tensor_parallel
-from specdec.engine.scheduler import Scheduler
 from specdec.rpc.tls import GrpcTlsConfig
 from verifier_svc.drafting.drafter_pool import DrafterPool
 from verifier_svc.engine import Engine

@@ -37,14 +37,24 @@ from typing import TYPE_CHECKING
 import torch
 
 from specdec.config import EngineConfig
-from specdec.errors import SpecdecError, UnavailableError
-from specdec.engine.rejection_sampler import accept_greedy, argmax_ids, needs_only_argmax, verify
+from specdec.engine.rejection_sampler import (
+    accept_greedy,
+    argmax_ids,
+    needs_only_argmax,
+    verify,
+)
 from specdec.engine.sampling_params import SamplingParams
 from specdec.engine.scheduler import ScheduledSequence, Scheduler
 from specdec.engine.sequence import FinishReason, Sequence, SpeculationCounters
-from verifier_svc.drafting.drafter_pool import Draft, DraftRequest, DrafterPool
+from specdec.errors import SpecdecError, UnavailableError
+from verifier_svc.drafting.drafter_pool import Draft, DrafterPool, DraftRequest
 from verifier_svc.model_runner import ModelRunner, PreparedBatch, StepInput
-from verifier_svc.requests import EngineError, RequestOutput, check_admission, check_request
+from verifier_svc.requests import (
+    EngineError,
+    RequestOutput,
+    check_admission,
+    check_request,
+)
 from verifier_svc.speculation.policy import Candidate, SpeculationPolicy
 
 if TYPE_CHECKING:

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Iterator
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 from prometheus_client import CollectorRegistry, Histogram, start_http_server
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
@@ -18,16 +18,32 @@ from prometheus_client.registry import Collector
 from specdec.latency_metrics import RequestLatency
 
 if TYPE_CHECKING:
-    from specdec.engine.sequence import Sequence
-    from verifier_svc.engine import Engine
+    from specdec.engine.scheduler import Scheduler
+    from specdec.engine.sequence import Sequence, SpeculationCounters
+    from verifier_svc.drafting.drafter_pool import DrafterPool
 
 logger = logging.getLogger(__name__)
+
+class EngineState(Protocol):
+    """What the collector reads of the engine at scrape time (the engine satisfies it; this
+    module does not import the engine, which holds a VerifierMetrics)."""
+
+    spec: SpeculationCounters
+    scheduler: Scheduler
+    drafter_pool: DrafterPool | None
+
+    @property
+    def num_running(self) -> int: ...
+
+    @property
+    def num_waiting(self) -> int: ...
+
 
 _RPC_BUCKETS = (0.0002, 0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.25, 0.5, 1.0, 2.0)
 
 
 class _EngineCollector(Collector):
-    def __init__(self, engine: Engine, model_name: str) -> None:
+    def __init__(self, engine: EngineState, model_name: str) -> None:
         self.engine = engine
         self.model_name = model_name
 
@@ -82,7 +98,7 @@ class _EngineCollector(Collector):
 class VerifierMetrics:
     """The verifier's registry; `serve(port)` exposes it over HTTP at /metrics."""
 
-    def __init__(self, engine: Engine, model_name: str) -> None:
+    def __init__(self, engine: EngineState, model_name: str) -> None:
         self.registry = CollectorRegistry(auto_describe=True)
         self.model_name = model_name
         self.port: int | None = None

@@ -14,8 +14,8 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from specdec.layers.attention import AttentionMetadata
 from specdec.engine.kv_cache import KVCache
+from specdec.layers.attention import AttentionMetadata
 from specdec.models.llama import LlamaForCausalLM
 
 if TYPE_CHECKING:

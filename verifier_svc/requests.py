@@ -11,9 +11,9 @@ import asyncio
 from dataclasses import dataclass
 
 from specdec.config import EngineConfig
-from specdec.errors import InvalidRequestError, OverloadedError, SpecdecError
 from specdec.engine.sampling_params import SamplingParams
 from specdec.engine.sequence import FinishReason, SpeculationCounters
+from specdec.errors import InvalidRequestError, OverloadedError, SpecdecError
 
 
 @dataclass(slots=True)

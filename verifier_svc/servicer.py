@@ -14,10 +14,10 @@ from collections.abc import AsyncIterator
 
 import grpc
 
-from specdec.errors import SpecdecError
-from specdec.rpc.grpc_status import error_details, status_for
 from specdec.engine.sampling_params import SamplingParams
 from specdec.engine.sequence import FinishReason, SpeculationCounters
+from specdec.errors import SpecdecError
+from specdec.rpc.grpc_status import error_details, status_for
 from specdec.v1 import specdec_pb2, specdec_pb2_grpc
 from verifier_svc.builder import ServedModel
 from verifier_svc.engine import Engine

@@ -40,9 +40,9 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from specdec.layers.attention import AttentionMetadata
 from specdec.device import DTYPES
 from specdec.engine.kv_cache import KVCache
+from specdec.layers.attention import AttentionMetadata
 from specdec.models.parallel import ParallelContext
 
 logger = logging.getLogger("verifier_svc.tp_worker")  # also when run as __main__

@@ -29,20 +29,39 @@ from typing import Any
 import torch
 
 from gateway.chat import render_chat_prompt
-from specdec.bench.decode import PROMPTS
 from specdec.bench.compare_report import format_table, summarise
-from specdec.bench.compare_systems import (LLAMA_CPP_MISSING, Generation, LlamaCppSystem,
-                                           SpecdecEngine, SpecdecSystem, System,
-                                           TransformersSystem, Unavailable, assisted_kwargs,
-                                           llama_cpp_installed, load_assistant,
-                                           load_transformers_model, prompt_lookup_kwargs)
+from specdec.bench.compare_systems import (
+    LLAMA_CPP_MISSING,
+    Generation,
+    LlamaCppSystem,
+    SpecdecEngine,
+    SpecdecSystem,
+    System,
+    TransformersSystem,
+    Unavailable,
+    assisted_kwargs,
+    llama_cpp_installed,
+    load_assistant,
+    load_transformers_model,
+    prompt_lookup_kwargs,
+)
+from specdec.bench.decode import PROMPTS
 from specdec.config import TOKEN_MAP_METHODS, SpeculativeConfig
 from specdec.device import resolve_device, resolve_dtype
 from specdec.errors import ConfigError
-from specdec.models.gguf_precision import PRECISIONS, gguf_at_precision, precision_for_dtype
+from specdec.models.gguf_precision import (
+    PRECISIONS,
+    gguf_at_precision,
+    precision_for_dtype,
+)
 from specdec.models.loader import load_model_config
-from specdec.models.model_files import (DEFAULT_MODEL, default_cache_dir, fetch_default_gguf,
-                                        load_tokenizer, resolve_model)
+from specdec.models.model_files import (
+    DEFAULT_MODEL,
+    default_cache_dir,
+    fetch_default_gguf,
+    load_tokenizer,
+    resolve_model,
+)
 from verifier_svc.builder import compile_by_default
 
 logger = logging.getLogger(__name__)

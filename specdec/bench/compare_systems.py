@@ -30,9 +30,9 @@ from drafter_svc.proposer import ModelOptions
 from drafter_svc.server import start_drafter_server, stop_drafter_server
 from specdec.config import SpeculativeConfig
 from specdec.device import resolve_device, resolve_dtype
-from specdec.errors import ConfigError, SpecdecError
 from specdec.engine.sampling_params import SamplingParams
 from specdec.engine.sequence import SpeculationCounters
+from specdec.errors import ConfigError, SpecdecError
 from verifier_svc.builder import VerifierConfig, build_engine
 from verifier_svc.engine import Engine
 from verifier_svc.requests import collect_outputs

@@ -49,9 +49,9 @@ from specdec.bench.decode import start_engine
 from specdec.bench.serve_requests import SHIPPED_DATASETS, BenchRequest, load_requests
 from specdec.cli import add_engine_args, add_logging_args, add_model_args, setup_logging
 from specdec.config import SpeculativeConfig
+from specdec.engine.sampling_params import SamplingParams
 from specdec.errors import ConfigError
 from specdec.models.model_files import load_tokenizer, resolve_model
-from specdec.engine.sampling_params import SamplingParams
 from verifier_svc.engine import Engine, StepRecord
 from verifier_svc.requests import collect_outputs
 

@@ -34,9 +34,9 @@ from gateway.chat import render_chat_prompt
 from specdec.cli import add_engine_args, add_logging_args, add_model_args
 from specdec.config import SpeculativeConfig
 from specdec.device import resolve_device, resolve_dtype
-from specdec.models.model_files import load_tokenizer, resolve_model
 from specdec.engine.sampling_params import SamplingParams
 from specdec.engine.sequence import SpeculationCounters
+from specdec.models.model_files import load_tokenizer, resolve_model
 from verifier_svc.builder import VerifierConfig, build_engine, compile_by_default
 from verifier_svc.engine import Engine
 from verifier_svc.requests import collect_outputs

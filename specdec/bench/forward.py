@@ -25,8 +25,8 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from specdec.layers.attention import AttentionMetadata
 from specdec.engine.kv_cache import KVCache
+from specdec.layers.attention import AttentionMetadata
 from specdec.models.compiled_forward import CompiledForward, linears_to_pack, warm_up
 from specdec.models.cpu_stack import CpuDecoderStack
 from specdec.models.loader import load_model

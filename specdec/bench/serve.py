@@ -37,14 +37,31 @@ from typing import Any
 
 import httpx
 
-from specdec.bench.serve_compare import (compare, format_comparison, format_run, parse_settings,
-                                         parse_speculation, run_rounds)
-from specdec.bench.serve_report import (SpecCounters, format_summary,
-                                        parse_speculation_metrics, responses_speculation,
-                                        summarise, write_plot)
-from specdec.bench.serve_requests import (DEFAULT_MAX_TOKENS, ENDPOINTS, BenchRequest,
-                                          RequestResult, describe_error, load_requests,
-                                          send_request)
+from specdec.bench.serve_compare import (
+    compare,
+    format_comparison,
+    format_run,
+    parse_settings,
+    parse_speculation,
+    run_rounds,
+)
+from specdec.bench.serve_report import (
+    SpecCounters,
+    format_summary,
+    parse_speculation_metrics,
+    responses_speculation,
+    summarise,
+    write_plot,
+)
+from specdec.bench.serve_requests import (
+    DEFAULT_MAX_TOKENS,
+    ENDPOINTS,
+    BenchRequest,
+    RequestResult,
+    describe_error,
+    load_requests,
+    send_request,
+)
 
 __all__ = ["BenchConfig", "BenchReport", "BenchRequest", "RequestResult", "load_requests",
            "main", "run_benchmark", "summarise", "format_summary"]

@@ -11,13 +11,31 @@ import math
 import sys
 from collections import Counter
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 from prometheus_client.parser import text_string_to_metric_families
 
 if TYPE_CHECKING:
-    from specdec.bench.serve import BenchReport
     from specdec.bench.serve_requests import RequestResult
+
+class RunSettings(Protocol):
+    """What a summary reports of how a run was made (`bench serve`'s BenchConfig)."""
+
+    base_url: str
+    request_rate: float
+    max_concurrency: int | None
+
+
+class BenchRun(Protocol):
+    """A finished run as `summarise` reads it (`bench serve`'s BenchReport): this module
+    sits below the command, so it names what it reads rather than importing it."""
+
+    config: RunSettings
+    model: str | None
+    results: list[RequestResult]
+    duration_s: float
+    metrics_delta: SpecCounters | None
+
 
 # Gateway counters (prometheus_client exports a Counter `x` as `x_total`).
 _METRIC_FIELDS = {
@@ -91,7 +109,7 @@ def responses_speculation(results: list[RequestResult]) -> SpecCounters:
 
 # ------------------------------------------------------------------ figures
 
-def summarise(report: BenchReport) -> dict[str, Any]:
+def summarise(report: BenchRun) -> dict[str, Any]:
     """Every figure the command prints, JSON-ready (None where there is no data)."""
     config, results = report.config, report.results
     ok = [r for r in results if r.success]

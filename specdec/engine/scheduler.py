@@ -17,8 +17,8 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from specdec.engine.block_manager import BlockManager
 from specdec.config import EngineConfig
+from specdec.engine.block_manager import BlockManager
 from specdec.engine.sequence import FinishReason, Sequence, SequenceStatus
 
 

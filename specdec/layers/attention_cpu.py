@@ -18,7 +18,7 @@ from types import ModuleType
 
 import torch
 
-from specdec.layers.attention import AttentionMetadata
+from specdec.layers.attention_metadata import AttentionMetadata
 
 
 class CpuPagedAttention:

@@ -36,7 +36,8 @@ from types import ModuleType
 import torch
 from torch.nn.utils.rnn import pad_sequence
 
-from specdec.layers.attention import AttentionMetadata, TorchPagedAttention, write_kv
+from specdec.layers.attention_metadata import AttentionMetadata
+from specdec.layers.attention_torch import TorchPagedAttention, write_kv
 
 logger = logging.getLogger(__name__)
 

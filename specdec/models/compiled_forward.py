@@ -30,8 +30,8 @@ from dataclasses import dataclass
 
 import torch
 
-from specdec.layers.attention import AttentionBackend, AttentionMetadata
 from specdec.engine.kv_cache import KVCache
+from specdec.layers.attention import AttentionBackend, AttentionMetadata
 
 logger = logging.getLogger(__name__)
 

@@ -25,9 +25,9 @@ import os
 import torch
 from torch import nn
 
+from specdec.engine.kv_cache import KVCache
 from specdec.layers.attention import AttentionMetadata
 from specdec.layers.cpu_extension import linear_supports, load_extension
-from specdec.engine.kv_cache import KVCache
 from specdec.models.llama import LlamaForCausalLM, check_aux_layer_ids
 from specdec.models.packed_linear import PackedLinear
 from specdec.models.weight_arena import move_into_arena

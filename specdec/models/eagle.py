@@ -36,9 +36,14 @@ from typing import Any
 import torch
 from torch import nn
 
-from specdec.layers.attention import AttentionBackend, AttentionMetadata, TorchPagedAttention, make_attention_backend
-from specdec.errors import ConfigError
 from specdec.engine.kv_cache import KVCache
+from specdec.errors import ConfigError
+from specdec.layers.attention import (
+    AttentionBackend,
+    AttentionMetadata,
+    TorchPagedAttention,
+    make_attention_backend,
+)
 from specdec.models.llama import LlamaDecoderLayer, RotaryEmbedding
 from specdec.models.loader import _iter_tensors, _weight_files, load_model_config
 from specdec.models.model_config import SUPPORTED_MODEL_TYPES, ModelConfig
@@ -66,7 +71,9 @@ def read_checkpoint(model_dir: Path, keep: Callable[[str], bool] | None = None) 
     tensors: dict[str, torch.Tensor] = {}
     for path in _weight_files(Path(model_dir)):
         if path.suffix == ".safetensors" and keep is not None:
-            from safetensors import safe_open  # read only the wanted tensors of a large target
+            from safetensors import (
+                safe_open,  # read only the wanted tensors of a large target
+            )
 
             try:
                 with safe_open(str(path), framework="pt", device="cpu") as reader:

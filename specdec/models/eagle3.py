@@ -40,10 +40,20 @@ from typing import Any
 import torch
 from torch import nn
 
-from specdec.layers.attention import AttentionBackend, AttentionMetadata, TorchPagedAttention, make_attention_backend
-from specdec.errors import ConfigError
 from specdec.engine.kv_cache import KVCache
-from specdec.models.eagle import TargetParts, fill_parameters, head_model_config, read_checkpoint
+from specdec.errors import ConfigError
+from specdec.layers.attention import (
+    AttentionBackend,
+    AttentionMetadata,
+    TorchPagedAttention,
+    make_attention_backend,
+)
+from specdec.models.eagle import (
+    TargetParts,
+    fill_parameters,
+    head_model_config,
+    read_checkpoint,
+)
 from specdec.models.llama import LlamaAttention, LlamaMLP, RMSNorm, RotaryEmbedding
 from specdec.models.model_config import ModelConfig
 

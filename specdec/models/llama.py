@@ -25,8 +25,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from specdec.layers.attention import AttentionBackend, AttentionMetadata, TorchPagedAttention
 from specdec.engine.kv_cache import KVCache
+from specdec.layers.attention import (
+    AttentionBackend,
+    AttentionMetadata,
+    TorchPagedAttention,
+)
 from specdec.models.linear import Linear
 from specdec.models.model_config import ModelConfig
 

@@ -20,12 +20,17 @@ from typing import Any
 
 import torch
 
-from specdec.layers.attention import make_attention_backend
 from specdec.errors import ConfigError
+from specdec.layers.attention import make_attention_backend
 from specdec.models.llama import LlamaForCausalLM
 from specdec.models.model_config import ModelConfig
-from specdec.models.parallel import (ParallelContext, finish_loading, install_all_reduce,
-                                     rank_config, shard_tensor)
+from specdec.models.parallel import (
+    ParallelContext,
+    finish_loading,
+    install_all_reduce,
+    rank_config,
+    shard_tensor,
+)
 
 logger = logging.getLogger(__name__)
 

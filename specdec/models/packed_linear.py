@@ -37,8 +37,8 @@ import logging
 import torch
 from torch import nn
 
-from specdec.layers.cpu_extension import linear_supports
 from specdec.errors import ConfigError
+from specdec.layers.cpu_extension import linear_supports
 
 logger = logging.getLogger(__name__)
 

@@ -20,9 +20,9 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from specdec.engine.sampling_params import SamplingParams
 from specdec.models.loader import load_model_config
 from specdec.models.model_files import load_tokenizer, resolve_model
-from specdec.engine.sampling_params import SamplingParams
 from specdec.train.progress import Progress
 from verifier_svc.builder import VerifierConfig, build_engine
 from verifier_svc.engine import Engine

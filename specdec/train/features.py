@@ -23,8 +23,8 @@ from pathlib import Path
 
 import torch
 
-from specdec.layers.attention import AttentionMetadata
 from specdec.engine.kv_cache import KVCache
+from specdec.layers.attention import AttentionMetadata
 from specdec.models.llama import LlamaForCausalLM
 from specdec.train.progress import Progress
 

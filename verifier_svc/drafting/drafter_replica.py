@@ -10,17 +10,23 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from typing import TYPE_CHECKING
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Protocol
 
 import grpc
 
 from specdec.errors import DrafterMismatchError
 from specdec.rpc.tls import open_channel
 from specdec.v1 import specdec_pb2, specdec_pb2_grpc
-from verifier_svc.drafting.drafter_errors import REFUSED, STREAM_ERROR, UNAVAILABLE
+from verifier_svc.drafting.drafter_errors import (
+    REFUSED,
+    STREAM_ERROR,
+    UNAVAILABLE,
+    DrafterErrors,
+)
 
 if TYPE_CHECKING:
-    from verifier_svc.drafting.drafter_pool import DrafterPool
+    from specdec.rpc.tls import GrpcTlsConfig
 
 logger = logging.getLogger(__name__)
 
@@ -29,10 +35,28 @@ _GET_INFO_TIMEOUT_S = 5.0
 _MAX_UNANSWERED_STEPS = 32
 
 
+class ReplicaOwner(Protocol):
+    """What a replica needs of its pool (`DrafterPool` is one): connection settings, the
+    drafter check, error counts, and the hooks that move its sequences elsewhere."""
+
+    tls: GrpcTlsConfig | None
+    internal_token: str | None
+    channel_options: Sequence[tuple[str, object]]
+    backoff_initial_s: float
+    backoff_max_s: float
+    errors: DrafterErrors
+
+    def check_info(self, info: specdec_pb2.DrafterInfo) -> DrafterMismatchError | None: ...
+
+    def mark_needs_resync(self, replica: DrafterReplica, seq_id: int) -> None: ...
+
+    def drop_replica_sequences(self, replica: DrafterReplica) -> None: ...
+
+
 class DrafterReplica:
     """One drafter address: a channel, one long-lived Propose stream, a health flag."""
 
-    def __init__(self, pool: DrafterPool, address: str) -> None:
+    def __init__(self, pool: ReplicaOwner, address: str) -> None:
         self.pool = pool
         self.address = address
         self.healthy = False

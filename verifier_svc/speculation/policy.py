@@ -55,12 +55,21 @@ first asks that was cheaper than the steady estimate corrects it.
 from __future__ import annotations
 
 import heapq
-from dataclasses import dataclass
 
 from verifier_svc.speculation import probe_schedule
 from verifier_svc.speculation.acceptance_stats import AcceptanceStats, ProposalStats
-from verifier_svc.speculation.probe_schedule import FREE_FIRST_ASK_TOKENS, MAX_PROBE_INTERVAL, PROBE_BUDGET, ProbeSchedule
-from verifier_svc.speculation.step_cost import FirstAskCost, LinearCostModel, VerifyCostModel
+from verifier_svc.speculation.candidate import Candidate
+from verifier_svc.speculation.probe_schedule import (
+    FREE_FIRST_ASK_TOKENS,
+    MAX_PROBE_INTERVAL,
+    PROBE_BUDGET,
+    ProbeSchedule,
+)
+from verifier_svc.speculation.step_cost import (
+    FirstAskCost,
+    LinearCostModel,
+    VerifyCostModel,
+)
 
 # Weight of the engine-wide rate in a sequence's estimate, in drafts.
 PRIOR_WEIGHT = 2.0
@@ -73,14 +82,6 @@ INITIAL_RATE = 0.6
 # prices: the drafter's cost is measured only by asking, and a high estimate that stops
 # every ask would never be corrected (see the module docstring).
 COST_REFRESH_PLANS = 2 * MAX_PROBE_INTERVAL
-
-
-@dataclass(slots=True)
-class Candidate:
-    """A sequence the plan may draft for."""
-
-    seq_id: int
-    max_tokens: int  # the cap: request override, room left, server k
 
 
 class SpeculationPolicy:

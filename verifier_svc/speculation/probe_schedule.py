@@ -51,7 +51,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from verifier_svc.speculation.policy import Candidate
+    from verifier_svc.speculation.candidate import Candidate
 
 # Steps a sequence may go undrafted before one draft token is verified to re-measure:
 # FIRST_PROBE_INTERVAL, doubling per fruitless probe up to PROBE_INTERVAL (powers of two).

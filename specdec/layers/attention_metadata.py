@@ -1,0 +1,47 @@
+"""Paged attention's per-step metadata and the interface every backend implements.
+
+Terms:
+- *flat batch*: the input tokens of all scheduled sequences concatenated into one
+  `[num_tokens]` vector; a sequence contributes a prefill chunk, one decode token, or
+  1 + k tokens to verify.
+- *context length*: how many tokens of a sequence the cache holds once this step's tokens are
+  written. Query token j of sequence i (query length q_i) sits at position
+  `context_lens[i] - q_i + j` and attends causally to cache positions `[0, that position]`
+  (a bottom-right aligned causal mask).
+
+Faster backends (fused NPU attention, CUDA kernels) implement `AttentionBackend` and are
+tested against `TorchPagedAttention`, which uses plain torch ops only so that it runs on
+cpu, cuda and npu.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+
+
+@dataclass(slots=True)
+class AttentionMetadata:
+    """Where this step's tokens go in the paged cache and what each one may attend to."""
+
+    slot_mapping: torch.Tensor  # [num_tokens] int64: cache slot (block_id * block_size + offset) where each input token's K/V is written
+    query_start_locs: list[int]  # [num_seqs + 1]; sequence i's input tokens are input[query_start_locs[i]:query_start_locs[i+1]]
+    context_lens: list[int]  # [num_seqs]: tokens in sequence i's cache once this step's tokens are written (= last query position + 1)
+    block_tables: list[torch.Tensor]  # per sequence int64 [num_blocks_i], enough blocks to cover context_lens[i]
+
+
+class AttentionBackend(Protocol):
+    """Writes this step's K/V into the paged cache, then attends every query token."""
+
+    def forward(
+        self,
+        query: torch.Tensor,  # [num_tokens, num_heads, head_dim]
+        key: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
+        value: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
+        key_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
+        value_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
+        metadata: AttentionMetadata,
+    ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
+        ...
