@@ -88,3 +88,40 @@ def test_a_prebuilt_build_is_imported_not_compiled(tmp_path: Path) -> None:
     assert "OPS True" in result.stdout
     assert f"variant {supported_variants()[0].name}, prebuilt" in result.stderr
     assert not (tmp_path / "jit").exists()
+
+
+def test_each_checkout_builds_in_a_folder_of_its_own(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    # Two checkouts of the same sources share the module's name but must not share a build
+    # folder: each would rewrite the other's build.ninja and rebuild in turn.
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
+    here = cpu_extension.build_directory("specdec_cpu_x")
+    monkeypatch.setattr(cpu_extension, "CSRC", tmp_path / "other-checkout" / "csrc")
+    there = cpu_extension.build_directory("specdec_cpu_x")
+    assert here != there
+    assert here.parent == there.parent == tmp_path / f"py{sys.version_info.major}{sys.version_info.minor}_cpu"
+    assert here.name.startswith("specdec_cpu_x-") and there.name.startswith("specdec_cpu_x-")
+
+
+def test_a_dead_builders_lock_is_removed_and_a_live_one_waited_for(
+        monkeypatch: pytest.MonkeyPatch, tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    lock = tmp_path / "lock"
+    lock.touch()
+    old = lock.stat().st_mtime - cpu_extension.STALE_LOCK_S - 5
+    os.utime(lock, (old, old))
+    with caplog.at_level(logging.WARNING, logger=cpu_extension.__name__):
+        cpu_extension._clear_stale_lock(lock)
+    assert not lock.exists()
+    assert "stale" in caplog.text
+
+    # A lock with recent work beside it belongs to a live build: wait until it goes away.
+    lock.touch()
+    sleeps = []
+
+    def builder_finishes(seconds: float) -> None:
+        sleeps.append(seconds)
+        if len(sleeps) == 3:
+            lock.unlink()
+
+    monkeypatch.setattr(cpu_extension.time, "sleep", builder_finishes)
+    cpu_extension._clear_stale_lock(lock)
+    assert len(sleeps) == 3 and not lock.exists()

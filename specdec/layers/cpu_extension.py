@@ -36,6 +36,7 @@ import platform
 import shutil
 import sys
 import tempfile
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from types import ModuleType
@@ -48,6 +49,9 @@ CSRC = Path(__file__).parent / "csrc"
 SOURCES = tuple(CSRC / name for name in ("paged_attention_cpu.cpp", "linear_cpu.cpp", "decoder_cpu.cpp"))
 HEADERS = (CSRC / "cpu_kernels.h",)
 PREBUILT_ENV = "SPECDEC_CPU_KERNELS_DIR"
+# A build lock this long untouched (nor anything beside it) was left by a dead builder;
+# one object file took at most ~35 s here on 2 loaded cores.
+STALE_LOCK_S = 180.0
 BASE_FLAGS = ("-O3", "-fopenmp")
 
 
@@ -117,15 +121,51 @@ def _build_and_load() -> ModuleType | None:
 
     variant = supported_variants()[0]
     flags = [*BASE_FLAGS, *variant.cflags]
+    name = build_name(variant)
+    build_dir = build_directory(name)
+    build_dir.mkdir(parents=True, exist_ok=True)
+    _clear_stale_lock(build_dir / "lock")
     try:
-        module = cpp_extension.load(name=build_name(variant), sources=[str(s) for s in SOURCES],
-                                    extra_cflags=flags, extra_ldflags=["-fopenmp"], verbose=False)
+        module = cpp_extension.load(name=name, sources=[str(s) for s in SOURCES],
+                                    extra_cflags=flags, extra_ldflags=["-fopenmp"],
+                                    build_directory=str(build_dir), verbose=False)
     except Exception as error:  # a missing compiler or ninja, or a failed build
         logger.warning("specdec's C++ CPU kernels could not be built here (%s: %s); "
                        "using the plain-torch paths", type(error).__name__, error)
         return None
     logger.info("specdec's C++ CPU kernels: variant %s, built on this machine (or its cache)", variant.name)
     return module
+
+
+def build_directory(name: str) -> Path:
+    """Where this checkout builds `name`: under `$TORCH_EXTENSIONS_DIR` (default
+    `~/.cache/torch_extensions`), one directory per source folder. Two checkouts of the same
+    sources (a CI clone beside a work tree) share the module name but not the folder, since
+    each would otherwise rewrite the other's build file and rebuild in turn."""
+    root = Path(os.environ.get("TORCH_EXTENSIONS_DIR") or Path.home() / ".cache" / "torch_extensions")
+    checkout = hashlib.sha256(str(CSRC.resolve()).encode()).hexdigest()[:8]
+    return root / f"py{sys.version_info.major}{sys.version_info.minor}_cpu" / f"{name}-{checkout}"
+
+
+def _clear_stale_lock(lock: Path) -> None:
+    """Waits out another process's build, and removes the lock of one that died.
+
+    torch waits for a lock to go away and never asks whether its holder lives, so a process
+    killed mid-build (a SIGKILLed server child) would hang every later start. A live build
+    writes into its folder at least every minute or so (one object file each); a lock with
+    nothing newer beside it for STALE_LOCK_S was left by a dead builder."""
+    while lock.exists():
+        try:
+            newest = max(entry.stat().st_mtime for entry in lock.parent.iterdir())
+        except (OSError, ValueError):  # the lock went away meanwhile
+            continue
+        idle_s = time.time() - newest
+        if idle_s >= STALE_LOCK_S:
+            logger.warning("removing a stale C++ kernel build lock %s (nothing built for %.0f s)",
+                           lock, idle_s)
+            lock.unlink(missing_ok=True)
+            return
+        time.sleep(1.0)
 
 
 def _load_prebuilt(directory: Path) -> ModuleType | None:
