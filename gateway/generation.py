@@ -51,12 +51,21 @@ def build_generate_request(prompt_token_ids: list[int], sampling: SamplingOption
     max_tokens = sampling.max_tokens
     if max_tokens is None:
         max_tokens = max_model_len - num_prompt_tokens
+        if sampling.min_tokens > max_tokens:
+            raise InvalidRequestError(
+                f"min_tokens ({sampling.min_tokens}) must be at most the room left in the "
+                f"context ({max_tokens} tokens).", "min_tokens")
     elif num_prompt_tokens + max_tokens > max_model_len:
         raise InvalidRequestError(
             f"This model's maximum context length is {max_model_len} tokens. However, you "
             f"requested {num_prompt_tokens + max_tokens} tokens ({num_prompt_tokens} in the "
             f"{prompt_param}, {max_tokens} in the completion). Please reduce the length of "
             f"the {prompt_param} or max_tokens.", "max_tokens")
+    bad = next((t for t, _ in sampling.logit_bias if t >= info.vocab_size), None)
+    if bad is not None:
+        raise InvalidRequestError(
+            f"logit_bias token id {bad} is outside the vocabulary (size {info.vocab_size}).",
+            "logit_bias")
     speculation = specdec_pb2.SpeculationOverride()
     if sampling.speculation is not None:
         speculation.enabled = sampling.speculation.enabled
@@ -75,6 +84,11 @@ def build_generate_request(prompt_token_ids: list[int], sampling: SamplingOption
         max_tokens=max_tokens,
         stop_token_ids=sampling.stop_token_ids,
         ignore_eos=sampling.ignore_eos,
+        presence_penalty=sampling.presence_penalty,
+        frequency_penalty=sampling.frequency_penalty,
+        min_tokens=sampling.min_tokens,
+        logit_bias=dict(sampling.logit_bias),
+        min_p=sampling.min_p,
     )
     if sampling.seed is not None:
         params.seed = sampling.seed

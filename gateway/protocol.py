@@ -1,7 +1,9 @@
 """OpenAI request bodies -> validated domain objects.
 
 Every field has explicit bounds; every rejection is an `InvalidRequestError` naming the
-field. Unknown fields are ignored (clients send many); `null` means "use the default".
+field. A known OpenAI (or vLLM) field that specdec cannot honour is refused with a 400 naming
+it when set to anything but its default, never silently ignored; truly unknown fields are
+ignored (clients send many). `null` means "use the default".
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
+from gateway.unhonoured_fields import refuse_unhonoured_fields
 from specdec.errors import InvalidRequestError
 
 MAX_TEMPERATURE = 100.0
@@ -36,6 +39,12 @@ class SamplingOptions:
     top_p: float
     top_k: int
     repetition_penalty: float
+    presence_penalty: float
+    frequency_penalty: float
+    min_p: float
+    min_tokens: int
+    # (token id, bias) pairs; ids are checked against the vocabulary in generation.py.
+    logit_bias: tuple[tuple[int, float], ...]
     # None: generate up to max_model_len (vLLM's default).
     max_tokens: int | None
     stop: tuple[str, ...]
@@ -254,12 +263,40 @@ def _reject_unsupported(body: dict[str, Any]) -> None:
     best_of = _integer(body, "best_of", minimum=1, maximum=2**31 - 1)
     if best_of is not None and best_of != 1:
         raise InvalidRequestError("Only best_of=1 is supported.", "best_of")
-    for name in ("presence_penalty", "frequency_penalty"):
-        if _number(body, name, 0.0, minimum=-2.0, maximum=2.0) != 0.0:
-            raise InvalidRequestError(f"{name} is not supported; use repetition_penalty.", name)
     logprobs = body.get("logprobs")
     if logprobs is not None and logprobs is not False:
         raise InvalidRequestError("logprobs are not supported.", "logprobs")
+    top_logprobs = body.get("top_logprobs")
+    if top_logprobs is not None and top_logprobs != 0:
+        raise InvalidRequestError("top_logprobs is not supported.", "top_logprobs")
+    refuse_unhonoured_fields(body)
+
+
+def _logit_bias(body: dict[str, Any]) -> tuple[tuple[int, float], ...]:
+    """OpenAI's logit_bias: an object of token id (a decimal string) -> bias in [-100, 100]."""
+    value = body.get("logit_bias")
+    if value is None:
+        return ()
+    if not isinstance(value, dict):
+        raise InvalidRequestError(
+            f"logit_bias must be an object mapping token ids to biases, got "
+            f"{_type_name(value)}.", "logit_bias")
+    pairs: dict[int, float] = {}
+    for key, bias in value.items():
+        if not (isinstance(key, str) and key.isdecimal() and len(key) <= 10):
+            raise InvalidRequestError(
+                f"logit_bias keys must be token ids (non-negative integers), got {key!r}.",
+                "logit_bias")
+        if isinstance(bias, bool) or not isinstance(bias, (int, float)) or not (
+                -100.0 <= bias <= 100.0):
+            raise InvalidRequestError(
+                f"logit_bias values must be numbers in [-100, 100], got {bias!r} for token "
+                f"{key}.", "logit_bias")
+        token_id = int(key)
+        if token_id in pairs:  # "7" and "07"
+            raise InvalidRequestError(f"logit_bias names token {token_id} twice.", "logit_bias")
+        pairs[token_id] = float(bias)
+    return tuple(sorted(pairs.items()))
 
 
 def _model(body: dict[str, Any]) -> str | None:
@@ -277,12 +314,21 @@ def parse_sampling(body: dict[str, Any]) -> SamplingOptions:
         max_tokens = _integer(body, "max_tokens", minimum=1, maximum=2**31 - 1)
     seed = _integer(body, "seed", minimum=_SEED_RANGE[0], maximum=_SEED_RANGE[1])
     stop_token_ids = body.get("stop_token_ids")
+    min_tokens = _integer(body, "min_tokens", minimum=0, maximum=2**31 - 1) or 0
+    if max_tokens is not None and min_tokens > max_tokens:
+        raise InvalidRequestError(
+            f"min_tokens ({min_tokens}) must be at most max_tokens ({max_tokens}).", "min_tokens")
     return SamplingOptions(
         temperature=_number(body, "temperature", 1.0, minimum=0.0, maximum=MAX_TEMPERATURE),
         top_p=_number(body, "top_p", 1.0, minimum=0.0, maximum=1.0, min_exclusive=True),
         top_k=_top_k(body),
         repetition_penalty=_number(body, "repetition_penalty", 1.0, minimum=0.0,
                                    maximum=MAX_TEMPERATURE, min_exclusive=True),
+        presence_penalty=_number(body, "presence_penalty", 0.0, minimum=-2.0, maximum=2.0),
+        frequency_penalty=_number(body, "frequency_penalty", 0.0, minimum=-2.0, maximum=2.0),
+        min_p=_number(body, "min_p", 0.0, minimum=0.0, maximum=1.0),
+        min_tokens=min_tokens,
+        logit_bias=_logit_bias(body),
         max_tokens=max_tokens,
         stop=_stop(body),
         stop_token_ids=tuple(_token_ids(stop_token_ids, "stop_token_ids", MAX_STOP_TOKEN_IDS))

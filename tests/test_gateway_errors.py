@@ -126,7 +126,113 @@ INVALID_REQUESTS = [
     ("completion-prompt-too-long", "/v1/completions", {**COMPLETION, "prompt": "hello " * 300},
      "prompt"),
     ("completion-n", "/v1/completions", {**COMPLETION, "n": 3}, "n"),
+    ("presence-penalty-range", "/v1/chat/completions", {**CHAT, "presence_penalty": 2.5},
+     "presence_penalty"),
+    ("frequency-penalty-range", "/v1/chat/completions", {**CHAT, "frequency_penalty": -3},
+     "frequency_penalty"),
+    ("min-p-range", "/v1/chat/completions", {**CHAT, "min_p": 1.5}, "min_p"),
+    ("min-tokens-negative", "/v1/chat/completions", {**CHAT, "min_tokens": -1}, "min_tokens"),
+    ("min-tokens-above-max-tokens", "/v1/chat/completions",
+     {**CHAT, "min_tokens": 5, "max_tokens": 4}, "min_tokens"),
+    ("min-tokens-above-context", "/v1/completions", {**COMPLETION, "min_tokens": 10**6},
+     "min_tokens"),
+    ("logit-bias-type", "/v1/chat/completions", {**CHAT, "logit_bias": [1, 2]}, "logit_bias"),
+    ("logit-bias-key", "/v1/chat/completions", {**CHAT, "logit_bias": {"a": 1}}, "logit_bias"),
+    ("logit-bias-negative-key", "/v1/chat/completions", {**CHAT, "logit_bias": {"-1": 1}},
+     "logit_bias"),
+    ("logit-bias-range", "/v1/chat/completions", {**CHAT, "logit_bias": {"5": 101}},
+     "logit_bias"),
+    ("logit-bias-out-of-vocab", "/v1/completions", {**COMPLETION, "logit_bias": {"400": 1}},
+     "logit_bias"),
+    ("logit-bias-twice", "/v1/chat/completions", {**CHAT, "logit_bias": {"5": 1, "05": 2}},
+     "logit_bias"),
 ]
+
+# Known OpenAI (and vLLM) fields specdec cannot honour: each non-default value is a 400
+# naming the field, never silently ignored.
+UNSUPPORTED_FIELDS = [
+    ("response_format", {"type": "json_object"}),
+    ("response_format", {"type": "json_schema", "json_schema": {"name": "x", "schema": {}}}),
+    ("tools", [{"type": "function", "function": {"name": "f"}}]),
+    ("tool_choice", "auto"),
+    ("functions", [{"name": "f"}]),
+    ("function_call", "auto"),
+    ("top_logprobs", 2),
+    ("logprobs", True),
+    ("n", 2),
+    ("best_of", 2),
+    ("audio", {"voice": "alloy", "format": "wav"}),
+    ("modalities", ["text", "audio"]),
+    ("prediction", {"type": "content", "content": "x"}),
+    ("service_tier", "flex"),
+    ("store", True),
+    ("metadata", {"k": "v"}),
+    ("reasoning_effort", "low"),
+    ("verbosity", "low"),
+    ("web_search_options", {}),
+    ("guided_json", {"type": "object"}),
+    ("guided_regex", "a+"),
+    ("guided_choice", ["a", "b"]),
+    ("guided_grammar", "root ::= 'a'"),
+    ("structured_outputs", {"json": {}}),
+    ("allowed_token_ids", [1, 2]),
+    ("bad_words", ["x"]),
+    ("use_beam_search", True),
+    ("prompt_logprobs", 1),
+    ("parallel_tool_calls", "yes"),
+]
+# The same fields at their defaults: accepted and sent on.
+DEFAULT_FIELDS = {
+    "response_format": {"type": "text"}, "tools": [], "tool_choice": "none", "functions": [],
+    "function_call": "none", "top_logprobs": 0, "logprobs": False, "n": 1, "best_of": 1,
+    "modalities": ["text"], "service_tier": "auto", "store": False, "metadata": {},
+    "bad_words": [], "use_beam_search": False, "parallel_tool_calls": False, "user": "u1",
+}
+
+
+@pytest.mark.parametrize("path", ["/v1/chat/completions", "/v1/completions"])
+@pytest.mark.parametrize("field,value", UNSUPPORTED_FIELDS,
+                         ids=[f"{name}-{index}" for index, (name, _) in enumerate(UNSUPPORTED_FIELDS)])
+def test_unsupported_fields_are_400_naming_them(base_url, fake, path, field, value):
+    body = {**(CHAT if path == "/v1/chat/completions" else COMPLETION), field: value}
+    num_requests = len(fake.requests)
+    error = assert_openai_error(httpx.post(f"{base_url}{path}", json=body), 400, field)
+    assert field in error["message"]
+    assert len(fake.requests) == num_requests
+
+
+def test_default_values_of_those_fields_are_accepted(base_url, fake):
+    response = httpx.post(f"{base_url}/v1/chat/completions", json={**CHAT, **DEFAULT_FIELDS})
+    assert response.status_code == 200, response.text
+
+
+def test_store_zero_is_not_taken_for_false(base_url, fake):
+    # 0 == False in Python; the JSON integer 0 is not the boolean default.
+    response = httpx.post(f"{base_url}/v1/chat/completions", json={**CHAT, "store": 0})
+    assert_openai_error(response, 400, "store")
+
+
+def test_openai_client_sends_every_penalty_field(base_url, fake):
+    client = openai.OpenAI(base_url=f"{base_url}/v1", api_key="unused", max_retries=0)
+    client.chat.completions.create(
+        model=SERVED_MODEL, messages=MESSAGES, max_tokens=6, presence_penalty=0.5,
+        frequency_penalty=-1.25, logit_bias={"7": 10, "12": -100},
+        extra_body={"min_tokens": 3, "min_p": 0.25})
+    sampling = fake.requests[-1].sampling
+    assert sampling.presence_penalty == 0.5 and sampling.frequency_penalty == -1.25
+    assert dict(sampling.logit_bias) == {7: 10.0, 12: -100.0}
+    assert sampling.min_tokens == 3 and sampling.min_p == 0.25
+    client.completions.create(model=SERVED_MODEL, prompt="Hello", max_tokens=4,
+                              presence_penalty=-2, frequency_penalty=2, logit_bias={"3": 1},
+                              extra_body={"min_tokens": 4, "min_p": 1})
+    sampling = fake.requests[-1].sampling
+    assert (sampling.presence_penalty, sampling.frequency_penalty) == (-2.0, 2.0)
+    assert dict(sampling.logit_bias) == {3: 1.0}
+    assert sampling.min_tokens == 4 and sampling.min_p == 1.0
+    with pytest.raises(openai.BadRequestError) as excinfo:
+        client.chat.completions.create(model=SERVED_MODEL, messages=MESSAGES,
+                                       response_format={"type": "json_object"})
+    assert excinfo.value.body["param"] == "response_format"
 
 
 @pytest.mark.parametrize("path,body,param", [case[1:] for case in INVALID_REQUESTS],
@@ -290,7 +396,8 @@ _json = st.recursive(
 _field_names = st.sampled_from([
     "model", "messages", "max_tokens", "max_completion_tokens", "temperature", "top_p",
     "top_k", "repetition_penalty", "stop", "stop_token_ids", "seed", "stream",
-    "stream_options", "ignore_eos", "n", "speculation", "logprobs", "presence_penalty"])
+    "stream_options", "ignore_eos", "n", "speculation", "logprobs", "presence_penalty",
+    "frequency_penalty", "min_p", "min_tokens", "logit_bias", "response_format", "tools"])
 _message = st.fixed_dictionaries({
     "role": st.sampled_from(["user", "system", "assistant", "developer", "tool", "wizard"])
     | _json,

@@ -1,4 +1,5 @@
-"""Logits processing: repetition penalty per position, temperature, top-k and top-p masks."""
+"""Logits processing: repetition penalty per position, logit_bias and its order, temperature,
+min_p, top-k and top-p masks (presence/frequency penalties and min_tokens: tests/test_penalties.py)."""
 
 from __future__ import annotations
 
@@ -144,3 +145,36 @@ def test_argmax_rows_is_torchs_argmax(dtype: torch.dtype) -> None:
     strided = logits[::2, ::3]  # a view that is not contiguous
     assert argmax_rows(strided).tolist() == strided.argmax(dim=-1).tolist()
     assert argmax_rows(logits[5]).item() == logits[5].argmax().item()  # one row, 1-D
+
+
+@pytest.mark.parametrize(("min_p", "kept_ids"), [(0.0, [0, 1, 2, 3]), (0.3, [0, 1]), (0.5, [0, 1]), (0.6, [0]), (1.0, [0])])
+def test_min_p_keeps_tokens_above_a_fraction_of_the_top(min_p: float, kept_ids: list[int]) -> None:
+    # probs 0.5, 0.25, 0.125, 0.125 at temperature 1: min_p=0.3 keeps those >= 0.15; a
+    # probability equal to the threshold stays (vLLM drops only those below it).
+    logits = torch.tensor([[math.log(4.0), math.log(2.0), 0.0, 0.0]])
+    processed = process_logits(logits, [], [], SamplingParams(temperature=1.0, min_p=min_p))
+    assert torch.isfinite(processed[0]).nonzero().flatten().tolist() == kept_ids
+
+
+def test_min_p_applies_after_temperature() -> None:
+    # At temperature 0.5 the weights sharpen to 16:4:1:1, so min_p=0.2 keeps 4/16 and drops
+    # 1/16; at temperature 2 they flatten to 2:1.41:1:1 and everything stays.
+    logits = torch.tensor([[math.log(4.0), math.log(2.0), 0.0, 0.0]])
+    sharp = process_logits(logits, [], [], SamplingParams(temperature=0.5, min_p=0.2))
+    flat = process_logits(logits, [], [], SamplingParams(temperature=2.0, min_p=0.2))
+    assert torch.isfinite(sharp[0]).tolist() == [True, True, False, False]
+    assert torch.isfinite(flat[0]).all()
+
+
+def test_logit_bias_comes_before_the_repetition_penalty() -> None:
+    # vLLM's order: the bias turns logit -1 into +1, which the penalty of 2 then halves.
+    logits = torch.tensor([[-1.0, 0.0]])
+    processed = process_logits(logits, [0], [], SamplingParams(temperature=0.0, repetition_penalty=2.0,
+                                                               logit_bias={0: 2.0}))
+    assert processed[0].tolist() == [0.5, 0.0]
+
+
+def test_greedy_ignores_min_p_but_not_logit_bias() -> None:
+    logits = torch.tensor([[3.0, 1.0, 0.0]])
+    processed = process_logits(logits, [], [], SamplingParams(temperature=0.0, min_p=0.9, logit_bias={2: 5.0}))
+    assert processed[0].tolist() == [3.0, 1.0, 5.0]

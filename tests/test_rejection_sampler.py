@@ -366,3 +366,49 @@ def test_wrong_samplers_fail_the_check(wrong_sampler: Sampler, drafts: str) -> N
     first, _, _ = sample_emitted_tokens(wrong_sampler, _TARGET_LOGITS, history_ids, params, draft_source, 2_000, seed=4)
     expected = reference_target_probs(_TARGET_LOGITS[0], history_ids, params)
     assert chi_square_p_value(first, expected) < 1e-9
+
+
+# ----------------------------------------------------------- a penalised target
+
+_PROMPT_IDS = [5, 1]
+_OUTPUT_IDS = [3, 3, 2]
+_PRESENCE_MIN_P = SamplingParams(temperature=0.9, presence_penalty=0.8, frequency_penalty=0.6, min_p=0.08,
+                                 logit_bias={6: 1.5})
+
+
+def reference_penalised_probs(logits_row: Tensor, output_ids: list[int], params: SamplingParams) -> Tensor:
+    """bias, presence/frequency over the output, temperature, then min_p: written plainly."""
+    values = []
+    for token_id, logit in enumerate(logits_row.tolist()):
+        logit += dict(params.logit_bias).get(token_id, 0.0)
+        count = output_ids.count(token_id)
+        logit -= params.frequency_penalty * count + params.presence_penalty * (count > 0)
+        values.append(logit / params.temperature)
+    weights = [math.exp(value) for value in values]
+    floor = params.min_p * max(weights)
+    probs = torch.tensor([weight if weight >= floor else 0.0 for weight in weights], dtype=torch.float64)
+    return probs / probs.sum()
+
+
+def test_penalised_target_with_drafts_matches() -> None:
+    """presence/frequency penalties, logit_bias and min_p: the first emitted token follows the
+    penalised target, and the second (after an accepted draft) counts that draft as output."""
+    expected_first = reference_penalised_probs(_TARGET_LOGITS[0], _OUTPUT_IDS, _PRESENCE_MIN_P)
+    unpenalised = reference_target_probs(_TARGET_LOGITS[0], [], SamplingParams(temperature=0.9))
+    assert (expected_first == 0).sum() >= 1  # min_p masks something
+    assert (expected_first - unpenalised).abs().sum() > 0.2  # the penalties matter
+    first_id = int(expected_first.argsort()[-2])
+    assert 0.1 < expected_first[first_id] < 0.9  # the draft is sometimes wrong
+
+    def sampler(target_logits: Tensor, draft_token_ids: list[int], history_ids: list[int],
+                params: SamplingParams, generator: torch.Generator, draft_probs: Tensor | None) -> list[int]:
+        return verify(target_logits, draft_token_ids, history_ids, params, generator, draft_probs,
+                      prompt_len=len(_PROMPT_IDS))
+
+    first, second, _ = sample_emitted_tokens(
+        sampler, _TARGET_LOGITS[:2], _PROMPT_IDS + _OUTPUT_IDS, _PRESENCE_MIN_P, lambda: ([first_id], None),
+        NUM_SAMPLES, seed=5)
+    assert chi_square_p_value(first, expected_first) > MIN_P_VALUE
+    assert 0.5 * float((first / first.sum() - expected_first).abs().sum()) < 0.02  # total variation
+    expected_second = reference_penalised_probs(_TARGET_LOGITS[1], _OUTPUT_IDS + [first_id], _PRESENCE_MIN_P)
+    assert chi_square_p_value(second, expected_second) > MIN_P_VALUE

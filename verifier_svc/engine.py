@@ -371,7 +371,8 @@ class Engine:
                 new_token_ids = accept_greedy(step_argmax[first_row:end_row], draft.token_ids)
             else:
                 new_token_ids = verify(logits[first_row:end_row], draft.token_ids, seq.token_ids, seq.params,
-                                       seq.generator, draft.probs)
+                                       seq.generator, draft.probs, prompt_len=seq.prompt_len,
+                                       eos_token_ids=self.eos_token_ids)
             num_accepted = len(new_token_ids) - 1
             self._keep_hidden(seq, hidden, batch, index, item.num_query_tokens + num_accepted)
             seq.num_computed_tokens += item.num_query_tokens + num_accepted

@@ -55,6 +55,10 @@ def check_request(prompt_token_ids: list[int], params: SamplingParams, vocab_siz
     if bad is not None:
         raise InvalidRequestError(f"prompt token id {bad} is outside the vocabulary "
                                   f"(size {vocab_size})", param="prompt")
+    bad = next((t for t, _ in params.logit_bias if t >= vocab_size), None)
+    if bad is not None:
+        raise InvalidRequestError(f"logit_bias token id {bad} is outside the vocabulary "
+                                  f"(size {vocab_size})", param="logit_bias")
     if len(prompt_token_ids) >= max_model_len:
         raise InvalidRequestError(
             f"This model's maximum context length is {max_model_len} tokens; the prompt "

@@ -46,6 +46,11 @@ def sampling_params_from_proto(message: specdec_pb2.SamplingParams, max_model_le
         max_tokens=max_tokens,
         stop_token_ids=tuple(message.stop_token_ids),
         ignore_eos=message.ignore_eos,
+        presence_penalty=message.presence_penalty,
+        frequency_penalty=message.frequency_penalty,
+        min_tokens=message.min_tokens,
+        logit_bias=dict(message.logit_bias),
+        min_p=message.min_p,
     )
 
 

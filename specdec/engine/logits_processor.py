@@ -1,16 +1,25 @@
 """Raw target logits -> the target distribution of one sequence's verify step.
 
 A verify step scores n = k + 1 positions of one sequence at once: position 0 follows the last
-verified token, position i follows draft token i - 1. The processing is vLLM's, in its order:
+verified token, position i follows draft token i - 1. Each position is processed as if the
+drafts before it were already output. The order is vLLM v1's sampler order:
 
-1. repetition penalty (also for greedy requests): every token id in the context seen by a
-   position (prompt, output so far, and the drafts before that position) has its logit
-   divided by the penalty when positive, multiplied by it otherwise (HF/vLLM semantics);
-2. for sampled requests only: temperature, then top-k, then top-p.
+1. logit_bias: the request's bias added to each named token's logit;
+2. min_tokens: while fewer than min_tokens tokens have been output (drafts before the
+   position count), EOS (unless ignore_eos) and stop_token_ids are set to -inf;
+3. penalties, in this order:
+   a. repetition penalty: every token id in the position's context (prompt, output so far
+      and the drafts before it) has its logit divided by the penalty when positive,
+      multiplied by it otherwise (HF/vLLM semantics);
+   b. frequency and presence penalties (OpenAI), over the generated tokens only (output so
+      far and the drafts before the position, never the prompt):
+      logit[t] -= frequency_penalty * count(t) + presence_penalty * (count(t) > 0);
+4. for sampled requests only: temperature, then min_p (drop tokens whose probability is
+   below min_p times the largest), then top-k, then top-p.
 
-Masked entries are -inf, so `softmax` gives the target distribution `target_probs` that the
-rejection sampler verifies drafts against. Temperature, top-k and top-p never move the
-argmax, so a greedy request only needs step 1.
+Steps 1 and 2 commute (a bias never lifts -inf). Masked entries are -inf, so `softmax` gives
+the target distribution `target_probs` that the rejection sampler verifies drafts against.
+Step 4 never moves the argmax, so a greedy request only needs steps 1-3.
 """
 
 from __future__ import annotations
@@ -58,15 +67,88 @@ def apply_repetition_penalty(
     return penalised_logits
 
 
+def apply_logit_bias(logits: Tensor, logit_bias: tuple[tuple[int, float], ...]) -> Tensor:
+    """Adds each (token id, bias) to that column of every row. Returns a new tensor."""
+    if not logit_bias:
+        return logits
+    token_ids = torch.tensor([token_id for token_id, _ in logit_bias], dtype=torch.long, device=logits.device)
+    biases = torch.tensor([bias for _, bias in logit_bias], dtype=logits.dtype, device=logits.device)
+    biased = logits.clone()
+    biased[:, token_ids] += biases  # ids are unique (SamplingParams), so += is well defined
+    return biased
+
+
+def apply_min_tokens(
+    logits: Tensor, num_output_tokens: int, min_tokens: int, stop_ids: frozenset[int] | tuple[int, ...]
+) -> Tensor:
+    """Masks `stop_ids` to -inf at positions with fewer than min_tokens tokens output.
+
+    Position i has `num_output_tokens + i` tokens output before it (the drafts before it
+    count). Ids outside the vocabulary cannot be emitted anyway and are skipped.
+    """
+    num_positions, vocab_size = logits.shape
+    num_masked_rows = min(num_positions, max(0, min_tokens - num_output_tokens))
+    masked_ids = sorted(token_id for token_id in stop_ids if token_id < vocab_size)
+    if num_masked_rows == 0 or not masked_ids:
+        return logits
+    masked = logits.clone()
+    ids = torch.tensor(masked_ids, dtype=torch.long, device=logits.device)
+    masked[:num_masked_rows, ids] = float("-inf")
+    return masked
+
+
+def apply_frequency_presence_penalties(
+    logits: Tensor,
+    output_ids: list[int],
+    draft_token_ids: list[int],
+    frequency_penalty: float,
+    presence_penalty: float,
+) -> Tensor:
+    """OpenAI's penalties per position, over the tokens output before it.
+
+    logits: [n, vocab]. Position i counts `output_ids` plus `draft_token_ids[:i]`. Only the
+    columns of counted ids are touched, so the cost is O(n * unique ids). Returns a new tensor.
+    """
+    num_positions = logits.shape[0]
+    visible_draft_ids = draft_token_ids[: num_positions - 1]
+    if (frequency_penalty == 0.0 and presence_penalty == 0.0) or not (output_ids or visible_draft_ids):
+        return logits
+    device = logits.device
+    unique_ids, inverse = torch.unique(
+        torch.tensor(output_ids + visible_draft_ids, dtype=torch.long, device=device), return_inverse=True
+    )  # [u], [c]
+    num_unique = unique_ids.numel()
+    base_counts = torch.zeros(num_unique, dtype=logits.dtype, device=device)
+    base_counts.index_add_(0, inverse[: len(output_ids)], torch.ones(len(output_ids), dtype=logits.dtype, device=device))
+    # Row i + 1 of the draft counts holds draft i; a cumulative sum makes row i count drafts[:i].
+    draft_counts = torch.zeros(num_positions, num_unique, dtype=logits.dtype, device=device)  # [n, u]
+    if visible_draft_ids:
+        rows = torch.arange(1, len(visible_draft_ids) + 1, device=device)
+        draft_counts.index_put_((rows, inverse[len(output_ids):]), torch.ones(len(rows), dtype=logits.dtype, device=device))
+    counts = base_counts[None, :] + draft_counts.cumsum(dim=0)  # [n, u]
+    penalised = logits.clone()
+    penalised[:, unique_ids] -= frequency_penalty * counts + presence_penalty * (counts > 0).to(logits.dtype)
+    return penalised
+
+
+def apply_min_p(logits: Tensor, min_p: float) -> Tensor:
+    """Masks to -inf the tokens whose probability is below min_p times the row's largest."""
+    if min_p == 0.0:
+        return logits
+    probs = logits.softmax(dim=-1)  # [n, vocab]
+    threshold = min_p * probs.amax(dim=-1, keepdim=True)  # [n, 1]
+    return logits.masked_fill(probs < threshold, float("-inf"))
+
+
 def apply_temperature_top_k_top_p(logits: Tensor, params: SamplingParams) -> Tensor:
-    """Scale by temperature, then mask to -inf what top-k and then top-p exclude.
+    """Scale by temperature, then mask to -inf what min_p, top-k and then top-p exclude.
 
     logits: [n, vocab], for a sampled (not greedy) request. Top-k keeps exactly k tokens per
     row (ties broken by sort order, as vLLM). Top-p keeps the smallest set of most likely
     tokens whose probability (after top-k) sums to at least top_p, and always the most likely.
     """
     assert not params.is_greedy, "temperature/top-k/top-p are for sampled requests"
-    logits = logits / params.temperature
+    logits = apply_min_p(logits / params.temperature, params.min_p)
     vocab_size = logits.shape[-1]
     use_top_k = params.top_k != -1 and params.top_k < vocab_size
     use_top_p = params.top_p < 1.0
@@ -91,13 +173,19 @@ def process_logits(
     history_ids: list[int],
     draft_token_ids: list[int],
     params: SamplingParams,
+    *,
+    prompt_len: int | None = None,
+    eos_token_ids: frozenset[int] | tuple[int, ...] = (),
 ) -> Tensor:
-    """The processed logits of one verify step: penalty, then temperature/top-k/top-p if sampled.
+    """The processed logits of one verify step, in the module's order.
 
     logits: [n, vocab], raw from the target model. history_ids: prompt + output so far, the
     context before position 0. draft_token_ids: n - 1 or n ids; draft i joins the context of
-    position i + 1 (a draft past the last position is ignored). Returns [n, vocab] float32,
-    masked entries at -inf. For greedy requests only the penalty applies.
+    position i + 1 (a draft past the last position is ignored). prompt_len: how many of
+    history_ids are the prompt (the rest is output, what presence/frequency penalties and
+    min_tokens count); None means all of them. eos_token_ids: what min_tokens masks besides
+    stop_token_ids (unless ignore_eos). Returns [n, vocab] float32, masked entries at -inf.
+    For greedy requests only steps 1-3 apply.
     """
     assert logits.dim() == 2, f"logits must be [n, vocab], got {tuple(logits.shape)}"
     num_positions = logits.shape[0]
@@ -105,7 +193,17 @@ def process_logits(
         f"{len(draft_token_ids)} draft ids for {num_positions} positions"
     )
     logits = logits.float()
+    num_prompt_tokens = len(history_ids) if prompt_len is None else prompt_len
+    logits = apply_logit_bias(logits, params.logit_bias)
+    if params.min_tokens:
+        stop_ids = set(params.stop_token_ids)
+        if not params.ignore_eos:
+            stop_ids.update(eos_token_ids)
+        logits = apply_min_tokens(logits, len(history_ids) - num_prompt_tokens, params.min_tokens, tuple(stop_ids))
     logits = apply_repetition_penalty(logits, history_ids, draft_token_ids, params.repetition_penalty)
+    logits = apply_frequency_presence_penalties(
+        logits, history_ids[num_prompt_tokens:], draft_token_ids, params.frequency_penalty, params.presence_penalty
+    )
     if params.is_greedy:
         return logits
     return apply_temperature_top_k_top_p(logits, params)
@@ -116,13 +214,18 @@ def target_probs_from_logits(
     history_ids: list[int],
     draft_token_ids: list[int],
     params: SamplingParams,
+    *,
+    prompt_len: int | None = None,
+    eos_token_ids: frozenset[int] | tuple[int, ...] = (),
 ) -> Tensor:
     """The target distribution at each position: [n, vocab] float32, rows summing to 1.
 
     Same arguments as `process_logits`. For a greedy request the distribution is one-hot on
-    the argmax of the penalised logits (the limit of temperature -> 0).
+    the argmax of the steps 1-3 logits (the limit of temperature -> 0).
     """
-    processed = process_logits(logits, history_ids, draft_token_ids, params)  # [n, vocab]
+    processed = process_logits(
+        logits, history_ids, draft_token_ids, params, prompt_len=prompt_len, eos_token_ids=eos_token_ids
+    )  # [n, vocab]
     if params.is_greedy:
         target_probs = torch.zeros_like(processed)
         return target_probs.scatter_(-1, argmax_rows(processed).unsqueeze(-1), 1.0)

@@ -30,6 +30,9 @@ def verify(
     params: SamplingParams,
     generator: torch.Generator | None,
     draft_probs: Tensor | None = None,
+    *,
+    prompt_len: int | None = None,
+    eos_token_ids: frozenset[int] | tuple[int, ...] = (),
 ) -> list[int]:
     """Verify one sequence's draft; return the accepted drafts followed by one more token.
 
@@ -43,6 +46,8 @@ def verify(
         one. All randomness comes from it: same seed and inputs, same tokens.
     draft_probs: [k, vocab], the drafter's distribution per position (probabilistic drafting);
         None means greedy drafts, i.e. one-hot draft_probs on each draft token.
+    prompt_len, eos_token_ids: as `process_logits` takes them (presence/frequency penalties
+        and min_tokens count the output tokens, and the drafts before each position).
 
     Rules:
     - greedy request: accept x_i iff x_i == argmax target_probs_i; recovered/bonus = argmax.
@@ -69,7 +74,9 @@ def verify(
     assert target_logits.dim() == 2 and target_logits.shape[0] == num_drafts + 1, (
         f"target_logits {tuple(target_logits.shape)} for {num_drafts} drafts"
     )
-    processed_logits = process_logits(target_logits, history_ids, draft_token_ids, params)  # [k + 1, vocab]
+    processed_logits = process_logits(
+        target_logits, history_ids, draft_token_ids, params, prompt_len=prompt_len, eos_token_ids=eos_token_ids
+    )  # [k + 1, vocab]
     if params.is_greedy:
         return _verify_greedy(processed_logits, draft_token_ids)
     # All k + 1 rows at once: one vectorised softmax costs less than a Python loop that stops
@@ -80,8 +87,8 @@ def verify(
 
 def needs_only_argmax(params: SamplingParams) -> bool:
     """Whether `verify` comes down to `accept_greedy` on the raw logits' argmax: a greedy
-    request without a repetition penalty (the only processing greedy requests get)."""
-    return params.is_greedy and params.repetition_penalty == 1.0
+    request with no processing that can move the argmax (penalties, logit_bias, min_tokens)."""
+    return params.is_greedy and not params.moves_argmax
 
 
 def argmax_ids(logits: Tensor) -> list[int]:

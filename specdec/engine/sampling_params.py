@@ -8,12 +8,16 @@ unchanged to the logits processor and the rejection sampler. Every rejection rai
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 from specdec.errors import InvalidRequestError
 
 # Below this temperature a request is greedy (vLLM's `_SAMPLING_EPS`).
 GREEDY_TEMPERATURE_EPS = 1e-5
+# OpenAI's bounds.
+MAX_ABS_PENALTY = 2.0
+MAX_ABS_LOGIT_BIAS = 100.0
 
 
 def _is_int(value: object) -> bool:
@@ -36,6 +40,15 @@ class SamplingParams:
     max_tokens: how many tokens to generate at most, >= 1.
     stop_token_ids: generation ends after emitting one of these (besides EOS).
     ignore_eos: keep generating past EOS.
+    presence_penalty, frequency_penalty: OpenAI's, in [-2, 2], over the generated tokens
+        only: logit[t] -= frequency_penalty * count(t) + presence_penalty * (count(t) > 0).
+    min_tokens: EOS (unless ignore_eos) and stop_token_ids are masked until this many tokens
+        have been generated (vLLM); 0 <= min_tokens <= max_tokens.
+    logit_bias: (token id, bias) pairs, bias in [-100, 100] added to the logit; given as a
+        mapping or pairs, stored sorted by id. Ids are checked against the vocabulary where
+        it is known (`verifier_svc/requests.py`).
+    min_p: in [0, 1]; drop tokens whose probability is below min_p times the most likely
+        token's (after temperature); 0 turns it off.
     """
 
     temperature: float = 1.0
@@ -46,6 +59,11 @@ class SamplingParams:
     max_tokens: int = 16
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    min_tokens: int = 0
+    logit_bias: tuple[tuple[int, float], ...] | Mapping[int, float] = ()
+    min_p: float = 0.0
 
     def __post_init__(self) -> None:
         if not _is_number(self.temperature) or not math.isfinite(self.temperature) or self.temperature < 0:
@@ -76,8 +94,20 @@ class SamplingParams:
             raise InvalidRequestError(
                 f"stop_token_ids must be non-negative integers, got {list(stop_token_ids)!r}", param="stop_token_ids"
             )
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            if not _is_number(value) or not (-MAX_ABS_PENALTY <= value <= MAX_ABS_PENALTY):
+                raise InvalidRequestError(f"{name} must be in [-2, 2], got {value!r}", param=name)
+        if not _is_int(self.min_tokens) or not (0 <= self.min_tokens <= self.max_tokens):
+            raise InvalidRequestError(
+                f"min_tokens must be an integer in [0, max_tokens={self.max_tokens}], got "
+                f"{self.min_tokens!r}", param="min_tokens")
+        if not _is_number(self.min_p) or not (0.0 <= self.min_p <= 1.0):
+            raise InvalidRequestError(f"min_p must be in [0, 1], got {self.min_p!r}", param="min_p")
+        logit_bias = _logit_bias_pairs(self.logit_bias)
         # Frozen: normalise through object.__setattr__ (0 means "off" for top_k, as in vLLM).
         object.__setattr__(self, "stop_token_ids", stop_token_ids)
+        object.__setattr__(self, "logit_bias", logit_bias)
         if self.top_k == 0:
             object.__setattr__(self, "top_k", -1)
 
@@ -85,3 +115,31 @@ class SamplingParams:
     def is_greedy(self) -> bool:
         """True when the request decodes by argmax (temperature below 1e-5, as vLLM)."""
         return self.temperature < GREEDY_TEMPERATURE_EPS
+
+    @property
+    def moves_argmax(self) -> bool:
+        """Whether some processing can change which token is most likely: a penalty,
+        logit_bias or min_tokens (temperature, min_p, top-k and top-p never do)."""
+        return (self.repetition_penalty != 1.0 or self.presence_penalty != 0.0
+                or self.frequency_penalty != 0.0 or bool(self.logit_bias) or self.min_tokens > 0)
+
+
+def _logit_bias_pairs(value: object) -> tuple[tuple[int, float], ...]:
+    """A mapping or pairs of token id -> bias, validated and sorted by id."""
+    items = value.items() if isinstance(value, Mapping) else value
+    try:
+        pairs = [(token_id, bias) for token_id, bias in items]  # type: ignore[union-attr]
+    except (TypeError, ValueError):
+        raise InvalidRequestError(
+            f"logit_bias must map token ids to biases, got {value!r}", param="logit_bias") from None
+    for token_id, bias in pairs:
+        if not _is_int(token_id) or token_id < 0:
+            raise InvalidRequestError(
+                f"logit_bias keys must be non-negative token ids, got {token_id!r}", param="logit_bias")
+        if not _is_number(bias) or not (-MAX_ABS_LOGIT_BIAS <= bias <= MAX_ABS_LOGIT_BIAS):
+            raise InvalidRequestError(
+                f"logit_bias values must be in [-100, 100], got {bias!r} for token {token_id}",
+                param="logit_bias")
+    if len({token_id for token_id, _ in pairs}) != len(pairs):
+        raise InvalidRequestError("logit_bias names a token id twice", param="logit_bias")
+    return tuple(sorted((token_id, float(bias)) for token_id, bias in pairs))
