@@ -23,6 +23,12 @@ def proposer_factory(config: SpeculativeConfig,
     if config.method == "ngram":
         method = NgramMethod.from_config(config, options)  # validates once, at start-up
         return lambda: NgramMethod(method.proposer, method.info)
+    if config.method == "suffix":
+        from drafter_svc.suffix_proposer import SuffixMethod, build_suffix_method
+
+        # One global tree per server: every stream's method shares the template's cache.
+        template = build_suffix_method(config, options)
+        return lambda: SuffixMethod(template.params, template.cache, template.info)
     options = options or ModelOptions()
     if config.method == "draft_model":
         from drafter_svc.draft_model_proposer import build_draft_model_method

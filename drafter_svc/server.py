@@ -67,7 +67,8 @@ async def start_drafter_server(config: SpeculativeConfig, host: str = "127.0.0.1
     logger.info("drafter serving on %s:%d: method=%s num_speculative_tokens=%d%s", host,
                 bound_port, config.method, config.num_speculative_tokens,
                 f" prompt_lookup=[{config.prompt_lookup_min}, {config.prompt_lookup_max}]"
-                if config.method == "ngram" else f" model={config.model}")
+                if config.method == "ngram" else "" if config.model is None
+                else f" model={config.model}")
     return server, bound_port
 
 

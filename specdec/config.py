@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 from dataclasses import dataclass
 from typing import Any
 
@@ -16,9 +17,16 @@ from specdec.errors import ConfigError
 
 logger = logging.getLogger(__name__)
 
-SPECULATIVE_METHODS = ("ngram", "eagle", "eagle3", "draft_model")
+SPECULATIVE_METHODS = ("ngram", "eagle", "eagle3", "draft_model", "suffix")
 MODEL_METHODS = ("eagle", "eagle3", "draft_model")
 DEFAULT_PROMPT_LOOKUP = 5
+# Suffix decoding's fields and vLLM's defaults for them (drafter_svc/suffix_proposer.py).
+SUFFIX_DEFAULTS: dict[str, int | float] = {
+    "suffix_decoding_max_tree_depth": 24,
+    "suffix_decoding_max_cached_requests": 10000,
+    "suffix_decoding_max_spec_factor": 1.0,
+    "suffix_decoding_min_token_prob": 0.1,
+}
 
 # Fields vLLM's SpeculativeConfig knows that specdec accepts but does not use: a
 # config written for vLLM keeps working, and start-up warns about each one given.
@@ -45,6 +53,7 @@ _KNOWN_FIELDS = (
     "prompt_lookup_max",
     "speculative_token_map",
     "disable_by_batch_size",
+    *SUFFIX_DEFAULTS,
 )
 
 
@@ -84,6 +93,11 @@ class SpeculativeConfig:
     # vLLM's: a step whose batch holds more requests than this drafts nothing (no asks, no
     # probes), whatever the adaptive policy would do; None: no such limit.
     disable_by_batch_size: int | None = None
+    # suffix only (None for other methods): vLLM's suffix_decoding_* fields, defaults filled in.
+    suffix_decoding_max_tree_depth: int | None = None
+    suffix_decoding_max_cached_requests: int | None = None
+    suffix_decoding_max_spec_factor: float | None = None
+    suffix_decoding_min_token_prob: float | None = None
 
     @classmethod
     def parse(cls, text: str | dict[str, Any] | None) -> SpeculativeConfig | None:
@@ -133,6 +147,10 @@ class SpeculativeConfig:
                 f"{', '.join(SPECULATIVE_METHODS)}",
                 param="method",
             )
+        suffix = _parse_suffix_fields(raw, method)
+        if method == "suffix" and "num_speculative_tokens" not in raw:
+            # vLLM's default for suffix: as long as the tree is deep.
+            raw["num_speculative_tokens"] = suffix["suffix_decoding_max_tree_depth"]
         if "num_speculative_tokens" not in raw:
             raise ConfigError("speculative config: num_speculative_tokens is required "
                               "(an integer >= 1)", param="num_speculative_tokens")
@@ -166,7 +184,11 @@ class SpeculativeConfig:
                 if value is not None:
                     raise ConfigError(f"speculative config: {name} applies to method 'ngram' "
                                       f"only, not {method!r}", param=name)
-            if model is None:
+            if method == "suffix":
+                if model is not None:
+                    raise ConfigError("speculative config: model is not used by method "
+                                      "'suffix'; leave it out", param="model")
+            elif model is None:
                 raise ConfigError(f"speculative config: method {method!r} needs model (the "
                                   "draft model or head path)", param="model")
         token_map = raw.get("speculative_token_map")
@@ -184,7 +206,8 @@ class SpeculativeConfig:
         disable_by_batch_size = _require_int(raw, "disable_by_batch_size", 2)
         return cls(method=method, num_speculative_tokens=num_tokens, model=model,
                    prompt_lookup_min=lookup_min, prompt_lookup_max=lookup_max,
-                   speculative_token_map=token_map, disable_by_batch_size=disable_by_batch_size)
+                   speculative_token_map=token_map, disable_by_batch_size=disable_by_batch_size,
+                   **suffix)
 
     def to_json(self) -> str:
         """The config as `--speculative-config` JSON, to pass to child processes."""
@@ -195,11 +218,42 @@ class SpeculativeConfig:
         if self.method == "ngram":
             raw["prompt_lookup_min"] = self.prompt_lookup_min
             raw["prompt_lookup_max"] = self.prompt_lookup_max
+        if self.method == "suffix":
+            for name in SUFFIX_DEFAULTS:
+                raw[name] = getattr(self, name)
         if self.speculative_token_map is not None:
             raw["speculative_token_map"] = self.speculative_token_map
         if self.disable_by_batch_size is not None:
             raw["disable_by_batch_size"] = self.disable_by_batch_size
         return json.dumps(raw)
+
+
+def _parse_suffix_fields(raw: dict[str, Any], method: str) -> dict[str, Any]:
+    """The suffix_decoding_* fields, checked and defaulted for suffix; refused for others."""
+    given = [name for name in SUFFIX_DEFAULTS if name in raw]
+    if method != "suffix":
+        if given:
+            raise ConfigError(f"speculative config: {given[0]} applies to method 'suffix' "
+                              f"only, not {method!r}", param=given[0])
+        return {}
+    values: dict[str, Any] = {}
+    for name, minimum in (("suffix_decoding_max_tree_depth", 1),
+                          ("suffix_decoding_max_cached_requests", 0)):
+        value = _require_int(raw, name, minimum)
+        values[name] = SUFFIX_DEFAULTS[name] if value is None else value
+    for name, low, high in (("suffix_decoding_max_spec_factor", 0.0, None),
+                            ("suffix_decoding_min_token_prob", 0.0, 1.0)):
+        value = raw.get(name)
+        if value is None:
+            values[name] = SUFFIX_DEFAULTS[name]
+            continue
+        bounds = f">= {low}" if high is None else f"in [{low}, {high}]"
+        if (isinstance(value, bool) or not isinstance(value, (int, float))
+                or not math.isfinite(value) or value < low or (high is not None and value > high)):
+            raise ConfigError(f"speculative config: {name} must be a number {bounds}, "
+                              f"got {value!r}", param=name)
+        values[name] = float(value)
+    return values
 
 
 def _infer_method(model: str | None) -> str:

@@ -1,0 +1,192 @@
+"""Suffix decoding (arXiv 2411.04975; vLLM's `"method": "suffix"`) as a `Proposer`.
+
+Two tries (drafter_svc/suffix_tree.py), as in the reference:
+
+- a per-sequence trie over the sequence's prompt and verified output, grown as the
+  verifier's updates arrive (the drafter never holds its own drafts, so nothing is rolled
+  back);
+- one server-wide global trie over the outputs of finished sequences, shared by every
+  Propose stream of this drafter. A sequence's output enters it when the sequence finishes
+  (the servicer's `remove_sequence`), so the next request drafts from the previous ones'
+  answers. It holds at most `suffix_decoding_max_cached_requests` outputs, the oldest
+  dropped first (FIFO); 0 disables it.
+
+Each step drafts from both tries and keeps the proposal with the higher score (expected
+accepted tokens; ties go to the per-sequence one). The draft is greedy (no probs) and at
+most min(num_speculative_tokens, max_spec_factor x match length) tokens long.
+
+The output of a sequence is what arrived after its first update: a first update is the
+whole context, normally the prompt. After a resync the whole context counts as prompt, so
+that sequence's earlier output does not reach the global trie (a missed draft source, not
+a wrong draft).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import OrderedDict
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+from drafter_svc.proposer import (
+    DEFAULT_NGRAM_MAX_MODEL_LEN,
+    ModelOptions,
+    Proposal,
+    ProposerInfo,
+    TokenHistory,
+    target_limits,
+)
+from drafter_svc.suffix_tree import Node, SuffixTree
+from specdec.config import SpeculativeConfig
+
+if TYPE_CHECKING:
+    import torch
+
+logger = logging.getLogger(__name__)
+
+
+class GlobalSuffixCache:
+    """The server-wide trie over finished outputs, FIFO-bounded by request count."""
+
+    def __init__(self, max_depth: int, max_cached_requests: int) -> None:
+        self.tree = SuffixTree(max_depth)
+        self.max_cached_requests = max_cached_requests
+        self._outputs: OrderedDict[int, list[int]] = OrderedDict()
+        self._next_key = 0
+        # Bumped on every change: a sequence's incremental match list is valid only for the
+        # version it was computed at (a removal frees nodes it may point to).
+        self.version = 0
+
+    @property
+    def enabled(self) -> bool:
+        return self.max_cached_requests > 0
+
+    def __len__(self) -> int:
+        return len(self._outputs)
+
+    def add(self, output: Sequence[int]) -> None:
+        if not self.enabled or not output:
+            return
+        tokens = [int(token) for token in output]
+        self.tree.insert(tokens)
+        self._outputs[self._next_key] = tokens
+        self._next_key += 1
+        while len(self._outputs) > self.max_cached_requests:
+            _, oldest = self._outputs.popitem(last=False)
+            self.tree.remove(oldest)
+        self.version += 1
+
+
+@dataclass(slots=True)
+class _SequenceState:
+    history: TokenHistory
+    prompt_len: int | None = None  # set by the first append
+    local_matches: list[Node] = field(default_factory=list)
+    global_matches: list[Node] = field(default_factory=list)
+    global_version: int = -1
+
+
+@dataclass(frozen=True, slots=True)
+class SuffixParams:
+    max_tree_depth: int
+    max_spec_factor: float
+    min_token_prob: float
+    num_speculative_tokens: int
+
+
+@dataclass(slots=True)
+class SuffixMethod:
+    """One stream's sequences; `cache` is the server's, shared by all streams."""
+
+    params: SuffixParams
+    cache: GlobalSuffixCache
+    info: ProposerInfo
+    _trees: dict[int, SuffixTree] = field(default_factory=dict)
+    _states: dict[int, _SequenceState] = field(default_factory=dict)
+
+    def context_len(self, seq_id: int) -> int | None:
+        state = self._states.get(seq_id)
+        return None if state is None else len(state.history)
+
+    def add_sequence(self, seq_id: int) -> None:
+        # A restart (resync) drops the old state without publishing it: the verifier resends
+        # the whole context, which may differ from what was held.
+        self._states[seq_id] = _SequenceState(TokenHistory())
+        self._trees[seq_id] = SuffixTree(self.params.max_tree_depth)
+
+    def append_tokens(self, seq_id: int, token_ids: Sequence[int],
+                      hidden_states: torch.Tensor | None) -> None:
+        state = self._states[seq_id]
+        state.history.extend(token_ids)
+        if state.prompt_len is None:
+            state.prompt_len = len(state.history)
+        state.local_matches = self._trees[seq_id].extend(state.local_matches, token_ids)
+        if self.cache.enabled and state.global_version == self.cache.version:
+            state.global_matches = self.cache.tree.follow(state.global_matches, token_ids)
+        # Otherwise the global list is recomputed at the next propose.
+
+    def rollback(self, seq_id: int, num_accepted_tokens: int) -> None:
+        # Drafts never enter the history or the tries, so there is nothing to undo.
+        pass
+
+    def remove_sequence(self, seq_id: int) -> None:
+        state = self._states.pop(seq_id, None)
+        self._trees.pop(seq_id, None)
+        if state is None or state.prompt_len is None:
+            return
+        # A finished (or evicted) sequence's verified output becomes a draft source.
+        self.cache.add(state.history.view()[state.prompt_len:].tolist())
+
+    def propose(self, seq_ids: Sequence[int], num_tokens: Sequence[int]) -> list[Proposal]:
+        return [Proposal(self._propose_one(seq_id, count))
+                for seq_id, count in zip(seq_ids, num_tokens)]
+
+    def _propose_one(self, seq_id: int, num_tokens: int) -> list[int]:
+        params = self.params
+        max_tokens = min(num_tokens, params.num_speculative_tokens)
+        if max_tokens <= 0:
+            return []
+        state = self._states[seq_id]
+        draft = self._trees[seq_id].speculate(state.local_matches, max_tokens,
+                                              params.max_spec_factor, params.min_token_prob)
+        cache = self.cache
+        if cache.enabled and len(cache):
+            if state.global_version != cache.version:
+                state.global_matches = cache.tree.match(
+                    state.history.view()[-params.max_tree_depth:].tolist())
+                state.global_version = cache.version
+            global_draft = cache.tree.speculate(state.global_matches, max_tokens,
+                                                params.max_spec_factor, params.min_token_prob)
+            if global_draft.score > draft.score:
+                draft = global_draft
+        return draft.token_ids
+
+    def close(self) -> None:
+        # The stream broke: its running sequences did not finish, so nothing is published.
+        self._states.clear()
+        self._trees.clear()
+
+
+def build_suffix_method(config: SpeculativeConfig,
+                        options: ModelOptions | None = None) -> SuffixMethod:
+    """The server's template: the factory makes each stream's method from its params,
+    cache (shared) and info."""
+    assert config.suffix_decoding_max_tree_depth is not None
+    assert config.suffix_decoding_max_cached_requests is not None
+    assert config.suffix_decoding_max_spec_factor is not None
+    assert config.suffix_decoding_min_token_prob is not None
+    vocab_size, target_len = (0, 0) if options is None else target_limits(options.target_model)
+    max_model_len = ((options.max_model_len if options is not None else None)
+                     or target_len or DEFAULT_NGRAM_MAX_MODEL_LEN)
+    params = SuffixParams(max_tree_depth=config.suffix_decoding_max_tree_depth,
+                          max_spec_factor=config.suffix_decoding_max_spec_factor,
+                          min_token_prob=config.suffix_decoding_min_token_prob,
+                          num_speculative_tokens=config.num_speculative_tokens)
+    cache = GlobalSuffixCache(params.max_tree_depth, config.suffix_decoding_max_cached_requests)
+    logger.info("suffix decoding: tree depth %d, up to %d cached outputs, spec factor %g, "
+                "min token prob %g", params.max_tree_depth, cache.max_cached_requests,
+                params.max_spec_factor, params.min_token_prob)
+    return SuffixMethod(params, cache, ProposerInfo(
+        method="suffix", max_num_speculative_tokens=config.num_speculative_tokens,
+        vocab_size=vocab_size, max_model_len=max_model_len))

@@ -1,0 +1,178 @@
+"""The suffix trie behind suffix decoding: counts, depth limit, matching, drafting, removal."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from drafter_svc.suffix_tree import Node, SuffixTree
+
+
+def node_at(tree: SuffixTree, path: list[int]) -> Node | None:
+    node: Node | None = tree.root
+    for token in path:
+        node = node.child(token) if node is not None else None
+    return node
+
+
+def counts(tree: SuffixTree) -> dict[tuple[int, ...], int]:
+    """Every substring held, with its count."""
+    out: dict[tuple[int, ...], int] = {}
+    stack: list[tuple[tuple[int, ...], Node]] = [((), tree.root)]
+    while stack:
+        path, node = stack.pop()
+        for token, child in (node.children or {}).items():
+            out[path + (token,)] = child.count
+            stack.append((path + (token,), child))
+    return out
+
+
+def brute_counts(texts: list[list[int]], depth: int) -> dict[tuple[int, ...], int]:
+    out: dict[tuple[int, ...], int] = {}
+    for text in texts:
+        for start in range(len(text)):
+            for end in range(start + 1, min(start + depth, len(text)) + 1):
+                key = tuple(text[start:end])
+                out[key] = out.get(key, 0) + 1
+    return out
+
+
+@pytest.mark.parametrize("texts, depth", [
+    ([[1, 2, 3, 1, 2, 4]], 3),
+    ([[1, 2, 3, 1, 2, 4]], 1),
+    ([list(range(10))], 3),
+    ([[7] * 12], 4),
+    ([[1, 2, 3], [2, 3, 4], [1, 2, 3]], 24),
+])
+def test_insertion_counts_every_substring_up_to_the_depth(texts, depth) -> None:
+    tree = SuffixTree(depth)
+    for text in texts:
+        tree.insert(text)
+    expected = brute_counts(texts, depth)
+    assert counts(tree) == expected
+    assert tree.num_nodes == len(expected)
+    assert max(len(path) for path in counts(tree)) <= depth
+
+
+def test_extend_in_pieces_equals_one_insert() -> None:
+    text = [3, 1, 4, 1, 5, 9, 2, 6, 5, 3, 5, 8, 9, 7, 9, 3, 2, 3, 8, 4, 6]
+    whole, pieces = SuffixTree(5), SuffixTree(5)
+    whole.insert(text)
+    matches: list[Node] = []
+    for start in range(0, len(text), 4):
+        matches = pieces.extend(matches, text[start:start + 4])
+    assert counts(pieces) == counts(whole)
+    # The insertion list is the nodes of the text's last 1..depth tokens.
+    assert matches == [node_at(pieces, text[-d:]) for d in range(1, 6)]
+
+
+@pytest.mark.parametrize("context, expected_len", [
+    ([9, 9, 9], 0),            # last token never seen
+    ([9, 9, 4], 1),            # "4" seen, "9 4" not
+    ([9, 1, 2], 2),            # "1 2"
+    ([5, 1, 2, 3], 3),         # "1 2 3" but not "5 1 2 3"
+    ([0, 1, 2, 3, 1, 2], 5),   # "1 2 3 1 2", not "0 1 2 3 1 2"
+    ([1, 2, 3, 1, 2, 4, 7], 0),
+])
+def test_match_finds_the_longest_suffix_held(context, expected_len) -> None:
+    tree = SuffixTree(6)
+    tree.insert([1, 2, 3, 1, 2, 4])
+    matches = tree.match(context)
+    assert len(matches) == expected_len
+    for length, node in enumerate(matches, start=1):
+        assert node is node_at(tree, context[-length:])
+
+
+def test_follow_is_incremental_match() -> None:
+    rng = random.Random(0)
+    tree = SuffixTree(5)
+    for _ in range(20):
+        tree.insert([rng.randrange(6) for _ in range(30)])
+    context = [rng.randrange(6) for _ in range(40)]
+    matches: list[Node] = []
+    for end in range(1, len(context) + 1):
+        matches = tree.follow(matches, context[end - 1:end])
+        assert matches == tree.match(context[:end])
+
+
+def test_match_is_limited_to_the_depth() -> None:
+    tree = SuffixTree(3)
+    tree.insert(list(range(10)))
+    assert len(tree.match(list(range(10)))) == 3
+
+
+# texts, context, max_tokens, spec factor, min prob -> draft (tree depth 24 but where given)
+@pytest.mark.parametrize("texts, context, max_tokens, factor, min_prob, expected", [
+    # "1 2" went on with 3 twice and with 4 once: the most frequent wins (p = 2/3).
+    ([[1, 2, 3, 1, 2, 3, 1, 2, 4]], [1, 2], 1, 1.0, 0.1, [3]),
+    # The probability cut: 2/3 < 0.7 drafts nothing.
+    ([[1, 2, 3, 1, 2, 3, 1, 2, 4]], [1, 2], 1, 1.0, 0.7, []),
+    # Adaptive length: a match of m tokens drafts at most m * factor.
+    ([[1, 2, 3, 4, 5, 6, 7, 8]], [2], 8, 1.0, 0.1, [3]),
+    ([[1, 2, 3, 4, 5, 6, 7, 8]], [1, 2], 8, 1.0, 0.1, [3, 4]),
+    ([[1, 2, 3, 4, 5, 6, 7, 8]], [1, 2], 8, 2.0, 0.1, [3, 4, 5, 6]),
+    ([[1, 2, 3, 4, 5, 6, 7, 8]], [1, 2, 3, 4], 8, 0.5, 0.1, [5, 6]),
+    # num_speculative_tokens caps it.
+    ([[1, 2, 3, 4, 5, 6, 7, 8]], [1, 2, 3, 4], 1, 1.0, 0.1, [5]),
+    # The depth limits match + draft (depth 4 below): "1 2 3" drafts [4], "3" drafts [4, 5, 6],
+    # whose score is higher.
+    ([[1, 2, 3, 4, 5, 6, 7, 8]], [1, 2, 3], 8, 8.0, 0.1, [4, 5, 6]),
+    # Cumulative probability: 1 -> (2 | 3) half each, 2 -> 9 then 10: p = 1/2 for each
+    # token below the branch, so min prob 0.6 drafts nothing after "1".
+    ([[1, 2, 9, 10], [1, 3, 9, 10]], [1], 3, 3.0, 0.6, []),
+    ([[1, 2, 9, 10], [1, 2, 9, 10], [1, 3, 9, 10]], [1], 3, 3.0, 0.6, [2, 9, 10]),
+    # Nothing seen: no draft.
+    ([[1, 2, 3]], [7], 4, 1.0, 0.1, []),
+])
+def test_speculate(texts, context, max_tokens, factor, min_prob, expected) -> None:
+    tree = SuffixTree(4 if factor == 8.0 else 24)
+    for text in texts:
+        tree.insert(text)
+    draft = tree.speculate(tree.match(context), max_tokens, factor, min_prob)
+    assert draft.token_ids == expected
+
+
+def test_the_best_score_wins_across_match_lengths() -> None:
+    tree = SuffixTree(8)
+    # After "5", 6 always follows (4 times); after "4 5" the text went on with 6 once and
+    # with 1 once: the one-token match has the higher expected acceptance.
+    tree.insert([4, 5, 7, 5, 6, 0, 5, 6, 0, 5, 6, 0, 5, 6, 0])
+    # "4 5" -> 7, 5 (p = 1 each, score 2) beats "5" -> 6 (p 4/5) and "5 6" -> 0.
+    draft = tree.speculate(tree.match([4, 5]), 2, 1.0, 0.1)
+    assert draft.token_ids == [7, 5]
+    assert draft.match_len == 2
+    draft = tree.speculate(tree.match([3, 5]), 2, 1.0, 0.1)
+    assert draft.token_ids == [6] and draft.match_len == 1
+
+
+def test_remove_restores_the_tree_without_the_text() -> None:
+    rng = random.Random(1)
+    texts = [[rng.randrange(5) for _ in range(rng.randrange(1, 40))] for _ in range(12)]
+    tree = SuffixTree(6)
+    for text in texts:
+        tree.insert(text)
+    for index in (3, 0, 7):
+        tree.remove(texts[index])
+    kept = [text for i, text in enumerate(texts) if i not in (0, 3, 7)]
+    expected = brute_counts(kept, 6)
+    assert counts(tree) == expected
+    assert tree.num_nodes == len(expected)
+    # Each node's best child is again its most frequent one.
+    stack = [tree.root]
+    while stack:
+        node = stack.pop()
+        if node.children:
+            assert node.best is not None
+            assert node.best.count == max(child.count for child in node.children.values())
+            stack.extend(node.children.values())
+        else:
+            assert node.best is None
+    for text in kept:
+        tree.remove(text)
+    assert tree.num_nodes == 0 and not tree.root.children
+
+
+def test_depth_must_be_positive() -> None:
+    with pytest.raises(ValueError):
+        SuffixTree(0)
