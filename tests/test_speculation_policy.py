@@ -7,9 +7,9 @@ import random
 import pytest
 
 from verifier_svc.speculation.acceptance_stats import AcceptanceStats
+from verifier_svc.speculation.candidate import Candidate
 from verifier_svc.speculation.policy import (
     COST_REFRESH_PLANS,
-    Candidate,
     SpeculationPolicy,
 )
 from verifier_svc.speculation.probe_schedule import (

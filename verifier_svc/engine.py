@@ -55,7 +55,8 @@ from verifier_svc.requests import (
     check_admission,
     check_request,
 )
-from verifier_svc.speculation.policy import Candidate, SpeculationPolicy
+from verifier_svc.speculation.candidate import Candidate
+from verifier_svc.speculation.policy import SpeculationPolicy
 
 if TYPE_CHECKING:
     from verifier_svc.metrics import VerifierMetrics
