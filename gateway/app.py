@@ -30,7 +30,6 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 
 from gateway import responses
 from gateway.chat import render_chat_prompt, tokenize_prompt
-from gateway.detokenizer import IncrementalDetokenizer, StopStringMatcher
 from gateway.errors import (
     RequestTooLargeError,
     UnsupportedMediaTypeError,
@@ -38,7 +37,16 @@ from gateway.errors import (
     error_response,
     plain_error_response,
 )
-from gateway.generation import GenerationResult, build_generate_request, stream_text
+from gateway.choices import (
+    Choice,
+    CollectedChoice,
+    close_choices,
+    collect_until_disconnect,
+    merged_deltas,
+    open_choices,
+)
+from gateway.generation import TextDelta, build_generate_request, choice_requests
+from gateway.logprobs import CompletionLogprobs, TokenTexts, chat_logprobs_content
 from gateway.metrics import GatewayMetrics, RequestCountMiddleware
 from gateway.protocol import (
     SamplingOptions,
@@ -164,36 +172,13 @@ async def _wait_for_disconnect(request: Request) -> None:
         pass
 
 
-async def _collect_text(request: Request, texts: AsyncIterator[str]) -> str | None:
-    """All text of a non-streaming request; None (and the call cancelled) if the client left."""
-
-    async def collect() -> str:
-        return "".join([text async for text in texts])
-
-    collect_task = asyncio.ensure_future(collect())
-    watch_task = asyncio.ensure_future(_wait_for_disconnect(request))
-    try:
-        await asyncio.wait({collect_task, watch_task}, return_when=asyncio.FIRST_COMPLETED)
-    except BaseException:
-        collect_task.cancel()
-        raise
-    finally:
-        watch_task.cancel()
-    if collect_task.done():
-        return collect_task.result()
-    collect_task.cancel()  # the client left: stream_text's cleanup cancels the verifier call
-    with contextlib.suppress(asyncio.CancelledError):
-        await collect_task
-    return None
-
-
-async def _sse(chunks: AsyncIterator[dict], texts: AsyncIterator[str],
+async def _sse(chunks: AsyncIterator[dict], choices: list[Choice],
                on_finish: Callable[[], None]) -> AsyncIterator[str]:
     """`data: {chunk}` events then `data: [DONE]`.
 
     A client that leaves is seen by starlette's StreamingResponse, which listens for the
     disconnect beside the stream and cancels it (this generator's cleanup then cancels the
-    verifier call). Asking `request.is_disconnected()` after every chunk as well (a receive
+    verifier calls). Asking `request.is_disconnected()` after every chunk as well (a receive
     under a cancel scope each time) was the largest piece of the gateway's event loop in a
     py-spy profile at sixteen streams; without it the gateway's CPU time over one `bench
     serve` run (48 prompts, c = 16) went from 153-186 to 112-168 ticks (mean -18%), CPU the
@@ -208,34 +193,81 @@ async def _sse(chunks: AsyncIterator[dict], texts: AsyncIterator[str],
         yield "data: [DONE]\n\n"
     finally:
         await chunks.aclose()
-        await texts.aclose()  # cancels the verifier call if it still runs
+        await close_choices(choices)  # cancels the verifier calls that still run
         on_finish()
 
 
-async def _chat_chunks(response_id: str, created: int, model: str, texts: AsyncIterator[str],
-                       result: GenerationResult, include_usage: bool) -> AsyncIterator[dict]:
-    yield responses.chat_chunk(response_id, created, model,
-                               {"role": "assistant", "content": ""}, None, include_usage)
-    async for text in texts:
-        yield responses.chat_chunk(response_id, created, model, {"content": text}, None,
-                                   include_usage)
-    yield responses.chat_chunk(response_id, created, model, {}, result.finish_reason,
-                               include_usage)
+@dataclass(slots=True)
+class _Output:
+    """How one request's choices become OpenAI objects."""
+
+    response_id: str
+    created: int
+    model: str
+    chat: bool
+    token_texts: TokenTexts | None  # None: no logprobs asked
+
+    def chat_logprobs(self, delta: TextDelta) -> dict | None:
+        if self.token_texts is None:
+            return None
+        return {"content": chat_logprobs_content(delta.logprobs, delta.token_ids,
+                                                 self.token_texts)}
+
+
+async def _chat_chunks(output: _Output, choices: list[Choice],
+                       include_usage: bool) -> AsyncIterator[dict]:
+    chunk = functools.partial(responses.chat_chunk, output.response_id, output.created,
+                              output.model)
+    for choice in choices:
+        yield chunk({"role": "assistant", "content": ""}, None, include_usage,
+                    index=choice.index)
+    async for choice, delta in merged_deltas(choices):
+        if delta is None:
+            yield chunk({}, choice.result.finish_reason, include_usage, index=choice.index)
+        else:
+            yield chunk({"content": delta.text}, None, include_usage, index=choice.index,
+                        logprobs=output.chat_logprobs(delta))
     if include_usage:
-        yield responses.usage_chunk(response_id, created, model, "chat.completion.chunk",
-                                    result)
+        yield responses.usage_chunk(output.response_id, output.created, output.model,
+                                    "chat.completion.chunk", [c.result for c in choices])
 
 
-async def _completion_chunks(response_id: str, created: int, model: str,
-                             texts: AsyncIterator[str], result: GenerationResult,
+async def _completion_chunks(output: _Output, choices: list[Choice],
                              include_usage: bool) -> AsyncIterator[dict]:
-    async for text in texts:
-        yield responses.completion_chunk(response_id, created, model, text, None,
-                                         include_usage)
-    yield responses.completion_chunk(response_id, created, model, "", result.finish_reason,
-                                     include_usage)
+    chunk = functools.partial(responses.completion_chunk, output.response_id, output.created,
+                              output.model)
+    texts = output.token_texts
+    builders = ({choice.index: CompletionLogprobs(texts) for choice in choices}
+                if texts is not None else None)
+    async for choice, delta in merged_deltas(choices):
+        if delta is None:
+            yield chunk("", choice.result.finish_reason, include_usage, index=choice.index)
+        else:
+            logprobs = (builders[choice.index].build(delta.logprobs, delta.token_ids)
+                        if builders is not None else None)
+            yield chunk(delta.text, None, include_usage, index=choice.index, logprobs=logprobs)
     if include_usage:
-        yield responses.usage_chunk(response_id, created, model, "text_completion", result)
+        yield responses.usage_chunk(output.response_id, output.created, output.model,
+                                    "text_completion", [c.result for c in choices])
+
+
+def _response_body(output: _Output, collected: list[CollectedChoice]) -> dict:
+    body = []
+    for item in collected:
+        reason = item.choice.result.finish_reason
+        if output.chat:
+            logprobs = output.chat_logprobs(TextDelta(item.text, item.token_ids, item.logprobs))
+            body.append(responses.chat_choice(
+                item.choice.index, {"role": "assistant", "content": item.text}, logprobs,
+                reason))
+        else:
+            logprobs = (CompletionLogprobs(output.token_texts).build(item.logprobs, item.token_ids)
+                        if output.token_texts is not None else None)
+            body.append(responses.completion_choice(item.choice.index, item.text, logprobs,
+                                                    reason))
+    build = responses.chat_completion if output.chat else responses.text_completion
+    return build(output.response_id, output.created, output.model, body,
+                 [item.choice.result for item in collected])
 
 
 async def _generate(request: Request, prompt_token_ids: list[int], sampling: SamplingOptions,
@@ -246,27 +278,27 @@ async def _generate(request: Request, prompt_token_ids: list[int], sampling: Sam
     max_model_len = state.config.max_model_len or info.max_model_len
     generate_request = build_generate_request(prompt_token_ids, sampling, info, max_model_len,
                                               prompt_param)
-    result = GenerationResult(num_prompt_tokens=len(prompt_token_ids), started_at=started_at)
-    # Waits for the first response, so an unreachable verifier is still a plain 503.
-    verifier_stream = await state.verifier.generate(generate_request)
-    texts = stream_text(verifier_stream,
-                        IncrementalDetokenizer(state.tokenizer, prompt_token_ids),
-                        StopStringMatcher(sampling.stop), result)
-    response_id = responses.new_id("chatcmpl" if chat else "cmpl")
-    created = responses.now()
-    model = state.config.model_name
+    choices = await open_choices(state.verifier, choice_requests(generate_request, sampling.n),
+                                 state.tokenizer, prompt_token_ids, sampling.stop, started_at)
+    output = _Output(responses.new_id("chatcmpl" if chat else "cmpl"), responses.now(),
+                     state.config.model_name, chat,
+                     state.token_texts if sampling.logprobs is not None else None)
+
+    def observe() -> None:
+        for choice in choices:
+            state.metrics.observe_generation(choice.result)
+
     if not stream:
-        text = await _collect_text(request, texts)
-        state.metrics.observe_generation(result)
-        if text is None:
-            return Response(status_code=499)
-        build = responses.chat_completion if chat else responses.text_completion
-        return JSONResponse(build(response_id, created, model, text, result))
+        collected = await collect_until_disconnect(
+            choices, functools.partial(_wait_for_disconnect, request))
+        observe()
+        if collected is None:
+            return Response(status_code=CLIENT_CLOSED_REQUEST)
+        return JSONResponse(_response_body(output, collected))
     make_chunks = _chat_chunks if chat else _completion_chunks
-    chunks = make_chunks(response_id, created, model, texts, result, include_usage)
-    return StreamingResponse(
-        _sse(chunks, texts, lambda: state.metrics.observe_generation(result)),
-        media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+    chunks = make_chunks(output, choices, include_usage)
+    return StreamingResponse(_sse(chunks, choices, observe),
+                             media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
 
 
 @_openai_errors
@@ -354,6 +386,7 @@ def create_app(config: GatewayConfig, tokenizer: Any,
         await client.start()
         app.state.config = config
         app.state.tokenizer = tokenizer
+        app.state.token_texts = TokenTexts(tokenizer)
         app.state.verifier = client
         app.state.metrics = GatewayMetrics(config.model_name)
         app.state.created = responses.now()

@@ -1,8 +1,9 @@
-"""One request's generation: sampling options -> GenerateRequest, responses -> text deltas.
+"""One choice's generation: sampling options -> GenerateRequest, responses -> text deltas.
 
 `stream_text` is the single loop shared by chat and completions, streaming or not: it
 detokenizes incrementally, applies stop strings and cancels the verifier call the moment
 a stop string is found (or the consumer goes away), so the verifier frees the sequence.
+A request with n choices runs n such loops, one Generate call each (`choice_requests`).
 """
 
 from __future__ import annotations
@@ -36,6 +37,18 @@ class GenerationResult:
     finished_at: float | None = None
     # The verifier's counters are per request and cumulative: the latest one is the total.
     speculation: specdec_pb2.SpeculationStats | None = None
+    num_cached_tokens: int = 0
+
+
+@dataclass(slots=True)
+class TextDelta:
+    """Text released to the client, and the tokens (with their logprobs, when asked)
+    received since the previous delta. The text is empty only in a last delta that
+    carries logprobs alone."""
+
+    text: str
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[specdec_pb2.TokenLogprob] = field(default_factory=list)
 
 
 def build_generate_request(prompt_token_ids: list[int], sampling: SamplingOptions,
@@ -76,6 +89,10 @@ def build_generate_request(prompt_token_ids: list[int], sampling: SamplingOption
                     f"speculation must be at most the server's num_speculative_tokens "
                     f"({info.num_speculative_tokens}), got {num_tokens}.", "speculation")
             speculation.num_speculative_tokens = num_tokens
+    if sampling.n > 1 and info.max_num_seqs and sampling.n > info.max_num_seqs:
+        raise InvalidRequestError(
+            f"n must be at most the server's max_num_seqs ({info.max_num_seqs}), got "
+            f"{sampling.n}.", "n")
     params = specdec_pb2.SamplingParams(
         temperature=sampling.temperature,
         top_p=sampling.top_p,
@@ -92,26 +109,50 @@ def build_generate_request(prompt_token_ids: list[int], sampling: SamplingOption
     )
     if sampling.seed is not None:
         params.seed = sampling.seed
+    if sampling.logprobs is not None:
+        params.logprobs = sampling.logprobs
     return specdec_pb2.GenerateRequest(
         request_id=uuid.uuid4().hex, prompt_token_ids=prompt_token_ids, sampling=params,
         speculation=speculation)
 
 
+def choice_requests(request: specdec_pb2.GenerateRequest,
+                    n: int) -> list[specdec_pb2.GenerateRequest]:
+    """One Generate call per choice: choice i has its own random stream, seed + i when the
+    request is seeded (as vLLM), so that choices differ and each is reproducible."""
+    if n == 1:
+        return [request]
+    requests = []
+    for index in range(n):
+        choice = specdec_pb2.GenerateRequest()
+        choice.CopyFrom(request)
+        choice.request_id = f"{request.request_id}-{index}"
+        if request.sampling.HasField("seed"):
+            choice.sampling.seed = (request.sampling.seed + index) % 2**64
+        requests.append(choice)
+    return requests
+
+
 async def stream_text(stream: GenerationStream, detokenizer: IncrementalDetokenizer,
                       stop_matcher: StopStringMatcher,
-                      result: GenerationResult) -> AsyncIterator[str]:
-    """Yields text deltas (never empty); sets result.finish_reason before returning.
+                      result: GenerationResult) -> AsyncIterator[TextDelta]:
+    """Yields text deltas (see TextDelta); sets result.finish_reason before returning.
 
     Closing the generator early (client gone) cancels the verifier call.
     """
+    pending = TextDelta("")
     try:
         async for response in stream:
             if response.token_ids:
                 if result.first_token_at is None:
                     result.first_token_at = time.monotonic()
                 result.num_completion_tokens += len(response.token_ids)
+                pending.token_ids.extend(response.token_ids)
+                pending.logprobs.extend(response.logprobs)
             if response.HasField("speculation"):
                 result.speculation = response.speculation
+            if response.HasField("usage"):
+                result.num_cached_tokens = response.usage.cached_tokens
             finished = response.finish_reason != specdec_pb2.FINISH_REASON_UNSPECIFIED
             text = detokenizer.push(response.token_ids)
             if finished:
@@ -126,8 +167,10 @@ async def stream_text(stream: GenerationStream, detokenizer: IncrementalDetokeni
                 if reason is None:
                     raise UnavailableError("The verifier aborted the request.")
                 result.finish_reason = reason
-            if released:
-                yield released
+            if released or (result.finish_reason is not None and pending.logprobs):
+                pending.text = released
+                yield pending
+                pending = TextDelta("")
             if result.finish_reason is not None:
                 return
         raise UnavailableError("The verifier ended the stream without a finish reason.")
@@ -154,10 +197,37 @@ def speculation_usage(stats: specdec_pb2.SpeculationStats | None) -> dict:
     }
 
 
-def usage(result: GenerationResult) -> dict:
+def _sum_speculation(results: list[GenerationResult]) -> specdec_pb2.SpeculationStats | None:
+    stats = [result.speculation for result in results if result.speculation is not None]
+    if len(stats) <= 1:
+        return stats[0] if stats else None
+    total = specdec_pb2.SpeculationStats()
+    per_position: list[int] = []
+    for item in stats:
+        total.num_drafts += item.num_drafts
+        total.num_draft_tokens += item.num_draft_tokens
+        total.num_accepted_tokens += item.num_accepted_tokens
+        total.num_forced_tokens += item.num_forced_tokens
+        per_position.extend([0] * (len(item.accepted_per_position) - len(per_position)))
+        for position, count in enumerate(item.accepted_per_position):
+            per_position[position] += count
+    total.accepted_per_position.extend(per_position)
+    return total
+
+
+def usage(results: GenerationResult | list[GenerationResult]) -> dict:
+    """OpenAI's usage over a request's choices: the prompt once, every choice's completion
+    tokens, and (prompt_tokens_details.cached_tokens) the prompt tokens every choice found
+    in the prefix cache."""
+    if isinstance(results, GenerationResult):
+        results = [results]
+    num_prompt_tokens = results[0].num_prompt_tokens
+    num_completion_tokens = sum(result.num_completion_tokens for result in results)
     return {
-        "prompt_tokens": result.num_prompt_tokens,
-        "completion_tokens": result.num_completion_tokens,
-        "total_tokens": result.num_prompt_tokens + result.num_completion_tokens,
-        "speculation": speculation_usage(result.speculation),
+        "prompt_tokens": num_prompt_tokens,
+        "completion_tokens": num_completion_tokens,
+        "total_tokens": num_prompt_tokens + num_completion_tokens,
+        "prompt_tokens_details": {
+            "cached_tokens": min(result.num_cached_tokens for result in results)},
+        "speculation": speculation_usage(_sum_speculation(results)),
     }

@@ -21,6 +21,10 @@ MAX_TEMPERATURE = 100.0
 MAX_STOP_STRINGS = 64
 MAX_STOP_STRING_CHARS = 1024
 MAX_STOP_TOKEN_IDS = 1024
+# OpenAI's bound on top_logprobs (and vLLM's default --max-logprobs is 20).
+MAX_TOP_LOGPROBS = 20
+# A hard bound on n; the verifier's max_num_seqs is the one that usually applies.
+MAX_CHOICES = 1024
 CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")
 _SEED_RANGE = (-(2**63), 2**64 - 1)
 
@@ -52,6 +56,10 @@ class SamplingOptions:
     ignore_eos: bool
     seed: int | None
     speculation: SpeculationChoice | None
+    # Top log-probabilities per output token (0-20); None: no logprobs.
+    logprobs: int | None = None
+    # Choices to generate; each is its own sequence on the verifier (seed + index).
+    n: int = 1
 
 
 @dataclass(frozen=True, slots=True)
@@ -257,19 +265,24 @@ def _stream_options(body: dict[str, Any], stream: bool) -> bool:
 
 
 def _reject_unsupported(body: dict[str, Any]) -> None:
-    n = _integer(body, "n", minimum=1, maximum=2**31 - 1)
-    if n is not None and n != 1:
-        raise InvalidRequestError("Only n=1 is supported.", "n")
     best_of = _integer(body, "best_of", minimum=1, maximum=2**31 - 1)
     if best_of is not None and best_of != 1:
-        raise InvalidRequestError("Only best_of=1 is supported.", "best_of")
-    logprobs = body.get("logprobs")
-    if logprobs is not None and logprobs is not False:
-        raise InvalidRequestError("logprobs are not supported.", "logprobs")
-    top_logprobs = body.get("top_logprobs")
-    if top_logprobs is not None and top_logprobs != 0:
-        raise InvalidRequestError("top_logprobs is not supported.", "top_logprobs")
+        # vLLM v1 dropped best_of too; n choices and logprobs give the same.
+        raise InvalidRequestError("Only best_of=1 is supported; ask for n choices with "
+                                  "logprobs and rank them instead.", "best_of")
     refuse_unhonoured_fields(body)
+
+
+def _logprobs(body: dict[str, Any], chat: bool) -> int | None:
+    """Chat: `logprobs` (boolean) and `top_logprobs` (0-20, needs logprobs). Completions:
+    `logprobs` (0-20, the legacy integer)."""
+    if not chat:
+        return _integer(body, "logprobs", minimum=0, maximum=MAX_TOP_LOGPROBS)
+    enabled = _boolean(body, "logprobs", False)
+    top = _integer(body, "top_logprobs", minimum=0, maximum=MAX_TOP_LOGPROBS)
+    if top and not enabled:
+        raise InvalidRequestError("top_logprobs needs logprobs set to true.", "top_logprobs")
+    return (top or 0) if enabled else None
 
 
 def _logit_bias(body: dict[str, Any]) -> tuple[tuple[int, float], ...]:
@@ -306,7 +319,7 @@ def _model(body: dict[str, Any]) -> str | None:
     return model
 
 
-def parse_sampling(body: dict[str, Any]) -> SamplingOptions:
+def parse_sampling(body: dict[str, Any], *, chat: bool = True) -> SamplingOptions:
     _reject_unsupported(body)
     # max_completion_tokens is the newer name; it wins when both are given.
     max_tokens = _integer(body, "max_completion_tokens", minimum=1, maximum=2**31 - 1)
@@ -337,6 +350,8 @@ def parse_sampling(body: dict[str, Any]) -> SamplingOptions:
         # The wire carries uint64: a negative seed keeps its two's-complement bits.
         seed=None if seed is None else seed & (2**64 - 1),
         speculation=_speculation(body),
+        logprobs=_logprobs(body, chat),
+        n=_integer(body, "n", minimum=1, maximum=MAX_CHOICES) or 1,
     )
 
 
@@ -424,5 +439,5 @@ def parse_completion_request(body: dict[str, Any]) -> CompletionRequest:
     if body.get("suffix") is not None:
         raise InvalidRequestError("suffix is not supported.", "suffix")
     stream = _boolean(body, "stream", False)
-    return CompletionRequest(model=model, prompt=prompt, sampling=parse_sampling(body),
+    return CompletionRequest(model=model, prompt=prompt, sampling=parse_sampling(body, chat=False),
                              stream=stream, include_usage=_stream_options(body, stream))

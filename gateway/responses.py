@@ -16,31 +16,33 @@ def now() -> int:
     return int(time.time())
 
 
-def chat_completion(response_id: str, created: int, model: str, text: str,
-                    result: GenerationResult) -> dict:
+def chat_choice(index: int, message: dict, logprobs: dict | None,
+                finish_reason: str | None) -> dict:
+    return {"index": index, "message": message, "logprobs": logprobs,
+            "finish_reason": finish_reason}
+
+
+def chat_completion(response_id: str, created: int, model: str, choices: list[dict],
+                    results: list[GenerationResult]) -> dict:
     return {
         "id": response_id,
         "object": "chat.completion",
         "created": created,
         "model": model,
-        "choices": [{
-            "index": 0,
-            "message": {"role": "assistant", "content": text},
-            "logprobs": None,
-            "finish_reason": result.finish_reason,
-        }],
-        "usage": usage(result),
+        "choices": choices,
+        "usage": usage(results),
     }
 
 
 def chat_chunk(response_id: str, created: int, model: str, delta: dict,
-               finish_reason: str | None, include_usage: bool) -> dict:
+               finish_reason: str | None, include_usage: bool, *, index: int = 0,
+               logprobs: dict | None = None) -> dict:
     chunk = {
         "id": response_id,
         "object": "chat.completion.chunk",
         "created": created,
         "model": model,
-        "choices": [{"index": 0, "delta": delta, "logprobs": None,
+        "choices": [{"index": index, "delta": delta, "logprobs": logprobs,
                      "finish_reason": finish_reason}],
     }
     if include_usage:
@@ -48,27 +50,32 @@ def chat_chunk(response_id: str, created: int, model: str, delta: dict,
     return chunk
 
 
-def text_completion(response_id: str, created: int, model: str, text: str,
-                    result: GenerationResult) -> dict:
+def completion_choice(index: int, text: str, logprobs: dict | None,
+                      finish_reason: str | None) -> dict:
+    return {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}
+
+
+def text_completion(response_id: str, created: int, model: str, choices: list[dict],
+                    results: list[GenerationResult]) -> dict:
     return {
         "id": response_id,
         "object": "text_completion",
         "created": created,
         "model": model,
-        "choices": [{"index": 0, "text": text, "logprobs": None,
-                     "finish_reason": result.finish_reason}],
-        "usage": usage(result),
+        "choices": choices,
+        "usage": usage(results),
     }
 
 
 def completion_chunk(response_id: str, created: int, model: str, text: str,
-                     finish_reason: str | None, include_usage: bool) -> dict:
+                     finish_reason: str | None, include_usage: bool, *, index: int = 0,
+                     logprobs: dict | None = None) -> dict:
     chunk = {
         "id": response_id,
         "object": "text_completion",
         "created": created,
         "model": model,
-        "choices": [{"index": 0, "text": text, "logprobs": None,
+        "choices": [{"index": index, "text": text, "logprobs": logprobs,
                      "finish_reason": finish_reason}],
     }
     if include_usage:
@@ -77,10 +84,10 @@ def completion_chunk(response_id: str, created: int, model: str, text: str,
 
 
 def usage_chunk(response_id: str, created: int, model: str, object_name: str,
-                result: GenerationResult) -> dict:
+                results: list[GenerationResult]) -> dict:
     """The last chunk of a stream with stream_options.include_usage: no choices."""
     return {"id": response_id, "object": object_name, "created": created, "model": model,
-            "choices": [], "usage": usage(result)}
+            "choices": [], "usage": usage(results)}
 
 
 def model_list(model_name: str, root: str, created: int, max_model_len: int | None) -> dict:

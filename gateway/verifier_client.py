@@ -76,9 +76,13 @@ class GenerationStream:
     Until a response carrying tokens was read, a retryable failure restarts the request
     on another healthy verifier (at most MAX_RETRIES times over the whole request)."""
 
-    def __init__(self, client: VerifierClient, request: specdec_pb2.GenerateRequest) -> None:
+    def __init__(self, client: VerifierClient, request: specdec_pb2.GenerateRequest,
+                 prefer: str | None = None) -> None:
         self._client = client
         self._request = request
+        # The verifier to try first when healthy (a request's other choices go where its
+        # first one went, whose prompt blocks that verifier has cached).
+        self._prefer = prefer
         self._tried: list[_Endpoint] = []
         self._call: grpc.aio.UnaryStreamCall | None = None
         self._first_response: specdec_pb2.GenerateResponse | None = None
@@ -91,7 +95,8 @@ class GenerationStream:
     async def _start(self, error: SpecdecError | None) -> specdec_pb2.GenerateResponse:
         """The first response of the call on the next healthy verifier not tried yet."""
         while True:
-            endpoint = (self._client._next_healthy(self._tried)
+            endpoint = (self._client._next_healthy(self._tried,
+                                                   None if self._tried else self._prefer)
                         if len(self._tried) <= MAX_RETRIES else None)
             if endpoint is None:
                 raise error or UnavailableError(UNAVAILABLE_MESSAGE)
@@ -327,8 +332,15 @@ class VerifierClient:
             raise UnavailableError(UNAVAILABLE_MESSAGE)
         return info
 
-    def _next_healthy(self, exclude: Sequence[_Endpoint]) -> _Endpoint | None:
-        """Round-robin: the next healthy verifier not in `exclude`."""
+    def _next_healthy(self, exclude: Sequence[_Endpoint],
+                      prefer: str | None = None) -> _Endpoint | None:
+        """Round-robin: the next healthy verifier not in `exclude` (`prefer`, by address,
+        when it is healthy and not excluded)."""
+        if prefer is not None:
+            for endpoint in self._endpoints:
+                if (endpoint.address == prefer and endpoint.healthy
+                        and all(endpoint is not e for e in exclude)):
+                    return endpoint
         count = len(self._endpoints)
         for offset in range(count):
             index = (self._next_index + offset) % count
@@ -338,13 +350,15 @@ class VerifierClient:
                 return endpoint
         return None
 
-    async def generate(self, request: specdec_pb2.GenerateRequest) -> GenerationStream:
-        """Starts Generate on a healthy verifier and waits for its first response.
+    async def generate(self, request: specdec_pb2.GenerateRequest,
+                       prefer: str | None = None) -> GenerationStream:
+        """Starts Generate on a healthy verifier (`prefer` first, by address, when healthy)
+        and waits for its first response.
 
         Raises the mapped domain error (UnavailableError when none is reachable).
         """
         if not self.serving:
             await self.probe_all()
-        stream = GenerationStream(self, request)
+        stream = GenerationStream(self, request, prefer)
         await stream.open()
         return stream

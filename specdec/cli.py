@@ -55,6 +55,16 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                         help="KV cache size; default: from --gpu-memory-utilization (on cpu "
                              "capped at VLLM_CPU_KVCACHE_SPACE GiB, default 4)")
     parser.add_argument("--block-size", type=int, default=16)
+    parser.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction,
+                        default=True,
+                        help="keep full KV blocks of finished requests by content hash and "
+                             "reuse them for any request with the same prefix (default: on; "
+                             "--no-enable-prefix-caching turns it off)")
+    parser.add_argument("--logprobs-mode", choices=["raw_logprobs", "processed_logprobs"],
+                        default="raw_logprobs",
+                        help="what logprobs report: the model's log-probabilities before any "
+                             "sampling parameter (default, as vLLM) or after the request's "
+                             "penalties, bias, temperature and top-k/top-p/min-p")
     parser.add_argument("--tensor-parallel-size", type=int, default=1)
     parser.add_argument("--draft-timeout-ms", type=float, default=None,
                         help="per-step deadline for drafter proposals (default: 50 for ngram, "

@@ -300,6 +300,8 @@ def parse_additional_config(text: str | None, used_keys: tuple[str, ...] = ()) -
     return raw
 
 
+LOGPROBS_MODES = ("raw_logprobs", "processed_logprobs")
+
 # The default bound on waiting requests, per running slot: a full queue drains in about
 # four times one request's latency, after which a client is better off told 429 at once.
 DEFAULT_WAITING_PER_SEQ = 4
@@ -330,8 +332,19 @@ class EngineConfig:
     # The speculative config's disable_by_batch_size: a step whose running batch holds more
     # requests than this drafts for none of them. None: no limit.
     disable_by_batch_size: int | None = None
+    # Automatic prefix caching (vLLM v1's default): full blocks of verified tokens are kept
+    # by content hash after their request ends and reused by any later request sharing
+    # the prefix (specdec/engine/block_manager.py).
+    enable_prefix_caching: bool = True
+    # What logprobs report: the model's raw log-probabilities, or those after the request's
+    # logits processing (penalties, bias, temperature, top-k/top-p/min-p), as vLLM's
+    # --logprobs-mode.
+    logprobs_mode: str = "raw_logprobs"
 
     def __post_init__(self) -> None:
+        if self.logprobs_mode not in LOGPROBS_MODES:
+            raise ConfigError(f"logprobs_mode must be one of {', '.join(LOGPROBS_MODES)}, got "
+                              f"{self.logprobs_mode!r}", param="logprobs_mode")
         for name in ("max_model_len", "max_num_seqs", "max_num_batched_tokens", "block_size"):
             value = getattr(self, name)
             if value < 1:

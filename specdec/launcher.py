@@ -114,6 +114,8 @@ def _child_commands(args: argparse.Namespace, model_path: str) -> list[tuple[str
                 "--block-size", str(args.block_size),
                 "--tensor-parallel-size", str(args.tensor_parallel_size),
                 "--speculation-policy", args.speculation_policy,
+                "--logprobs-mode", args.logprobs_mode,
+                *([] if args.enable_prefix_caching else ["--no-enable-prefix-caching"]),
                 *(["--enforce-eager"] if args.enforce_eager else []), *common]
     reflection = ["--enable-reflection"] if args.enable_reflection else []
     verifier += reflection

@@ -60,6 +60,18 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
+MAX_NUM_SEQS = 8
+
+
+def fake_logprob(token_id: int, num_top: int) -> specdec_pb2.TokenLogprob:
+    """A made-up but well-formed entry: the token first in its top list, then its
+    neighbours, log-probabilities descending."""
+    logprob = -0.25 - (token_id % 5) / 10
+    top_ids = [token_id] + [(token_id + offset) % 400 for offset in range(1, num_top)]
+    return specdec_pb2.TokenLogprob(logprob=logprob, top_token_ids=top_ids[:num_top],
+                                    top_logprobs=[logprob - i for i in range(num_top)])
+
+
 class FakeVerifier(specdec_pb2_grpc.VerifierServicer):
     """Replies with `reply_token_ids` + EOS (cycling when ignore_eos) up to max_tokens."""
 
@@ -79,7 +91,7 @@ class FakeVerifier(specdec_pb2_grpc.VerifierServicer):
         return specdec_pb2.VerifierInfo(
             model_name="tiny-model", max_model_len=MAX_MODEL_LEN, vocab_size=400,
             eos_token_ids=[self.eos_token_id], speculative_method="ngram",
-            num_speculative_tokens=NUM_SPECULATIVE_TOKENS)
+            num_speculative_tokens=NUM_SPECULATIVE_TOKENS, max_num_seqs=MAX_NUM_SEQS)
 
     async def Generate(self, request: specdec_pb2.GenerateRequest, context: Any):
         self.requests.append(request)
@@ -116,6 +128,9 @@ class FakeVerifier(specdec_pb2_grpc.VerifierServicer):
                     stats.accepted_per_position[position] += 1
                 response = specdec_pb2.GenerateResponse(
                     token_ids=token_ids, finish_reason=finish, speculation=stats)
+                if request.sampling.HasField("logprobs"):
+                    response.logprobs.extend(fake_logprob(token_id, request.sampling.logprobs)
+                                             for token_id in token_ids)
                 if finish != specdec_pb2.FINISH_REASON_UNSPECIFIED:
                     response.usage.prompt_tokens = len(request.prompt_token_ids)
                     response.usage.completion_tokens = emitted

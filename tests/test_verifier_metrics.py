@@ -254,3 +254,23 @@ def test_the_launcher_gives_the_verifier_the_name_not_the_path() -> None:
     assert verifier[verifier.index("--served-model-name") + 1] == "smollm2-135m-instruct"
     commands = dict(_child_commands(parser.parse_args(["--served-model-name", "mine"]), "/x"))
     assert commands["verifier"][commands["verifier"].index("--served-model-name") + 1] == "mine"
+
+
+async def test_prefix_cache_queries_and_hits_reach_prometheus(tiny_model: Path, device) -> None:
+    for caching in (True, False):
+        engine, served = build_engine(VerifierConfig(
+            model=str(tiny_model), device=str(device), dtype="float32", max_model_len=128,
+            block_size=4, num_gpu_blocks_override=64, enable_prefix_caching=caching))
+        await engine.start()
+        try:
+            params = SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True)
+            prompt = [5, 6, 7, 8, 9, 10, 11, 12, 13, 14]  # two full blocks, then two tokens
+            await generate(engine, prompt, params)
+            await generate(engine, prompt, params)
+            metrics = VerifierMetrics(engine, served.model_name)
+            labels = {"model_name": tiny_model.name}
+            queries = metrics.registry.get_sample_value("vllm:prefix_cache_queries_total", labels)
+            hits = metrics.registry.get_sample_value("vllm:prefix_cache_hits_total", labels)
+        finally:
+            await engine.stop()
+        assert (queries, hits) == ((20, 8) if caching else (0, 0))

@@ -72,6 +72,7 @@ def config_from_args(args: argparse.Namespace) -> VerifierConfig:
         quantization=args.quantization,
         compile=compile_by_default(args.device, args.tensor_parallel_size, args.enforce_eager),
         adaptive_speculation=args.speculation_policy == "adaptive",
+        enable_prefix_caching=args.enable_prefix_caching, logprobs_mode=args.logprobs_mode,
         speculative_config=SpeculativeConfig.parse(args.speculative_config),
         grpc_tls=tls, internal_token=internal_token, enable_reflection=args.enable_reflection,
         max_waiting_requests=args.max_waiting_requests, request_timeout_s=args.request_timeout_s,

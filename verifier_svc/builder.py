@@ -80,6 +80,9 @@ class VerifierConfig:
     # None or "int8" (weight-only); see specdec.models.packed_linear.
     quantization: str | None = None
     adaptive_speculation: bool = True
+    # See EngineConfig.
+    enable_prefix_caching: bool = True
+    logprobs_mode: str = "raw_logprobs"
     # Compile the forward (see specdec.models.compiled_forward); the command-line default
     # is `compile_by_default`.
     compile: bool = False
@@ -152,6 +155,8 @@ def build_engine(config: VerifierConfig) -> tuple[Engine, ServedModel]:
                                  max_waiting_requests=config.max_waiting_requests,
                                  request_timeout_s=config.request_timeout_s,
                                  adaptive_speculation=config.adaptive_speculation,
+                                 enable_prefix_caching=config.enable_prefix_caching,
+                                 logprobs_mode=config.logprobs_mode,
                                  disable_by_batch_size=config.speculative_config.disable_by_batch_size
                                  if config.speculative_config is not None else None)
     if num_blocks * config.block_size < max_model_len:
@@ -195,7 +200,8 @@ def build_engine(config: VerifierConfig) -> tuple[Engine, ServedModel]:
             if linear_kernel is not None:
                 pack_linears(model, linear_kernel)
     runner = ModelRunner(model, kv_cache, config.block_size, device, tensor_parallel, forward)
-    scheduler = Scheduler(engine_config, BlockManager(num_blocks, config.block_size))
+    scheduler = Scheduler(engine_config, BlockManager(
+        num_blocks, config.block_size, enable_prefix_caching=engine_config.enable_prefix_caching))
 
     engine = Engine(engine_config, runner, scheduler, vocab_size=model_config.vocab_size,
                     eos_token_ids=eos_token_ids,

@@ -43,6 +43,7 @@ from specdec.engine.rejection_sampler import (
     needs_only_argmax,
     verify,
 )
+from specdec.engine.logprobs import TokenLogprobs, step_logprobs
 from specdec.engine.sampling_params import SamplingParams
 from specdec.engine.scheduler import ScheduledSequence, Scheduler
 from specdec.engine.sequence import FinishReason, Sequence, SpeculationCounters
@@ -167,6 +168,9 @@ class Engine:
                        token_ids=list(prompt_token_ids), prompt_len=len(prompt_token_ids),
                        params=params, max_speculative_tokens=num_speculative_tokens,
                        generator=generator)
+        # A drafter that needs the target's hidden states needs them for the whole context,
+        # which a prefix-cache hit would skip computing.
+        seq.may_reuse_prefix = not (num_speculative_tokens and self.hidden_layer_ids)
         queue: asyncio.Queue[RequestOutput | SpecdecError] = asyncio.Queue()
         self._sequences[seq.seq_id] = seq
         self._queues[seq.seq_id] = queue
@@ -365,6 +369,7 @@ class Engine:
             if not item.samples:
                 self._keep_hidden(seq, hidden, batch, index, item.num_query_tokens)
                 seq.num_computed_tokens += item.num_query_tokens
+                self.scheduler.cache_computed_blocks(seq)
                 continue
             draft = step_drafts[index]
             first_row, end_row = batch.logit_offsets[index], batch.logit_offsets[index + 1]
@@ -374,6 +379,12 @@ class Engine:
                 new_token_ids = verify(logits[first_row:end_row], draft.token_ids, seq.token_ids, seq.params,
                                        seq.generator, draft.probs, prompt_len=seq.prompt_len,
                                        eos_token_ids=self.eos_token_ids)
+            logprobs = None
+            if seq.params.logprobs is not None:
+                logprobs = step_logprobs(logits[first_row:end_row], new_token_ids, seq.token_ids,
+                                         seq.params, self.config.logprobs_mode,
+                                         prompt_len=seq.prompt_len,
+                                         eos_token_ids=self.eos_token_ids)
             num_accepted = len(new_token_ids) - 1
             self._keep_hidden(seq, hidden, batch, index, item.num_query_tokens + num_accepted)
             seq.num_computed_tokens += item.num_query_tokens + num_accepted
@@ -383,7 +394,7 @@ class Engine:
             if self.policy is not None:
                 self.policy.record_draft(seq.seq_id, len(draft.token_ids), num_accepted,
                                          item.num_speculative_tokens)
-            self._append_tokens(seq, new_token_ids)
+            self._append_tokens(seq, new_token_ids, logprobs)
         if self.policy is not None and all(item.num_query_tokens == 1 for item in scheduled):
             # What a verified token costs: inputs, forward, logits and the sampler, for
             # decode steps only (a prefill chunk's attention would skew the per-token cost).
@@ -465,8 +476,10 @@ class Engine:
             inputs.append(StepInput(chunk + draft.token_ids, start, seq.block_table, num_logit_rows))
         return inputs, step_drafts
 
-    def _append_tokens(self, seq: Sequence, new_token_ids: list[int]) -> None:
-        """Appends verified tokens, stopping at the first stop condition, and streams them."""
+    def _append_tokens(self, seq: Sequence, new_token_ids: list[int],
+                       logprobs: list[TokenLogprobs] | None = None) -> None:
+        """Appends verified tokens, stopping at the first stop condition, and streams them
+        (with their logprobs, one per new token, when the request asked)."""
         params = seq.params
         visible: list[int] = []
         finish: FinishReason | None = None
@@ -483,8 +496,12 @@ class Engine:
                     or seq.num_tokens >= self.config.max_model_len):
                 finish = FinishReason.LENGTH
                 break
+        # Before a finish frees them: the blocks of verified tokens outlive the request.
+        self.scheduler.cache_computed_blocks(seq)
         queue = self._queues.get(seq.seq_id)
-        output = RequestOutput(visible, finish, seq.prompt_len, seq.num_output_tokens, seq.spec)
+        output = RequestOutput(visible, finish, seq.prompt_len, seq.num_output_tokens, seq.spec,
+                               None if logprobs is None else logprobs[:len(visible)],
+                               seq.num_cached_tokens)
         if seq.first_token_time is None:
             seq.first_token_time = time.monotonic()
         if finish is not None:

@@ -58,7 +58,15 @@ class _EngineCollector(Collector):
                 ("vllm:spec_decode_num_accepted_tokens", "Draft tokens accepted.",
                  spec.num_accepted_tokens),
                 ("vllm:num_preemptions", "Sequences preempted for lack of KV blocks.",
-                 engine.scheduler.num_preemptions)):
+                 engine.scheduler.num_preemptions),
+                ("vllm:prefix_cache_queries", "Prefix cache queries, in tokens (the tokens "
+                 "of each sequence admitted while prefix caching is on).",
+                 engine.scheduler.block_manager.num_queried_tokens),
+                ("vllm:prefix_cache_hits", "Prefix cache hits, in tokens.",
+                 engine.scheduler.block_manager.num_hit_tokens),
+                ("specdec:prefix_cache_evicted_blocks", "Cached KV blocks reused for new "
+                 "tokens (evicted from the prefix cache).",
+                 engine.scheduler.block_manager.num_evicted_blocks)):
             family = CounterMetricFamily(name, documentation, labels=["model_name"])
             family.add_metric(labels, value)
             yield family
@@ -79,6 +87,8 @@ class _EngineCollector(Collector):
                 ("specdec:kv_cache_free_blocks", "KV blocks free in the pool.",
                  block_manager.num_free_blocks),
                 ("specdec:kv_cache_blocks", "KV blocks in the pool.", block_manager.num_blocks),
+                ("specdec:prefix_cache_blocks", "Blocks holding cached prefixes (held or "
+                 "free to reuse).", block_manager.num_cached_blocks),
                 ("specdec:drafter_healthy_replicas", "Drafter replicas connected and healthy.",
                  pool.num_healthy() if pool is not None else 0)):
             family = GaugeMetricFamily(name, documentation, labels=["model_name"])

@@ -11,6 +11,7 @@ import asyncio
 from dataclasses import dataclass
 
 from specdec.config import EngineConfig
+from specdec.engine.logprobs import TokenLogprobs
 from specdec.engine.sampling_params import SamplingParams
 from specdec.engine.sequence import FinishReason, SpeculationCounters
 from specdec.errors import InvalidRequestError, OverloadedError, SpecdecError
@@ -26,6 +27,10 @@ class RequestOutput:
     num_output_tokens: int
     # The request's counters so far: a client that stops early (stop strings) still has them.
     spec: SpeculationCounters
+    # One per token_ids entry when the request asked for logprobs; else None.
+    logprobs: list[TokenLogprobs] | None = None
+    # Prompt tokens whose KV came from the prefix cache.
+    num_cached_tokens: int = 0
 
 
 async def collect_outputs(queue: asyncio.Queue[RequestOutput | SpecdecError],

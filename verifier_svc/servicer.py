@@ -51,6 +51,7 @@ def sampling_params_from_proto(message: specdec_pb2.SamplingParams, max_model_le
         min_tokens=message.min_tokens,
         logit_bias=dict(message.logit_bias),
         min_p=message.min_p,
+        logprobs=message.logprobs if message.HasField("logprobs") else None,
     )
 
 
@@ -75,7 +76,8 @@ class VerifierServicer(specdec_pb2_grpc.VerifierServicer):
             vocab_size=served.vocab_size, eos_token_ids=served.eos_token_ids,
             speculative_method=served.speculative_method,
             num_speculative_tokens=served.num_speculative_tokens,
-            tokenizer_fingerprint=served.tokenizer_fingerprint)
+            tokenizer_fingerprint=served.tokenizer_fingerprint,
+            max_num_seqs=self.engine.config.max_num_seqs)
 
     async def Generate(self, request: specdec_pb2.GenerateRequest,
                        context: grpc.aio.ServicerContext,
@@ -108,9 +110,16 @@ class VerifierServicer(specdec_pb2_grpc.VerifierServicer):
                 response = specdec_pb2.GenerateResponse(
                     token_ids=output.token_ids,
                     finish_reason=_FINISH_REASONS[output.finish_reason])
+                if output.logprobs is not None:
+                    response.logprobs.extend(
+                        specdec_pb2.TokenLogprob(logprob=entry.logprob,
+                                                 top_token_ids=entry.top_token_ids,
+                                                 top_logprobs=entry.top_logprobs)
+                        for entry in output.logprobs)
                 if output.finish_reason is not None:
                     response.usage.prompt_tokens = output.num_prompt_tokens
                     response.usage.completion_tokens = output.num_output_tokens
+                    response.usage.cached_tokens = output.num_cached_tokens
                 if output.spec.num_drafts:
                     response.speculation.CopyFrom(speculation_to_proto(output.spec))
                 yield response

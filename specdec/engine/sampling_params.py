@@ -18,6 +18,8 @@ GREEDY_TEMPERATURE_EPS = 1e-5
 # OpenAI's bounds.
 MAX_ABS_PENALTY = 2.0
 MAX_ABS_LOGIT_BIAS = 100.0
+# OpenAI's top_logprobs bound.
+MAX_TOP_LOGPROBS = 20
 
 
 def _is_int(value: object) -> bool:
@@ -49,6 +51,8 @@ class SamplingParams:
         it is known (`verifier_svc/requests.py`).
     min_p: in [0, 1]; drop tokens whose probability is below min_p times the most likely
         token's (after temperature); 0 turns it off.
+    logprobs: None reports no log-probabilities; n in [0, 20] reports each output token's
+        and the n most likely at its position (specdec/engine/logprobs.py).
     """
 
     temperature: float = 1.0
@@ -64,6 +68,7 @@ class SamplingParams:
     min_tokens: int = 0
     logit_bias: tuple[tuple[int, float], ...] | Mapping[int, float] = ()
     min_p: float = 0.0
+    logprobs: int | None = None
 
     def __post_init__(self) -> None:
         if not _is_number(self.temperature) or not math.isfinite(self.temperature) or self.temperature < 0:
@@ -104,6 +109,10 @@ class SamplingParams:
                 f"{self.min_tokens!r}", param="min_tokens")
         if not _is_number(self.min_p) or not (0.0 <= self.min_p <= 1.0):
             raise InvalidRequestError(f"min_p must be in [0, 1], got {self.min_p!r}", param="min_p")
+        if self.logprobs is not None and (not _is_int(self.logprobs)
+                                          or not 0 <= self.logprobs <= MAX_TOP_LOGPROBS):
+            raise InvalidRequestError(f"logprobs must be an integer in [0, {MAX_TOP_LOGPROBS}] "
+                                      f"or null, got {self.logprobs!r}", param="logprobs")
         logit_bias = _logit_bias_pairs(self.logit_bias)
         # Frozen: normalise through object.__setattr__ (0 means "off" for top_k, as in vLLM).
         object.__setattr__(self, "stop_token_ids", stop_token_ids)

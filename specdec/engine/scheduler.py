@@ -107,19 +107,46 @@ class Scheduler:
             budget -= num_query + num_spec
             index += 1
 
+        # Prefix blocks that running sequences are computing now; a waiting sequence about to
+        # compute the same blocks is held back until they are cached (one prefill for the
+        # n choices of a request, or for concurrent requests with one system prompt).
+        pending: set[bytes] | None = None
+        held: list[Sequence] = []
         while (self.waiting and budget > 0 and not output.preempted
                and len(self.running) < self.config.max_num_seqs):
             seq = self.waiting[0]
-            num_query = min(seq.num_uncomputed_tokens, budget)
-            if not block_manager.can_allocate(seq, seq.num_computed_tokens + num_query):
+            hits: list[int] = []
+            if seq.may_reuse_prefix and block_manager.enable_prefix_caching:
+                hits = block_manager.lookup(seq)
+                if pending is None:
+                    pending = {digest for running in self.running
+                               for digest in block_manager.pending_hashes(running)}
+                if _next_block_pending(seq, len(hits), block_manager.block_size, pending):
+                    held.append(self.waiting.popleft())
+                    continue
+            num_cached = len(hits) * block_manager.block_size
+            num_query = min(seq.num_tokens - num_cached, budget)
+            needed = block_manager.num_blocks_for(num_cached + num_query) - len(hits)
+            if needed > block_manager.num_free_after_taking(hits):
                 break
             self.waiting.popleft()
-            block_manager.allocate(seq, seq.num_computed_tokens + num_query)
+            block_manager.take_prefix(seq, hits)
+            if seq.num_output_tokens == 0:
+                seq.num_cached_tokens = num_cached
+            block_manager.allocate(seq, num_cached + num_query)
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
             output.scheduled.append(ScheduledSequence(seq, num_query, 0))
             budget -= num_query
+            if pending is not None:
+                pending.update(block_manager.pending_hashes(seq))
+        self.waiting.extendleft(reversed(held))
         return output
+
+    def cache_computed_blocks(self, seq: Sequence) -> None:
+        """After a step advanced `seq.num_computed_tokens`: its newly full, verified blocks
+        become reusable by other requests."""
+        self.block_manager.cache_full_blocks(seq)
 
     def _preempt(self, seq: Sequence, output: SchedulerOutput) -> None:
         """Frees `seq`'s blocks; it goes back to the front of the queue and is recomputed."""
@@ -131,3 +158,12 @@ class Scheduler:
         self.num_preemptions += 1
         output.preempted.append(seq)
         output.scheduled[:] = [s for s in output.scheduled if s.seq is not seq]
+
+
+def _next_block_pending(seq: Sequence, num_hit_blocks: int, block_size: int,
+                        pending: set[bytes]) -> bool:
+    """Whether the first prompt block `seq` would compute is being computed by a running
+    sequence (so that waiting one step or a few makes it a cache hit)."""
+    if num_hit_blocks >= (seq.num_tokens - 1) // block_size:
+        return False
+    return seq.block_hashes[num_hit_blocks] in pending

@@ -66,6 +66,15 @@ class Sequence:
     finish_reason: FinishReason | None = None
     num_computed_tokens: int = 0
     block_table: list[int] = field(default_factory=list)
+    # Prefix caching (specdec/engine/block_manager.py): the hashes of the full blocks of
+    # token_ids so far, and how many leading blocks of block_table are registered.
+    block_hashes: list[bytes] = field(default_factory=list)
+    num_registered_blocks: int = 0
+    # Prompt tokens whose KV came from the prefix cache at the sequence's first admission.
+    num_cached_tokens: int = 0
+    # Whether a prefix-cache hit may skip the prefix's forward (not when a drafter needs
+    # the target's hidden states of every position).
+    may_reuse_prefix: bool = True
     # Accepted tokens of the last draft, reported to the drafter so it can roll back.
     num_last_accepted: int = 0
     # Times the drafter was asked for this sequence (its first ask carries the whole context).
