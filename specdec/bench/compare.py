@@ -46,6 +46,7 @@ from specdec.bench.compare_systems import (
     prompt_lookup_kwargs,
 )
 from specdec.bench.decode import PROMPTS
+from specdec.bench.serve_requests import SHIPPED_DATASETS, load_requests
 from specdec.config import TOKEN_MAP_METHODS, SpeculativeConfig
 from specdec.device import resolve_device, resolve_dtype
 from specdec.errors import ConfigError
@@ -117,6 +118,24 @@ def select(names: Sequence[str], patterns: Sequence[str] | None) -> list[str]:
             raise ConfigError(f"--systems: no system matches {pattern!r}; available: "
                               f"{', '.join(names)}", param="systems")
     return [name for name in names if any(fnmatch.fnmatch(name, p) for p in wanted)]
+
+
+def prompt_messages(args: argparse.Namespace) -> dict[str, list[dict[str, str]]]:
+    """Prompt name -> chat messages: the --prompt ones, or the first --num-prompts requests of
+    --dataset (named NAME-1, NAME-2, ...; a file by its stem)."""
+    if args.dataset is None:
+        return {name: [{"role": "user", "content": COMPARE_PROMPTS[name]}]
+                for name in args.prompt or list(COMPARE_PROMPTS)}
+    if args.prompt:
+        raise ConfigError("give --prompt or --dataset, not both", param="dataset")
+    if args.num_prompts < 1:
+        raise ConfigError("--num-prompts must be >= 1", param="num_prompts")
+    try:
+        requests = load_requests(args.dataset, args.num_prompts)
+    except ValueError as exc:
+        raise ConfigError(str(exc), param="dataset") from None
+    return {f"{Path(args.dataset).stem}-{number}": request.messages or []
+            for number, request in enumerate(requests, 1)}
 
 
 # ------------------------------------------------------------------ building the systems
@@ -272,6 +291,11 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--max-tokens", type=int, default=128)
     parser.add_argument("--repeats", type=int, default=3, help="timed runs per system and prompt")
     parser.add_argument("--prompt", action="append", choices=sorted(COMPARE_PROMPTS), default=None)
+    parser.add_argument("--dataset", default=None,
+                        help=f"instead of --prompt, requests of a bench serve dataset "
+                             f"({' | '.join(SHIPPED_DATASETS)} or a JSONL file), as chat")
+    parser.add_argument("--num-prompts", type=int, default=4,
+                        help="with --dataset: its first N requests (default %(default)s)")
     parser.add_argument("--threads", type=int, default=None,
                         help="CPU threads for torch and llama.cpp (default: torch's count)")
     parser.add_argument("--gguf", default=None,
@@ -305,9 +329,9 @@ async def _compare(args: argparse.Namespace) -> tuple[dict[str, Any], int]:
     selected = select(list(kinds), args.systems)
     model_dir = resolve_model(args.model)
     tokenizer = load_tokenizer(model_dir)
-    prompt_names = args.prompt or list(COMPARE_PROMPTS)
-    prompts = {name: render_chat_prompt(tokenizer, [{"role": "user", "content": COMPARE_PROMPTS[name]}])
-               for name in prompt_names}
+    conversations = prompt_messages(args)
+    prompt_names = list(conversations)
+    prompts = {name: render_chat_prompt(tokenizer, messages) for name, messages in conversations.items()}
     max_model_len = args.max_model_len or min(
         2048, load_model_config(model_dir).max_position_embeddings)
     longest = max(len(ids) for ids in prompts.values()) + args.max_tokens + 1 + max(
@@ -337,7 +361,8 @@ async def _compare(args: argparse.Namespace) -> tuple[dict[str, Any], int]:
         "model": args.model, "dtype": str(dtype).removeprefix("torch."),
         "quantization": args.quantization, "device": str(device),
         "threads": args.threads, "max_tokens": args.max_tokens, "repeats": args.repeats,
-        "prompts": {name: COMPARE_PROMPTS[name] for name in prompt_names},
+        "prompts": {name: (COMPARE_PROMPTS[name] if args.dataset is None else messages)
+                    for name, messages in conversations.items()},
         "systems": [{"name": s.name, "kind": s.kind, "description": s.description}
                     for s in systems],
         "skipped": [{"name": u.name, "kind": u.kind, "reason": u.reason} for u in unavailable],

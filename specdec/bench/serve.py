@@ -231,9 +231,14 @@ def build_parser() -> argparse.ArgumentParser:
                         help="API to load; prompts become user messages for chat")
     parser.add_argument("--dataset", default="builtin",
                         help="'builtin' (varied chat prompts shipped with specdec), 'repeat' "
-                             "(eight shipped 'repeat this paragraph' prompts) or a JSONL "
+                             "(eight shipped 'repeat this paragraph' prompts), a workload "
+                             "generated from templates (agent, code-edit, rag, extract, "
+                             "multi-turn, chat: docs/performance.md) or a JSONL "
                              'file of {"prompt": ...} or {"messages": [...]}, optional '
-                             '"max_tokens"')
+                             '"max_tokens" and "response_format"')
+    parser.add_argument("--no-response-format", action="store_true",
+                        help="leave out the dataset's response_format (extract's JSON schema), "
+                             "for servers without structured outputs")
     parser.add_argument("--num-prompts", type=int, default=None,
                         help="requests to send (default: each dataset line once; cycles)")
     parser.add_argument("--request-rate", type=float, default=math.inf,
@@ -304,7 +309,8 @@ def main(argv: list[str] | None = None) -> int:
         if len(settings) > 1 and args.plot:
             raise ValueError("--plot draws one run; leave it out when comparing --speculation settings")
         requests_for = {setting: load_requests(args.dataset, args.num_prompts, endpoint=args.endpoint,
-                                               max_tokens=args.max_tokens, options=_options(args, setting))
+                                               max_tokens=args.max_tokens, options=_options(args, setting),
+                                               response_format=not args.no_response_format)
                         for setting in settings}
     except ValueError as exc:
         print(f"error: {exc}", file=sys.stderr)

@@ -16,6 +16,8 @@ from typing import Any
 
 import httpx
 
+from specdec.bench.workloads import WORKLOADS, transcript
+
 DEFAULT_MAX_TOKENS = 128
 ENDPOINTS = {"chat": "/v1/chat/completions", "completions": "/v1/completions"}
 
@@ -55,18 +57,25 @@ class RequestResult:
 
 # Prompt sets shipped with specdec, by --dataset name: varied chat prompts (open-ended,
 # explanations, lists, one repeat), and eight "repeat this paragraph" prompts (text a
-# lookup drafter predicts, to see speculation pay under concurrency).
-SHIPPED_DATASETS = {"builtin": "prompts/builtin.jsonl", "repeat": "prompts/repeat.jsonl"}
+# lookup drafter predicts, to see speculation pay under concurrency); then the workloads
+# generated from templates (specdec/bench/workloads.py: agent tool loops, code edits, RAG,
+# JSON extraction, multi-turn chats, open questions).
+SHIPPED_DATASETS = {"builtin": "prompts/builtin.jsonl", "repeat": "prompts/repeat.jsonl",
+                    **{name: f"prompts/{name}.jsonl" for name in WORKLOADS}}
 
 
 def load_requests(dataset: str, num_prompts: int | None, *, endpoint: str = "chat",
                   max_tokens: int | None = None, options: dict[str, Any] | None = None,
-                  ) -> list[BenchRequest]:
+                  response_format: bool = True) -> list[BenchRequest]:
     """A shipped dataset (SHIPPED_DATASETS) or a JSONL path: {"prompt": ...} or
-    {"messages": [...]}, optional "max_tokens".
+    {"messages": [...]}, optional "max_tokens" and "response_format".
 
     Lines are taken in order, cycling when num_prompts exceeds them (None: each line once).
-    `max_tokens` overrides the lines' own. Raises ValueError naming the line of a bad one.
+    `max_tokens` overrides the lines' own. A line's "response_format" goes into chat
+    requests unless `response_format` is False (servers without structured outputs refuse
+    it); completions requests never carry it. A shipped workload's conversation goes to the
+    completions endpoint as plain text (`workloads.transcript`). Raises ValueError naming the
+    line of a bad one.
     """
     if dataset in SHIPPED_DATASETS:
         source = dataset
@@ -81,7 +90,8 @@ def load_requests(dataset: str, num_prompts: int | None, *, endpoint: str = "cha
     for number, line in enumerate(text.splitlines(), 1):
         if line.strip():
             lines.append(_parse_line(line, f"{source} line {number}", endpoint, max_tokens,
-                                     options or {}))
+                                     options or {}, response_format=response_format,
+                                     as_transcript=dataset in WORKLOADS))
     if not lines:
         raise ValueError(f"--dataset {source} has no prompts")
     count = len(lines) if num_prompts is None else num_prompts
@@ -89,7 +99,8 @@ def load_requests(dataset: str, num_prompts: int | None, *, endpoint: str = "cha
 
 
 def _parse_line(line: str, where: str, endpoint: str, max_tokens: int | None,
-                options: dict[str, Any]) -> BenchRequest:
+                options: dict[str, Any], *, response_format: bool = True,
+                as_transcript: bool = False) -> BenchRequest:
     try:
         item = json.loads(line)
     except json.JSONDecodeError as exc:
@@ -97,12 +108,20 @@ def _parse_line(line: str, where: str, endpoint: str, max_tokens: int | None,
     if not isinstance(item, dict):
         raise ValueError(f"{where}: expected a JSON object")
     messages, prompt = item.get("messages"), item.get("prompt")
+    options = dict(options)
+    if "response_format" in item:
+        if not isinstance(item["response_format"], dict):
+            raise ValueError(f'{where}: "response_format" must be a JSON object')
+        if response_format and endpoint == "chat":
+            options["response_format"] = item["response_format"]
     if messages is not None:
         if not isinstance(messages, list) or not messages or not all(
                 isinstance(m, dict) and "role" in m for m in messages):
             raise ValueError(f'{where}: "messages" must be a non-empty list of {{"role", "content"}}')
         if endpoint != "chat":
-            raise ValueError(f'{where}: "messages" needs --endpoint chat')
+            if not as_transcript:
+                raise ValueError(f'{where}: "messages" needs --endpoint chat')
+            messages, prompt = None, transcript(messages)
     elif isinstance(prompt, str) and prompt:
         if endpoint == "chat":
             messages, prompt = [{"role": "user", "content": prompt}], None
@@ -116,7 +135,7 @@ def _parse_line(line: str, where: str, endpoint: str, max_tokens: int | None,
     if not isinstance(line_max_tokens, int) or isinstance(line_max_tokens, bool) or line_max_tokens < 1:
         raise ValueError(f'{where}: "max_tokens" must be an integer >= 1')
     return BenchRequest(messages=messages, prompt=prompt if messages is None else None,
-                        max_tokens=max_tokens or line_max_tokens, options=dict(options))
+                        max_tokens=max_tokens or line_max_tokens, options=options)
 
 
 # ------------------------------------------------------------------ one request
