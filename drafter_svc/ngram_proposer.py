@@ -18,6 +18,11 @@ token equals the last token (one vectorised comparison over the context), then f
 further n the candidates whose token n - 1 places back also matches. The first step is
 O(len(context)) in numpy; later steps touch only surviving candidates, which shrink fast
 on real text. Cost for a few thousand tokens is tens of microseconds.
+
+Confidence (`propose_with_confidence`, SequenceDraft.confidence): for draft token i, the
+match length is n + i and the occurrences are those of the matched n-gram whose
+continuation agreed with the draft's first i tokens; drafter_svc/confidence.py turns that
+into an estimate.
 """
 
 from __future__ import annotations
@@ -45,19 +50,60 @@ class NgramProposer:
 
     def propose(self, token_ids: Sequence[int] | np.ndarray, num_tokens: int) -> list[int]:
         """Draft token ids for the context `token_ids`; at most min(num_tokens, k) of them."""
-        num_tokens = min(num_tokens, self.num_speculative_tokens)
         tokens = np.asarray(token_ids)
-        context_len = tokens.shape[0]
-        if num_tokens <= 0 or context_len < max(self.prompt_lookup_min, 2):
+        match = self._match(tokens, num_tokens)
+        if match is None:
             return []
-        match_end = self._earliest_longest_match_end(tokens)
-        if match_end is None:
-            return []
-        start = match_end + 1
-        return tokens[start:start + num_tokens].tolist()
+        candidates, _ = match
+        start = int(candidates[0]) + 1  # the earliest occurrence
+        return tokens[start:start + min(num_tokens, self.num_speculative_tokens)].tolist()
+
+    def propose_with_confidence(self, token_ids: Sequence[int] | np.ndarray, num_tokens: int,
+                                ) -> tuple[list[int], list[float]]:
+        """`propose`'s draft and one confidence per token (see the module docstring)."""
+        tokens = np.asarray(token_ids)
+        match = self._match(tokens, num_tokens)
+        if match is None:
+            return [], []
+        candidates, matched_n = match
+        start = int(candidates[0]) + 1
+        draft = tokens[start:start + min(num_tokens, self.num_speculative_tokens)]
+        num_draft = draft.shape[0]
+        if candidates.size == 1:
+            # Only the draft's own occurrence (the usual case): it goes on with every token,
+            # and match_confidence(1, 1, m) is 1 - 2**-(m + 1).
+            return draft.tolist(), [1.0 - 0.5 ** (matched_n + i + 1) for i in range(num_draft)]
+        # [occurrence, draft position]: whether the occurrence goes on that far, and whether
+        # it agreed with the draft up to and including that position.
+        positions = candidates[:, None] + 1 + np.arange(num_draft)
+        goes_on = positions < tokens.shape[0]
+        following = tokens[np.minimum(positions, tokens.shape[0] - 1)]
+        agreed = np.cumprod((following == draft) & goes_on, axis=1).astype(bool)
+        consistent = np.concatenate(
+            [np.ones((candidates.size, 1), dtype=bool), agreed[:, :-1]], axis=1)
+        num_total = (consistent & goes_on).sum(axis=0)
+        num_agree = agreed.sum(axis=0)
+        # match_confidence, vectorised (num_total >= num_agree >= 1: the draft's own
+        # occurrence agrees all along).
+        prior = 1.0 - 0.5 ** (matched_n + np.arange(num_draft))
+        confidence = ((num_agree + prior) / (num_total + 1) * num_agree / num_total).tolist()
+        return draft.tolist(), confidence
+
+    def _match(self, tokens: np.ndarray, num_tokens: int) -> tuple[np.ndarray, int] | None:
+        """(ends of every earlier occurrence of the longest matching suffix n-gram, sorted;
+        n), or None when nothing is to be drafted."""
+        if (min(num_tokens, self.num_speculative_tokens) <= 0
+                or tokens.shape[0] < max(self.prompt_lookup_min, 2)):
+            return None
+        return self._longest_match(tokens)
 
     def _earliest_longest_match_end(self, tokens: np.ndarray) -> int | None:
         """End index of the earliest occurrence of the longest matching suffix n-gram."""
+        match = self._longest_match(tokens)
+        return None if match is None else int(match[0][0])
+
+    def _longest_match(self, tokens: np.ndarray) -> tuple[np.ndarray, int] | None:
+        """Ends of the occurrences of the longest matching suffix n-gram, and its n."""
         context_len = tokens.shape[0]
         last = context_len - 1
         # Candidate ends j < last: tokens[j - n + 1 .. j] == tokens[last - n + 1 .. last].
@@ -78,4 +124,4 @@ class NgramProposer:
         if matched_n < self.prompt_lookup_min:
             return None
         # Sorted ascending, so the first survivor is the earliest occurrence.
-        return int(candidates[0])
+        return candidates, matched_n

@@ -53,6 +53,9 @@ class ProposerInfo:
     # Longest context the method accepts and drafts for (not in GetInfo: the servicer
     # refuses to hold longer ones); 0 = not given, the servicer's default applies.
     max_model_len: int = 0
+    # The method learns across requests: the verifier sends it every finished output
+    # (ProposeRequest.finished_outputs), which the servicer hands to `LearningProposer.learn`.
+    wants_finished_outputs: bool = False
 
 
 @dataclass(slots=True)
@@ -60,6 +63,8 @@ class Proposal:
     draft_token_ids: list[int]
     # [len(draft_token_ids), vocab_size]; None for greedy (one-hot) drafts.
     draft_probs: torch.Tensor | None = None
+    # One per draft token in [0, 1] (drafter_svc/confidence.py), or None: the method has none.
+    confidence: list[float] | None = None
 
 
 class Proposer(Protocol):
@@ -94,6 +99,17 @@ class Proposer(Protocol):
 
     def close(self) -> None:
         """The stream ended: releases shared resources (draft KV blocks) held for it."""
+        ...
+
+
+class LearningProposer(Proposer, Protocol):
+    """A method that drafts from earlier requests' outputs (info.wants_finished_outputs)."""
+
+    def learn(self, output_id: int, prompt_token_ids: Sequence[int],
+              output_token_ids: Sequence[int]) -> None:
+        """A request finished on some replica of this drafter: its output (and the prompt's
+        tail) becomes a draft source. `output_id` identifies the output across replays: one
+        already held is not counted twice."""
         ...
 
 
@@ -203,8 +219,12 @@ class NgramMethod:
         self._histories.pop(seq_id, None)
 
     def propose(self, seq_ids: Sequence[int], num_tokens: Sequence[int]) -> list[Proposal]:
-        return [Proposal(self.proposer.propose(self._histories[seq_id].view(), count))
-                for seq_id, count in zip(seq_ids, num_tokens)]
+        proposals = []
+        for seq_id, count in zip(seq_ids, num_tokens):
+            draft, confidence = self.proposer.propose_with_confidence(
+                self._histories[seq_id].view(), count)
+            proposals.append(Proposal(draft, confidence=confidence or None))
+        return proposals
 
     def close(self) -> None:
         self._histories.clear()

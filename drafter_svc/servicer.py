@@ -17,6 +17,11 @@ Bounds (a stream must not hold unbounded memory, whoever opened it):
 - a token id at or above the vocabulary size (GetInfo's vocab_size; 2**31 when the method
   knows none) is INVALID_ARGUMENT naming sequences.new_token_ids, so no such id is ever
   held or proposed; more sequences in one message than --max-seqs-per-stream likewise;
+- finished_outputs (for methods that learn across requests) likewise: ids in the
+  vocabulary, at most MAX_FINISHED_OUTPUTS_PER_MESSAGE of them. One longer than the
+  method's max-model-len (prompt tail + output) is skipped, like a too-long context; the
+  method's own bound (suffix: suffix_decoding_max_cached_requests) caps how many it keeps.
+  A method that does not learn ignores them;
 - a context longer than the method's max-model-len is not held and never drafted for: its
   state is dropped and the sequence is remembered without tokens (so the verifier is not
   asked to resend it every step) until it finishes. A drafter configured for shorter
@@ -30,16 +35,18 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import time
 from collections import OrderedDict
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, cast
 
 import grpc
 
 from drafter_svc.proposer import (
     DEFAULT_NGRAM_MAX_MODEL_LEN,
+    LearningProposer,
     Proposal,
     Proposer,
     ProposerInfo,
@@ -55,6 +62,10 @@ if TYPE_CHECKING:
 
 HIDDEN_STATES_FIELD = "sequences.hidden_states"
 TOKEN_IDS_FIELD = "sequences.new_token_ids"
+FINISHED_OUTPUTS_FIELD = "finished_outputs"
+# Far above what a verifier puts in one message (finished_outputs.MESSAGE_MAX_OUTPUTS, or
+# a catch-up's share of its replay log, at most about 2**20 / 8).
+MAX_FINISHED_OUTPUTS_PER_MESSAGE = 1 << 18
 _HIDDEN_STATE_DTYPES = ("float32", "bfloat16", "float16")
 # Above any verifier's --max-num-seqs default (256), so a stream from one never evicts.
 DEFAULT_MAX_SEQS_PER_STREAM = 1024
@@ -191,6 +202,7 @@ class DrafterServicer(specdec_pb2_grpc.DrafterServicer):
             hidden_state_layer_ids=list(info.hidden_state_layer_ids),
             vocab_size=info.vocab_size,
             tokenizer_fingerprint=info.tokenizer_fingerprint,
+            wants_finished_outputs=info.wants_finished_outputs,
         )
 
     async def Propose(self, request_iterator: AsyncIterator[specdec_pb2.ProposeRequest],
@@ -257,6 +269,16 @@ def _check_bounds(info: ProposerInfo, request: specdec_pb2.ProposeRequest,
             raise InvalidRequestError(
                 f"seq {update.seq_id}: token id {bad} is outside the vocabulary (size {limit})",
                 param=TOKEN_IDS_FIELD)
+    if len(request.finished_outputs) > MAX_FINISHED_OUTPUTS_PER_MESSAGE:
+        raise InvalidRequestError(
+            f"step {request.step_id}: {len(request.finished_outputs)} finished outputs, more "
+            f"than {MAX_FINISHED_OUTPUTS_PER_MESSAGE}", param=FINISHED_OUTPUTS_FIELD)
+    for output in request.finished_outputs:
+        for ids in (output.prompt_token_ids, output.output_token_ids):
+            if ids and (bad := max(ids)) >= limit:
+                raise InvalidRequestError(
+                    f"finished output {output.seq_id}: token id {bad} is outside the "
+                    f"vocabulary (size {limit})", param=FINISHED_OUTPUTS_FIELD)
 
 
 def handle_propose_request(proposer: Proposer, request: specdec_pb2.ProposeRequest,
@@ -267,6 +289,15 @@ def handle_propose_request(proposer: Proposer, request: specdec_pb2.ProposeReque
     """
     info = proposer.info
     _check_bounds(info, request, table)
+    if request.finished_outputs and info.wants_finished_outputs:
+        # Before finished_seq_ids: a method told of its verifier's outputs stops publishing
+        # its own finished sequences (suffix_proposer: one path per output, never both).
+        learner = cast(LearningProposer, proposer)
+        max_len = max_model_len(info)
+        for output in request.finished_outputs:
+            if len(output.prompt_token_ids) + len(output.output_token_ids) > max_len:
+                continue  # never drafted for here: not worth holding
+            learner.learn(output.seq_id, output.prompt_token_ids, output.output_token_ids)
     for seq_id in request.finished_seq_ids:
         if table is not None:
             table.remove(seq_id)
@@ -332,6 +363,11 @@ def handle_propose_request(proposer: Proposer, request: specdec_pb2.ProposeReque
             if not proposal.draft_token_ids:
                 continue  # no draft: the verifier decodes one token for this sequence
             draft = response.drafts.add(seq_id=seq_id, draft_token_ids=proposal.draft_token_ids)
+            if proposal.confidence:
+                # One per sent token, in [0, 1] (NaN as 0): the verifier drops a malformed list.
+                draft.confidence.extend(
+                    0.0 if math.isnan(value) else min(1.0, max(0.0, value))
+                    for value in proposal.confidence[:len(proposal.draft_token_ids)])
             if proposal.draft_probs is not None:
                 # Imported here: only model methods get here; ngram starts without torch.
                 from specdec.rpc.tensors import encode_tensor
@@ -348,6 +384,8 @@ def _drop_out_of_vocab(proposal: Proposal, limit: int, seq_id: int) -> None:
         logger.error("seq %d: the method proposed token id %d, outside the vocabulary (size %d); "
                      "draft cut to %d tokens", seq_id, ids[keep], limit, keep)
         proposal.draft_token_ids = ids[:keep]
+        if proposal.confidence is not None:
+            proposal.confidence = proposal.confidence[:keep]
         if proposal.draft_probs is not None:
             proposal.draft_probs = proposal.draft_probs[:keep]
 

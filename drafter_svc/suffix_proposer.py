@@ -6,19 +6,31 @@ Two tries (drafter_svc/suffix_tree.py), as in the reference:
   verifier's updates arrive (the drafter never holds its own drafts, so nothing is rolled
   back);
 - one server-wide global trie over the outputs of finished sequences, shared by every
-  Propose stream of this drafter. A sequence's output enters it when the sequence finishes
-  (the servicer's `remove_sequence`), so the next request drafts from the previous ones'
+  Propose stream of this drafter, so the next request drafts from the previous ones'
   answers. It holds at most `suffix_decoding_max_cached_requests` outputs, the oldest
   dropped first (FIFO); 0 disables it.
+
+How an output enters the global trie, exactly once:
+- the verifier sends every finished output to every replica of this drafter
+  (`learn`, from ProposeRequest.finished_outputs; GetInfo says wants_finished_outputs),
+  whichever replica drafted it, so with N replicas each trie learns from all requests.
+  The output id is unique per verifier start: a replay of outputs already held (the
+  catch-up after a mere stream reconnect) is skipped;
+- a stream that has never received a finished output (a client that does not send them)
+  publishes its own finished sequences instead, at `remove_sequence`. Once its verifier
+  has sent one, the stream stops doing so: the verifier's copy covers it (complete, up to
+  the last token, which a drafter never receives) and counting both would count it twice.
+  The verifier sends an output no later than the finished_seq_ids entry of its sequence
+  (the same message, or an earlier one), and the servicer learns before it removes.
 
 Each step drafts from both tries and keeps the proposal with the higher score (expected
 accepted tokens; ties go to the per-sequence one). The draft is greedy (no probs) and at
 most min(num_speculative_tokens, max_spec_factor x match length) tokens long.
 
-The output of a sequence is what arrived after its first update: a first update is the
-whole context, normally the prompt. After a resync the whole context counts as prompt, so
-that sequence's earlier output does not reach the global trie (a missed draft source, not
-a wrong draft).
+Locally published, the output of a sequence is what arrived after its first update: a
+first update is the whole context, normally the prompt. After a resync the whole context
+counts as prompt, so that sequence's earlier output does not reach the global trie (a
+missed draft source, not a wrong draft).
 """
 
 from __future__ import annotations
@@ -37,7 +49,7 @@ from drafter_svc.proposer import (
     TokenHistory,
     target_limits,
 )
-from drafter_svc.suffix_tree import Node, SuffixTree
+from drafter_svc.suffix_tree import Draft, Node, SuffixTree
 from specdec.config import SpeculativeConfig
 
 if TYPE_CHECKING:
@@ -52,8 +64,10 @@ class GlobalSuffixCache:
     def __init__(self, max_depth: int, max_cached_requests: int) -> None:
         self.tree = SuffixTree(max_depth)
         self.max_cached_requests = max_cached_requests
+        # Keyed by output id (the verifier's, >= 0) or, for locally published outputs, by a
+        # negative counter: a key already held is not inserted again.
         self._outputs: OrderedDict[int, list[int]] = OrderedDict()
-        self._next_key = 0
+        self._next_local_key = -1
         # Bumped on every change: a sequence's incremental match list is valid only for the
         # version it was computed at (a removal frees nodes it may point to).
         self.version = 0
@@ -65,13 +79,18 @@ class GlobalSuffixCache:
     def __len__(self) -> int:
         return len(self._outputs)
 
-    def add(self, output: Sequence[int]) -> None:
+    def add(self, output: Sequence[int], output_id: int | None = None) -> None:
+        """Inserts one finished output; output_id None: a local one (always new)."""
         if not self.enabled or not output:
             return
+        if output_id is None:
+            output_id = self._next_local_key
+            self._next_local_key -= 1
+        elif output_id in self._outputs:
+            return  # replayed: held already
         tokens = [int(token) for token in output]
         self.tree.insert(tokens)
-        self._outputs[self._next_key] = tokens
-        self._next_key += 1
+        self._outputs[output_id] = tokens
         while len(self._outputs) > self.max_cached_requests:
             _, oldest = self._outputs.popitem(last=False)
             self.tree.remove(oldest)
@@ -104,6 +123,8 @@ class SuffixMethod:
     info: ProposerInfo
     _trees: dict[int, SuffixTree] = field(default_factory=dict)
     _states: dict[int, _SequenceState] = field(default_factory=dict)
+    # The stream's verifier sends finished outputs: its own finishes are not published.
+    _verifier_shares: bool = False
 
     def context_len(self, seq_id: int) -> int | None:
         state = self._states.get(seq_id)
@@ -130,23 +151,32 @@ class SuffixMethod:
         # Drafts never enter the history or the tries, so there is nothing to undo.
         pass
 
+    def learn(self, output_id: int, prompt_token_ids: Sequence[int],
+              output_token_ids: Sequence[int]) -> None:
+        # The prompt is not a global source (as in the reference): only outputs are.
+        self._verifier_shares = True
+        self.cache.add(output_token_ids, output_id)
+
     def remove_sequence(self, seq_id: int) -> None:
         state = self._states.pop(seq_id, None)
         self._trees.pop(seq_id, None)
-        if state is None or state.prompt_len is None:
+        if state is None or state.prompt_len is None or self._verifier_shares:
             return
         # A finished (or evicted) sequence's verified output becomes a draft source.
         self.cache.add(state.history.view()[state.prompt_len:].tolist())
 
     def propose(self, seq_ids: Sequence[int], num_tokens: Sequence[int]) -> list[Proposal]:
-        return [Proposal(self._propose_one(seq_id, count))
-                for seq_id, count in zip(seq_ids, num_tokens)]
+        proposals = []
+        for seq_id, count in zip(seq_ids, num_tokens):
+            draft = self._propose_one(seq_id, count)
+            proposals.append(Proposal(draft.token_ids, confidence=draft.confidence or None))
+        return proposals
 
-    def _propose_one(self, seq_id: int, num_tokens: int) -> list[int]:
+    def _propose_one(self, seq_id: int, num_tokens: int) -> Draft:
         params = self.params
         max_tokens = min(num_tokens, params.num_speculative_tokens)
         if max_tokens <= 0:
-            return []
+            return Draft([])
         state = self._states[seq_id]
         draft = self._trees[seq_id].speculate(state.local_matches, max_tokens,
                                               params.max_spec_factor, params.min_token_prob)
@@ -160,7 +190,7 @@ class SuffixMethod:
                                                 params.max_spec_factor, params.min_token_prob)
             if global_draft.score > draft.score:
                 draft = global_draft
-        return draft.token_ids
+        return draft
 
     def close(self) -> None:
         # The stream broke: its running sequences did not finish, so nothing is published.
@@ -189,4 +219,5 @@ def build_suffix_method(config: SpeculativeConfig,
                 params.max_spec_factor, params.min_token_prob)
     return SuffixMethod(params, cache, ProposerInfo(
         method="suffix", max_num_speculative_tokens=config.num_speculative_tokens,
-        vocab_size=vocab_size, max_model_len=max_model_len))
+        vocab_size=vocab_size, max_model_len=max_model_len,
+        wants_finished_outputs=cache.enabled))

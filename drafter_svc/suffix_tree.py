@@ -23,7 +23,9 @@ holds a bounded number of nodes.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+
+from drafter_svc.confidence import match_confidence
 
 
 class Node:
@@ -51,6 +53,10 @@ class Draft:
     # how the reference compares proposals from different match lengths and trees.
     score: float = 0.0
     match_len: int = 0
+    # Per token, drafter_svc/confidence.py's estimate from the tree's counts: of the
+    # occurrences of the text so far that go on (the sum of the node's children's counts),
+    # how many go on with the token, at match length match_len + i.
+    confidence: list[float] = field(default_factory=list)
 
 
 class SuffixTree:
@@ -167,6 +173,9 @@ class SuffixTree:
             if draft.score > best.score:
                 draft.match_len = match_len
                 best = draft
+        if best.token_ids:
+            best.confidence = _confidence(matches[best.match_len - 1], best.token_ids,
+                                          best.match_len)
         return best
 
 
@@ -185,6 +194,20 @@ def _walk(node: Node, limit: int, min_token_prob: float) -> Draft:
         score += prob
         node = child
     return Draft(tokens, score)
+
+
+def _confidence(node: Node, token_ids: list[int], match_len: int) -> list[float]:
+    """The winning draft's confidence, from its match node down its path (only the winner's:
+    summing a wide node's children is not free)."""
+    confidence: list[float] = []
+    for token in token_ids:
+        child = node.child(token)
+        assert child is not None and node.children is not None
+        num_going_on = sum(other.count for other in node.children.values())
+        confidence.append(match_confidence(child.count, num_going_on,
+                                           match_len + len(confidence)))
+        node = child
+    return confidence
 
 
 def _most_frequent(node: Node) -> Node | None:

@@ -21,6 +21,14 @@ Invariants:
 Replicas come from `targets` ("host:port"); each host name is resolved at start and
 every `resolve_interval_s`, one replica per address, so a compose service scaled to N
 drafters behind one name gives N replicas.
+
+Drafters that learn across requests (GetInfo.wants_finished_outputs: suffix) get every
+finished output, whichever replica drafted it (`record_finished_output`; the bounded log
+and the cursors are in finished_outputs.py). New outputs ride on the replica's next step
+message; a replica that gets no step message within `finished_flush_delay_s` (it drafts
+for no running sequence) gets them in a message of their own. A replica that connects,
+first or again, is sent the whole log first (the catch-up replay) and is given no new
+sequences until it has answered it.
 """
 
 from __future__ import annotations
@@ -40,9 +48,14 @@ from specdec.rpc.tls import GrpcTlsConfig
 from specdec.v1 import specdec_pb2
 from verifier_svc.drafting.drafter_errors import BAD_RESPONSE, TIMEOUT, DrafterErrors
 from verifier_svc.drafting.drafter_replica import DrafterReplica
+from verifier_svc.drafting.finished_outputs import (
+    DEFAULT_FLUSH_DELAY_S,
+    DEFAULT_MAX_OUTPUTS,
+    DEFAULT_MAX_TOKENS,
+    FinishedOutputSharing,
+)
 
 logger = logging.getLogger(__name__)
-
 
 
 @dataclass(slots=True)
@@ -60,6 +73,9 @@ class DraftRequest:
 class Draft:
     token_ids: list[int]
     probs: torch.Tensor | None    # [len(token_ids), vocab] or None
+    # The drafter's per-token estimate in [0, 1] that the token is accepted given the ones
+    # before it (ngram, suffix: drafter_svc/confidence.py); None when it sent none.
+    confidence: list[float] | None = None
 
 
 @dataclass(slots=True)
@@ -74,7 +90,10 @@ class DrafterPool:
                  backoff_initial_s: float = 0.5, backoff_max_s: float = 10.0,
                  vocab_size: int, tokenizer_fingerprint: str,
                  max_message_bytes: int = 64 << 20, tls: GrpcTlsConfig | None = None,
-                 internal_token: str | None = None) -> None:
+                 internal_token: str | None = None,
+                 replay_max_outputs: int = DEFAULT_MAX_OUTPUTS,
+                 replay_max_tokens: int = DEFAULT_MAX_TOKENS,
+                 finished_flush_delay_s: float = DEFAULT_FLUSH_DELAY_S) -> None:
         self._targets = [_split_host_port(target) for target in targets]
         self._resolve_interval_s = resolve_interval_s
         self.backoff_initial_s = backoff_initial_s
@@ -106,6 +125,9 @@ class DrafterPool:
         self.hidden_state_layer_ids: tuple[int, ...] | None = None
         self._step_id = 0
         self._resolve_task: asyncio.Task[None] | None = None
+        self.sharing = FinishedOutputSharing(lambda: list(self._replicas.values()),
+                                             self._next_step_id, replay_max_outputs,
+                                             replay_max_tokens, finished_flush_delay_s)
 
     async def start(self) -> None:
         """Resolves the targets and starts connecting; does not wait for any replica."""
@@ -113,6 +135,7 @@ class DrafterPool:
         self._resolve_task = asyncio.create_task(self._resolve_periodically())
 
     async def close(self) -> None:
+        self.sharing.close()
         if self._resolve_task is not None:
             self._resolve_task.cancel()
             await asyncio.gather(self._resolve_task, return_exceptions=True)
@@ -144,8 +167,7 @@ class DrafterPool:
 
     async def _propose(self, requests: list[DraftRequest], finished_seq_ids: list[int],
                        timeout_s: float) -> dict[int, Draft]:
-        self._step_id += 1
-        step_id = self._step_id
+        step_id = self._next_step_id()
         messages: dict[DrafterReplica, specdec_pb2.ProposeRequest] = {}
         # Per replica: seq_id -> number of draft tokens asked for.
         asked: dict[DrafterReplica, dict[int, int]] = {}
@@ -200,6 +222,9 @@ class DrafterPool:
             if num_tokens > 0:
                 asked[replica][request.seq_id] = num_tokens
 
+        for replica, message in messages.items():
+            self.sharing.piggyback(replica, message)
+
         waiting: dict[asyncio.Future[specdec_pb2.ProposeResponse | None], DrafterReplica] = {}
         for replica, message in messages.items():
             future = replica.send(message, wants_response=bool(asked[replica]))
@@ -222,9 +247,15 @@ class DrafterPool:
                 self._collect(replica, response, asked[replica], drafts)
         return drafts
 
+    def _next_step_id(self) -> int:
+        self._step_id += 1
+        return self._step_id
+
     def _assign(self, seq_id: int) -> _SeqState | None:
         """Puts seq_id on the least loaded healthy replica, to be synced from scratch."""
-        healthy = [replica for replica in self._replicas.values() if replica.healthy]
+        # A replica still catching up would answer late: its drafts would miss the deadline.
+        healthy = [replica for replica in self._replicas.values()
+                   if replica.healthy and not replica.catching_up]
         if not healthy:
             return None
         old = self._seqs.get(seq_id)
@@ -234,6 +265,15 @@ class DrafterPool:
         replica.seq_ids.add(seq_id)
         state = self._seqs[seq_id] = _SeqState(replica, 0)
         return state
+
+    def record_finished_output(self, seq_id: int, prompt_token_ids: list[int],
+                               output_token_ids: list[int]) -> None:
+        """A sequence finished: every replica that learns across requests will get its output
+        (never raises: sharing costs speed at worst)."""
+        self.sharing.record(seq_id, prompt_token_ids, output_token_ids)
+
+    def replica_connected(self, replica: DrafterReplica) -> None:
+        self.sharing.replica_connected(replica)
 
     def _collect(self, replica: DrafterReplica, response: specdec_pb2.ProposeResponse,
                  asked: dict[int, int], drafts: dict[int, Draft]) -> None:
@@ -266,7 +306,23 @@ class DrafterPool:
                     self.errors.record(replica.address, BAD_RESPONSE,
                                        f"dropped a draft for seq {seq_id}: malformed draft_probs")
                     continue
-            drafts[seq_id] = Draft(token_ids, probs)
+            drafts[seq_id] = Draft(token_ids, probs,
+                                   self._confidence(replica, seq_id, sequence_draft, token_ids))
+
+    def _confidence(self, replica: DrafterReplica, seq_id: int,
+                    sequence_draft: specdec_pb2.SequenceDraft, token_ids: list[int],
+                    ) -> list[float] | None:
+        """The draft's confidence, or None when absent or malformed (the draft is kept)."""
+        if not sequence_draft.confidence:
+            return None
+        values = list(sequence_draft.confidence)
+        if len(values) != len(token_ids) or not all(0.0 <= value <= 1.0 for value in values):
+            self.errors.record(replica.address, BAD_RESPONSE,
+                               f"ignored the confidence of a draft for seq {seq_id}: "
+                               f"{len(values)} values for {len(token_ids)} tokens, or some "
+                               "outside [0, 1]")
+            return None
+        return values
 
     def mark_needs_resync(self, replica: DrafterReplica, seq_id: int) -> None:
         state = self._seqs.get(seq_id)

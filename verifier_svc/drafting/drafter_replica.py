@@ -52,6 +52,8 @@ class ReplicaOwner(Protocol):
 
     def drop_replica_sequences(self, replica: DrafterReplica) -> None: ...
 
+    def replica_connected(self, replica: DrafterReplica) -> None: ...
+
 
 class DrafterReplica:
     """One drafter address: a channel, one long-lived Propose stream, a health flag."""
@@ -62,6 +64,14 @@ class DrafterReplica:
         self.healthy = False
         self.max_num_speculative_tokens = 0
         self.seq_ids: set[int] = set()
+        # Finished-output sharing (verifier_svc/drafting/finished_outputs.py): whether the
+        # drafter learns from them (GetInfo), the last log entry queued for it, and whether
+        # its catch-up replay is still unanswered (it gets no new sequences meanwhile).
+        self.wants_finished_outputs = False
+        self.outputs_cursor = 0
+        self.catching_up = False
+        # Bumped on every connect: a callback from an earlier stream must not act on this one.
+        self.generation = 0
         self._outbox: asyncio.Queue[specdec_pb2.ProposeRequest | None] = asyncio.Queue()
         self._pending: dict[int, asyncio.Future[specdec_pb2.ProposeResponse | None]] = {}
         self._num_unanswered = 0
@@ -153,11 +163,16 @@ class DrafterReplica:
         if refusal is not None:
             raise refusal
         self.max_num_speculative_tokens = info.max_num_speculative_tokens
+        self.wants_finished_outputs = info.wants_finished_outputs
         self._outbox = asyncio.Queue()
         self._call = stub.Propose(_drain(self._outbox))
         self.healthy = True
+        self.generation += 1
         logger.info("drafter %s connected: method=%s max k=%d", self.address, info.method,
                     info.max_num_speculative_tokens)
+        # Before any step's message can be queued (no await in between): a catch-up replay
+        # goes first on the fresh stream.
+        self.pool.replica_connected(self)
         yield
         async for response in self._call:
             self._on_response(response)
@@ -175,6 +190,7 @@ class DrafterReplica:
 
     def _mark_down(self) -> None:
         self.healthy = False
+        self.catching_up = False
         self._call = None
         self._num_unanswered = 0
         self._outbox.put_nowait(None)  # ends the request stream of a half-dead call
