@@ -279,7 +279,8 @@ async def _generate(request: Request, prompt_token_ids: list[int], sampling: Sam
     generate_request = build_generate_request(prompt_token_ids, sampling, info, max_model_len,
                                               prompt_param)
     choices = await open_choices(state.verifier, choice_requests(generate_request, sampling.n),
-                                 state.tokenizer, prompt_token_ids, sampling.stop, started_at)
+                                 state.tokenizer, prompt_token_ids, sampling.stop, started_at,
+                                 sampling.min_tokens)
     output = _Output(responses.new_id("chatcmpl" if chat else "cmpl"), responses.now(),
                      state.config.model_name, chat,
                      state.token_texts if sampling.logprobs is not None else None)

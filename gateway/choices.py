@@ -40,7 +40,7 @@ class CollectedChoice:
 
 async def open_choices(verifier: VerifierClient, requests: list[specdec_pb2.GenerateRequest],
                        tokenizer: Any, prompt_token_ids: list[int], stop: tuple[str, ...],
-                       started_at: float) -> list[Choice]:
+                       started_at: float, min_tokens: int = 0) -> list[Choice]:
     """Starts every choice's call; each waits for its first response, so an unreachable
     verifier is still a plain error before any byte is sent."""
     streams: list[GenerationStream] = [await verifier.generate(requests[0])]
@@ -61,7 +61,7 @@ async def open_choices(verifier: VerifierClient, requests: list[specdec_pb2.Gene
     for index, stream in enumerate(streams):
         result = GenerationResult(num_prompt_tokens=len(prompt_token_ids), started_at=started_at)
         deltas = stream_text(stream, IncrementalDetokenizer(tokenizer, prompt_token_ids),
-                             StopStringMatcher(stop), result)
+                             StopStringMatcher(stop), result, min_tokens)
         choices.append(Choice(index, result, deltas))
     return choices
 

@@ -134,9 +134,11 @@ def choice_requests(request: specdec_pb2.GenerateRequest,
 
 
 async def stream_text(stream: GenerationStream, detokenizer: IncrementalDetokenizer,
-                      stop_matcher: StopStringMatcher,
-                      result: GenerationResult) -> AsyncIterator[TextDelta]:
+                      stop_matcher: StopStringMatcher, result: GenerationResult,
+                      min_tokens: int = 0) -> AsyncIterator[TextDelta]:
     """Yields text deltas (see TextDelta); sets result.finish_reason before returning.
+    Stop strings are looked for once `min_tokens` tokens are out (as vLLM, which checks no
+    stop condition before then).
 
     Closing the generator early (client gone) cancels the verifier call.
     """
@@ -154,10 +156,14 @@ async def stream_text(stream: GenerationStream, detokenizer: IncrementalDetokeni
             if response.HasField("usage"):
                 result.num_cached_tokens = response.usage.cached_tokens
             finished = response.finish_reason != specdec_pb2.FINISH_REASON_UNSPECIFIED
-            text = detokenizer.push(response.token_ids)
+            # The tokens before the min_tokens-th pass by the stop strings unchecked.
+            num_before = len(response.token_ids) - max(0, result.num_completion_tokens - min_tokens)
+            unchecked = detokenizer.push(response.token_ids[:num_before]) if num_before > 0 else ""
+            text = detokenizer.push(response.token_ids[max(0, num_before):])
             if finished:
                 text += detokenizer.flush()
             released, stopped = stop_matcher.push(text)
+            released = unchecked + released
             if stopped:
                 stream.cancel()
                 result.finish_reason = "stop"

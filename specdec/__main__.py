@@ -27,6 +27,9 @@ def main(argv: list[str] | None = None) -> int:
     if argv[:2] == ["bench", "concurrency"]:  # and speculation on / off inside one loaded engine
         from specdec.bench import concurrency as bench_concurrency
         return bench_concurrency.main(argv[2:])
+    if argv[:2] == ["bench", "prefix-cache"]:  # and prefix caching's and logprobs' effect
+        from specdec.bench import prefix_cache as bench_prefix_cache
+        return bench_prefix_cache.main(argv[2:])
     parser = argparse.ArgumentParser(prog="python -m specdec")
     commands = parser.add_subparsers(dest="command", required=True)
     from specdec import launcher
@@ -39,7 +42,9 @@ def main(argv: list[str] | None = None) -> int:
                       "running server; `bench compare --help`: against transformers and "
                       "llama.cpp; `bench accuracy --help`: answers with and without "
                       "speculation; `bench concurrency --help`: on against off under load "
-                      "inside one engine; `bench forward --help`: one forward per kernel path")
+                      "inside one engine; `bench forward --help`: one forward per kernel path; "
+                      "`bench prefix-cache --help`: prefix caching's TTFT and throughput, "
+                      "and the cost of logprobs")
     bench.add_bench_args(bench_parser)
     from specdec.train import cli as train_cli
 

@@ -230,12 +230,13 @@ def test_client_disconnect_cancels_the_call(base_url, fake):
 
 
 def test_non_streaming_disconnect_cancels_the_call(base_url, fake):
-    fake.delay_s = 0.05
+    # Slow enough that the reply cannot complete before a loaded machine sees the client go.
+    fake.delay_s = 0.2
     body = {"model": SERVED_MODEL, "messages": MESSAGES, "max_tokens": 202, "ignore_eos": True}
     with pytest.raises(httpx.ReadTimeout):
         httpx.post(f"{base_url}/v1/chat/completions", json=body, timeout=0.3)
     request_id = _request_id_with_max_tokens(fake, 202)
-    assert fake.wait_cancelled(request_id)
+    assert fake.wait_cancelled(request_id, timeout_s=15.0)
     assert request_id not in fake.completed_ids
 
 
@@ -266,3 +267,17 @@ def test_served_model_name_is_optional_in_requests(base_url, fake):
                           json={"messages": MESSAGES, "max_tokens": 1})
     assert response.status_code == 200
     assert response.json()["model"] == SERVED_MODEL
+
+
+def test_stop_strings_wait_for_min_tokens(client, fake, tokenizer):
+    """As vLLM: no stop condition is checked before min_tokens tokens are out, so a stop
+    string in the first tokens is output text and the next occurrence stops."""
+    first = REPLY_TEXT.index("world")
+    assert REPLY_TEXT.count("world") == 2
+    min_tokens = len(tokenizer.encode(REPLY_TEXT[:first + len("world")], add_special_tokens=False)) + 1
+    completion = client.completions.create(model=SERVED_MODEL, prompt="Hi", stop="world",
+                                           extra_body={"min_tokens": min_tokens})
+    assert completion.choices[0].text == REPLY_TEXT[:REPLY_TEXT.index("world", first + 1)]
+    assert completion.choices[0].finish_reason == "stop"
+    plain = client.completions.create(model=SERVED_MODEL, prompt="Hi", stop="world")
+    assert plain.choices[0].text == REPLY_TEXT[:first]

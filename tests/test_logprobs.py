@@ -18,7 +18,7 @@ from drafter_svc.proposer import ModelOptions
 from drafter_svc.server import start_drafter_server, stop_drafter_server
 from specdec.config import SpeculativeConfig
 from specdec.engine.logits_processor import process_logits
-from specdec.engine.logprobs import TokenLogprobs, token_logprobs
+from specdec.engine.logprobs import TokenLogprobs, batch_token_logprobs, token_logprobs, top_k
 from specdec.engine.sampling_params import SamplingParams
 from specdec.errors import InvalidRequestError
 from tests.tiny_models import make_tiny_llama
@@ -179,5 +179,25 @@ def test_token_logprobs_with_no_top() -> None:
     entries = token_logprobs(logits, [2, 0], 0)
     expected = torch.log_softmax(logits, dim=-1)
     assert [entry.logprob for entry in entries] == pytest.approx([float(expected[0, 2]),
-                                                                  float(expected[1, 0])])
+                                                                  float(expected[1, 0])], abs=1e-6)
     assert all(entry.top_token_ids == () for entry in entries)
+
+
+def test_two_pass_top_k_equals_torch_topk() -> None:
+    generator = torch.Generator().manual_seed(0)
+    for vocab_size in (49152, 1000, 777, 5):
+        logits = torch.randn(7, vocab_size, generator=generator)
+        for k in (1, 5, 20):
+            k = min(k, vocab_size)
+            values, ids = top_k(logits, k)
+            expected_values, expected_ids = logits.topk(k, dim=-1)
+            assert torch.equal(values, expected_values) and torch.equal(ids, expected_ids)
+
+
+def test_batched_entries_equal_one_sequence_at_a_time() -> None:
+    generator = torch.Generator().manual_seed(1)
+    logits = torch.randn(9, 3000, generator=generator)
+    groups = [(0, [5, 6], 3), (2, [7], 0), (3, [1, 2, 3, 4], 20), (7, [9, 9], 1)]
+    batched = batch_token_logprobs(logits, groups)
+    for (first, ids, top), entries in zip(groups, batched):
+        assert entries == token_logprobs(logits[first:first + len(ids)], ids, top)

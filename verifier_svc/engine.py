@@ -43,7 +43,7 @@ from specdec.engine.rejection_sampler import (
     needs_only_argmax,
     verify,
 )
-from specdec.engine.logprobs import TokenLogprobs, step_logprobs
+from specdec.engine.logprobs import LogprobsJob, TokenLogprobs, step_logprobs
 from specdec.engine.sampling_params import SamplingParams
 from specdec.engine.scheduler import ScheduledSequence, Scheduler
 from specdec.engine.sequence import FinishReason, Sequence, SpeculationCounters
@@ -362,6 +362,7 @@ class Engine:
         # step's rows rather than a conversion, an argmax and a sync per sequence.
         step_argmax = (argmax_ids(logits) if any(item.samples and needs_only_argmax(item.seq.params)
                                                  for item in scheduled) else None)
+        logprobs_jobs: list[tuple[Sequence, LogprobsJob]] = []
         for index, item in enumerate(scheduled):
             seq = item.seq
             if seq.is_finished:  # aborted while the forward ran
@@ -379,12 +380,6 @@ class Engine:
                 new_token_ids = verify(logits[first_row:end_row], draft.token_ids, seq.token_ids, seq.params,
                                        seq.generator, draft.probs, prompt_len=seq.prompt_len,
                                        eos_token_ids=self.eos_token_ids)
-            logprobs = None
-            if seq.params.logprobs is not None:
-                logprobs = step_logprobs(logits[first_row:end_row], new_token_ids, seq.token_ids,
-                                         seq.params, self.config.logprobs_mode,
-                                         prompt_len=seq.prompt_len,
-                                         eos_token_ids=self.eos_token_ids)
             num_accepted = len(new_token_ids) - 1
             self._keep_hidden(seq, hidden, batch, index, item.num_query_tokens + num_accepted)
             seq.num_computed_tokens += item.num_query_tokens + num_accepted
@@ -394,7 +389,16 @@ class Engine:
             if self.policy is not None:
                 self.policy.record_draft(seq.seq_id, len(draft.token_ids), num_accepted,
                                          item.num_speculative_tokens)
-            self._append_tokens(seq, new_token_ids, logprobs)
+            if seq.params.logprobs is None:
+                self._append_tokens(seq, new_token_ids)
+            else:  # appended below, with the step's logprobs computed in one pass
+                logprobs_jobs.append((seq, LogprobsJob(first_row, new_token_ids, list(seq.token_ids),
+                                                       seq.params, seq.prompt_len)))
+        if logprobs_jobs:
+            entries = step_logprobs(logits, [job for _, job in logprobs_jobs],
+                                    self.config.logprobs_mode, self.eos_token_ids)
+            for (seq, job), seq_entries in zip(logprobs_jobs, entries):
+                self._append_tokens(seq, job.emitted_ids, seq_entries)
         if self.policy is not None and all(item.num_query_tokens == 1 for item in scheduled):
             # What a verified token costs: inputs, forward, logits and the sampler, for
             # decode steps only (a prefill chunk's attention would skew the per-token cost).
@@ -510,6 +514,8 @@ class Engine:
             self.scheduler.finish(seq, finish)
             self._sequences.pop(seq.seq_id, None)
             self._queues.pop(seq.seq_id, None)
+            if self.drafter_pool is not None:
+                self.drafter_pool.record_finished_output(seq.seq_id, seq.token_ids[:seq.prompt_len], seq.token_ids[seq.prompt_len:])
             self._forget_in_drafter(seq.seq_id)
         else:
             # Rejected drafts' slots go back to the pool.

@@ -194,7 +194,8 @@ class BlockManager:
         for block_id in reversed(seq.block_table):
             self._release(block_id)
         seq.block_table.clear()
-        seq.num_registered_blocks = 0
+        if self.enable_prefix_caching:  # a drafter's sequences have no such count
+            seq.num_registered_blocks = 0
 
     def check_consistency(self, sequences: list[Sequence]) -> None:
         """Asserts the accounting holds for `sequences`, every sequence holding blocks: each

@@ -35,30 +35,89 @@ class TokenLogprobs:
     top_logprobs: tuple[float, ...] = ()
 
 
+# Top-k in two passes: the maximum of each chunk of this many logits, then the exact top-k
+# among the chunks holding the k largest maxima (they hold the k largest logits). At the
+# default model's 49,152 logits it is ~7x faster than torch.topk on the CPU (16 rows:
+# 0.13 against 0.94 ms), which kept logprobs at batch 16 from costing 18% of a step.
+TOPK_CHUNK = 128
+
+
+def top_k(logits: Tensor, k: int) -> tuple[Tensor, Tensor]:
+    """The k largest values of each row, descending, and their ids: [rows, k] each."""
+    num_rows, vocab_size = logits.shape
+    if vocab_size <= k * TOPK_CHUNK:
+        return logits.topk(k, dim=-1)
+    pad = -vocab_size % TOPK_CHUNK
+    padded = torch.nn.functional.pad(logits, (0, pad), value=float("-inf")) if pad else logits
+    chunks = padded.view(num_rows, -1, TOPK_CHUNK)  # [rows, n_chunks, chunk]
+    chunk_ids = chunks.amax(dim=-1).topk(k, dim=-1).indices  # [rows, k]
+    candidates = chunks.gather(1, chunk_ids[:, :, None].expand(num_rows, k, TOPK_CHUNK))
+    values, positions = candidates.reshape(num_rows, k * TOPK_CHUNK).topk(k, dim=-1)
+    ids = chunk_ids.gather(1, positions // TOPK_CHUNK) * TOPK_CHUNK + positions % TOPK_CHUNK
+    return values, ids
+
+
 def token_logprobs(logits: Tensor, token_ids: list[int], num_top: int) -> list[TokenLogprobs]:
-    """logits: [m, vocab] (raw or processed), row i scoring token_ids[i]; one entry per row.
-    Top entries are sorted, most likely first (ties by lower id, as torch.topk on CPU)."""
-    rows = len(token_ids)
-    assert logits.shape[0] >= rows
-    logprobs = torch.log_softmax(logits[:rows].float(), dim=-1)  # [m, vocab]
-    chosen = logprobs[torch.arange(rows, device=logprobs.device),
-                      torch.tensor(token_ids, dtype=torch.long, device=logprobs.device)].tolist()
-    if num_top == 0:
-        return [TokenLogprobs(value) for value in chosen]
-    top_values, top_ids = logprobs.topk(num_top, dim=-1)  # [m, num_top] each, descending
-    top_values_list, top_ids_list = top_values.tolist(), top_ids.tolist()
-    return [TokenLogprobs(chosen[row], tuple(top_ids_list[row]), tuple(top_values_list[row]))
-            for row in range(rows)]
+    """logits: [m, vocab] (raw or processed), row i scoring token_ids[i]; one entry per row,
+    with the row's `num_top` most likely tokens, most likely first."""
+    return batch_token_logprobs(logits, [(0, token_ids, num_top)])[0]
 
 
-def step_logprobs(logits: Tensor, emitted_ids: list[int], history_ids: list[int],
-                  params: SamplingParams, mode: str, *, prompt_len: int,
-                  eos_token_ids: frozenset[int] | tuple[int, ...]) -> list[TokenLogprobs]:
-    """The entries for one verify step's emitted tokens. logits: the step's rows for the
-    sequence ([k + 1, vocab], raw); history_ids: the context before row 0."""
-    assert params.logprobs is not None
-    rows = logits[:len(emitted_ids)]
-    if mode == "processed_logprobs":
-        rows = process_logits(rows, history_ids, emitted_ids[:-1], params,
-                              prompt_len=prompt_len, eos_token_ids=eos_token_ids)
-    return token_logprobs(rows, emitted_ids, params.logprobs)
+def batch_token_logprobs(logits: Tensor, groups: list[tuple[int, list[int], int]],
+                         ) -> list[list[TokenLogprobs]]:
+    """Several sequences' entries in one pass over their rows: each group is (first row,
+    the tokens its rows score, how many top entries). One logsumexp and one top-k for
+    the whole step, rather than a softmax per sequence."""
+    rows = torch.cat([torch.arange(first, first + len(ids)) for first, ids, _ in groups])
+    selected = logits[rows.to(logits.device)].float()  # [r, vocab]
+    normaliser = torch.logsumexp(selected, dim=-1)  # [r]
+    token_ids = torch.tensor([token for _, ids, _ in groups for token in ids],
+                             dtype=torch.long, device=selected.device)
+    chosen = (selected.gather(1, token_ids[:, None])[:, 0] - normaliser).tolist()
+    num_top = max(top for _, _, top in groups)
+    top_values: list[list[float]] = []
+    top_ids: list[list[int]] = []
+    if num_top:
+        values, ids = top_k(selected, num_top)
+        top_values, top_ids = (values - normaliser[:, None]).tolist(), ids.tolist()
+    results: list[list[TokenLogprobs]] = []
+    row = 0
+    for _, ids, top in groups:
+        entries = []
+        for _ in ids:
+            if top:
+                entries.append(TokenLogprobs(chosen[row], tuple(top_ids[row][:top]),
+                                             tuple(top_values[row][:top])))
+            else:
+                entries.append(TokenLogprobs(chosen[row]))
+            row += 1
+        results.append(entries)
+    return results
+
+
+@dataclass(frozen=True, slots=True)
+class LogprobsJob:
+    """One sequence's emitted tokens of a step, waiting for their logprobs."""
+
+    first_row: int  # the row of the step's logits that scored emitted_ids[0]
+    emitted_ids: list[int]
+    history_ids: list[int]  # the context before that row
+    params: SamplingParams
+    prompt_len: int
+
+
+def step_logprobs(logits: Tensor, jobs: list[LogprobsJob], mode: str,
+                  eos_token_ids: frozenset[int] | tuple[int, ...]) -> list[list[TokenLogprobs]]:
+    """The entries of every job of one step. logits: the step's raw rows [rows, vocab]."""
+    if mode != "processed_logprobs":
+        return batch_token_logprobs(logits, [(job.first_row, job.emitted_ids, job.params.logprobs or 0)
+                                             for job in jobs])
+    processed = [process_logits(logits[job.first_row:job.first_row + len(job.emitted_ids)],
+                                job.history_ids, job.emitted_ids[:-1], job.params,
+                                prompt_len=job.prompt_len, eos_token_ids=eos_token_ids)
+                 for job in jobs]
+    groups, first = [], 0
+    for job, rows in zip(jobs, processed):
+        groups.append((first, job.emitted_ids, job.params.logprobs or 0))
+        first += rows.shape[0]
+    return batch_token_logprobs(torch.cat(processed), groups)
