@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import os
@@ -31,6 +32,8 @@ from specdec.models.parallel import ParallelContext, check_tensor_parallel
 from specdec.rpc.tls import GrpcTlsConfig
 from verifier_svc.drafting.drafter_pool import DrafterPool
 from verifier_svc.engine import Engine
+from verifier_svc.grammar.backend import GrammarBackend
+from verifier_svc.grammar.verification import GrammarService
 from verifier_svc.model_runner import ModelRunner
 from verifier_svc.tp_worker import TensorParallelGroup, rank_device
 
@@ -206,7 +209,10 @@ def build_engine(config: VerifierConfig) -> tuple[Engine, ServedModel]:
     engine = Engine(engine_config, runner, scheduler, vocab_size=model_config.vocab_size,
                     eos_token_ids=eos_token_ids,
                     num_speculative_tokens=spec.num_speculative_tokens if spec else 0,
-                    drafter_pool=pool)
+                    drafter_pool=pool,
+                    grammars=GrammarService(functools.partial(
+                        GrammarBackend, tokenizer, model_config.vocab_size,
+                        eos_token_ids=eos_token_ids)))
     logger.info("verifier: model %s on %s in %s (%s), tensor parallel %d, max_model_len %d, %d KV "
                 "blocks of %d tokens (%d tokens), speculation %s", model_dir, device, dtype,
                 _forward_name(runner.forward), config.tensor_parallel_size, max_model_len,

@@ -47,8 +47,17 @@ from specdec.engine.logprobs import LogprobsJob, TokenLogprobs, step_logprobs
 from specdec.engine.sampling_params import SamplingParams
 from specdec.engine.scheduler import ScheduledSequence, Scheduler
 from specdec.engine.sequence import FinishReason, Sequence, SpeculationCounters
-from specdec.errors import SpecdecError, UnavailableError
+from specdec.errors import InvalidRequestError, SpecdecError, UnavailableError
 from verifier_svc.drafting.drafter_pool import Draft, DrafterPool, DraftRequest
+from verifier_svc.grammar.backend import CompiledGrammar
+from verifier_svc.grammar.verification import (
+    GrammarService,
+    Timer,
+    advance,
+    cut_draft,
+    forced_draft,
+    mask_rows,
+)
 from verifier_svc.model_runner import ModelRunner, PreparedBatch, StepInput
 from verifier_svc.requests import (
     EngineError,
@@ -89,12 +98,14 @@ class StepRecord:
     num_draft_slots: int     # draft tokens planned (the drafter may have proposed fewer)
     num_output_tokens: int   # tokens the step appended to its sequences
     num_probes: int = 0      # of the draft slots, the policy's probes (one token each)
+    grammar_s: float = 0.0   # of the step's time, spent on grammars (masks, cuts, forced tokens)
 
 
 class Engine:
     def __init__(self, config: EngineConfig, runner: ModelRunner, scheduler: Scheduler, *,
                  vocab_size: int, eos_token_ids: tuple[int, ...],
-                 num_speculative_tokens: int = 0, drafter_pool: DrafterPool | None = None) -> None:
+                 num_speculative_tokens: int = 0, drafter_pool: DrafterPool | None = None,
+                 grammars: GrammarService | None = None) -> None:
         self.config = config
         self.runner = runner
         self.scheduler = scheduler
@@ -102,6 +113,8 @@ class Engine:
         self.eos_token_ids = frozenset(eos_token_ids)
         self.num_speculative_tokens = num_speculative_tokens if drafter_pool else 0
         self.drafter_pool = drafter_pool
+        # Structured outputs; None: requests with a grammar are refused.
+        self.grammars = grammars
         # None: every sequence drafts its cap (the request's k, the room left) every step.
         self.policy = (SpeculationPolicy(self.num_speculative_tokens)
                        if config.adaptive_speculation and self.num_speculative_tokens else None)
@@ -143,11 +156,21 @@ class Engine:
                 pass
         if self.drafter_pool is not None:
             await self.drafter_pool.close()
+        if self.grammars is not None:
+            self.grammars.close()
 
     # ------------------------------------------------------------ requests
 
+    async def compile_grammar(self, kind: str, value: str) -> CompiledGrammar:
+        """A request's constraint, compiled off the loop (cached by its text); raises
+        InvalidRequestError naming `grammar` when it does not compile."""
+        if self.grammars is None:
+            raise InvalidRequestError("this verifier has no grammar backend", param="grammar")
+        return await self.grammars.compile(kind, value)
+
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                     num_speculative_tokens: int | None = None,
+                    grammar: CompiledGrammar | None = None,
                     ) -> tuple[int, asyncio.Queue[RequestOutput | SpecdecError]]:
         """Queues a request; returns its sequence id and the queue its outputs arrive on.
 
@@ -171,6 +194,9 @@ class Engine:
         # A drafter that needs the target's hidden states needs them for the whole context,
         # which a prefix-cache hit would skip computing.
         seq.may_reuse_prefix = not (num_speculative_tokens and self.hidden_layer_ids)
+        if grammar is not None:
+            assert self.grammars is not None
+            seq.grammar = self.grammars.new_state(grammar)
         queue: asyncio.Queue[RequestOutput | SpecdecError] = asyncio.Queue()
         self._sequences[seq.seq_id] = seq
         self._queues[seq.seq_id] = queue
@@ -273,7 +299,7 @@ class Engine:
             # policy's probes, and the drafter is not asked.
             return _no_draft
         if self.policy is None:
-            return self._speculative_tokens_for
+            return self._with_forced_drafts(self._speculative_tokens_for)
         candidates: list[Candidate] = []
         num_other_tokens = 0
         for seq in self.scheduler.running:
@@ -283,10 +309,26 @@ class Engine:
                 num_other_tokens += seq.num_uncomputed_tokens
         num_other_tokens = min(num_other_tokens, self.config.max_num_batched_tokens)
         planned = self.policy.plan(candidates, num_other_tokens)
-        return lambda seq: planned.get(seq.seq_id, 0)
+        return self._with_forced_drafts(lambda seq: planned.get(seq.seq_id, 0))
+
+    def _with_forced_drafts(self, plan: Callable[[Sequence], int]) -> Callable[[Sequence], int]:
+        """`plan`, and for a sequence with a grammar the tokens it forces as its draft (as
+        long as the sequence may draft): they need no drafter and are always accepted."""
+        grammars = self.grammars
+
+        def with_forced(seq: Sequence) -> int:
+            num_tokens = plan(seq)
+            if seq.grammar is None or grammars is None:
+                return num_tokens
+            with Timer(grammars):
+                seq.forced_draft = forced_draft(seq.grammar, self._speculative_tokens_for(seq))
+            return max(num_tokens, len(seq.forced_draft))
+
+        return with_forced
 
     async def step(self) -> None:
         started = time.perf_counter()
+        grammar_before = self._grammar_seconds()
         speculation_enabled = self.speculation_enabled
         # None until the scheduler has planned: a failure before then cannot say which
         # sequences it concerns.
@@ -309,9 +351,12 @@ class Engine:
                     started, time.perf_counter(), speculation_enabled, len(scheduled),
                     num_prefill_tokens, sum(item.num_speculative_tokens for item in scheduled),
                     sum(item.seq.num_output_tokens for item in scheduled) - outputs_before,
-                    num_probes))
+                    num_probes, self._grammar_seconds() - grammar_before))
         except Exception:
             self._fail_step(scheduled)
+
+    def _grammar_seconds(self) -> float:
+        return self.grammars.seconds if self.grammars is not None else 0.0
 
     def _fail_step(self, scheduled: list[ScheduledSequence] | None) -> None:
         """Fails what the failed step concerned, so that no request waits on a loop that
@@ -358,6 +403,7 @@ class Engine:
         batch = self.runner.prepare(inputs)
         logits, hidden = self.runner.execute(batch, hidden_layer_ids)
         self.num_steps += 1
+        self._mask_grammar_rows(scheduled, step_drafts, batch, logits)
         # Greedy requests without a penalty need only each row's argmax: one call for the
         # step's rows rather than a conversion, an argmax and a sync per sequence.
         step_argmax = (argmax_ids(logits) if any(item.samples and needs_only_argmax(item.seq.params)
@@ -383,12 +429,22 @@ class Engine:
             num_accepted = len(new_token_ids) - 1
             self._keep_hidden(seq, hidden, batch, index, item.num_query_tokens + num_accepted)
             seq.num_computed_tokens += item.num_query_tokens + num_accepted
-            seq.num_last_accepted = num_accepted
-            seq.spec.record(len(draft.token_ids), num_accepted)
-            self.spec.record(len(draft.token_ids), num_accepted)
-            if self.policy is not None:
-                self.policy.record_draft(seq.seq_id, len(draft.token_ids), num_accepted,
-                                         item.num_speculative_tokens)
+            if seq.grammar is not None and self.grammars is not None:
+                with Timer(self.grammars):
+                    advance(seq.grammar, new_token_ids, seq.request_id)
+            if draft.forced:
+                # The grammar's draft, not the drafter's: counted apart, and the drafter
+                # hears of no acceptance of its own.
+                seq.num_last_accepted = 0
+                seq.spec.num_forced_tokens += num_accepted
+                self.spec.num_forced_tokens += num_accepted
+            else:
+                seq.num_last_accepted = num_accepted
+                seq.spec.record(len(draft.token_ids), num_accepted)
+                self.spec.record(len(draft.token_ids), num_accepted)
+                if self.policy is not None:
+                    self.policy.record_draft(seq.seq_id, len(draft.token_ids), num_accepted,
+                                             item.num_speculative_tokens)
             if seq.params.logprobs is None:
                 self._append_tokens(seq, new_token_ids)
             else:  # appended below, with the step's logprobs computed in one pass
@@ -406,6 +462,19 @@ class Engine:
                                        sum(1 for draft in step_drafts if draft.token_ids),
                                        time.perf_counter() - verify_started)
         self._maybe_log_stats()
+
+    def _mask_grammar_rows(self, scheduled: list[ScheduledSequence], step_drafts: list[Draft],
+                           batch: PreparedBatch, logits: torch.Tensor) -> None:
+        """Sets, in place, the logits the sequences' grammars forbid to -inf, at every row
+        that verifies a token (before acceptance and the greedy argmax)."""
+        if self.grammars is None:
+            return
+        jobs = [(batch.logit_offsets[index], item.seq.grammar, step_drafts[index].token_ids)
+                for index, item in enumerate(scheduled)
+                if item.samples and item.seq.grammar is not None and not item.seq.is_finished]
+        if jobs:
+            with Timer(self.grammars):
+                mask_rows(logits, jobs, self.vocab_size)
 
     def _start_capture(self, scheduled: list[ScheduledSequence]) -> None:
         """Gives hidden-state buffers to sequences whose first forward is this step.
@@ -433,7 +502,8 @@ class Engine:
     async def _propose(self, scheduled: list[ScheduledSequence]) -> dict[int, Draft]:
         if self.drafter_pool is None:
             return {}
-        asked = [item for item in scheduled if item.num_speculative_tokens > 0]
+        asked = [item for item in scheduled
+                 if item.num_speculative_tokens > 0 and not item.seq.forced_draft]
         if not asked:
             return {}
         requests = [
@@ -471,10 +541,16 @@ class Engine:
             start = seq.num_computed_tokens
             chunk = seq.token_ids[start:start + item.num_query_tokens]
             draft = _NO_DRAFT
-            if item.num_speculative_tokens > 0:
+            if item.num_speculative_tokens > 0 and seq.forced_draft:
+                draft = Draft(token_ids=seq.forced_draft[:item.num_speculative_tokens], probs=None,
+                              forced=True)
+            elif item.num_speculative_tokens > 0:
                 proposed = drafts.get(seq.seq_id)
                 if proposed is not None and proposed.token_ids:
                     draft = _truncate(proposed, item.num_speculative_tokens)
+                    if seq.grammar is not None and self.grammars is not None:
+                        with Timer(self.grammars):
+                            draft = _truncate(draft, cut_draft(seq.grammar, draft.token_ids))
             step_drafts.append(draft)
             num_logit_rows = 1 + len(draft.token_ids) if item.samples else 0
             inputs.append(StepInput(chunk + draft.token_ids, start, seq.block_table, num_logit_rows))
@@ -558,4 +634,6 @@ def _truncate(draft: Draft, num_tokens: int) -> Draft:
     if len(draft.token_ids) <= num_tokens:
         return draft
     probs = draft.probs[:num_tokens] if draft.probs is not None else None
-    return Draft(token_ids=draft.token_ids[:num_tokens], probs=probs)
+    confidence = draft.confidence[:num_tokens] if draft.confidence is not None else None
+    return Draft(token_ids=draft.token_ids[:num_tokens], probs=probs, confidence=confidence,
+                 forced=draft.forced)

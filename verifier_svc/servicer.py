@@ -59,7 +59,8 @@ def speculation_to_proto(spec: SpeculationCounters) -> specdec_pb2.SpeculationSt
     return specdec_pb2.SpeculationStats(
         num_drafts=spec.num_drafts, num_draft_tokens=spec.num_draft_tokens,
         num_accepted_tokens=spec.num_accepted_tokens,
-        accepted_per_position=spec.accepted_per_position)
+        accepted_per_position=spec.accepted_per_position,
+        num_forced_tokens=spec.num_forced_tokens)
 
 
 class VerifierServicer(specdec_pb2_grpc.VerifierServicer):
@@ -88,7 +89,12 @@ class VerifierServicer(specdec_pb2_grpc.VerifierServicer):
             params = sampling_params_from_proto(request.sampling, self.served.max_model_len,
                                                 len(prompt))
             num_spec = _speculation_override(request.speculation)
-            seq_id, queue = self.engine.add_request(request_id, prompt, params, num_spec)
+            grammar = None
+            if request.sampling.grammar.kind:
+                grammar = await self.engine.compile_grammar(request.sampling.grammar.kind,
+                                                            request.sampling.grammar.value)
+            seq_id, queue = self.engine.add_request(request_id, prompt, params, num_spec,
+                                                    grammar)
         except SpecdecError as exc:
             await context.abort(status_for(exc), error_details(exc))
             return
@@ -120,7 +126,7 @@ class VerifierServicer(specdec_pb2_grpc.VerifierServicer):
                     response.usage.prompt_tokens = output.num_prompt_tokens
                     response.usage.completion_tokens = output.num_output_tokens
                     response.usage.cached_tokens = output.num_cached_tokens
-                if output.spec.num_drafts:
+                if output.spec.num_drafts or output.spec.num_forced_tokens:
                     response.speculation.CopyFrom(speculation_to_proto(output.spec))
                 yield response
                 if output.finish_reason is not None:

@@ -70,24 +70,33 @@ def questions(num: int) -> list[str]:
     return [texts[index % len(texts)] for index in range(num)]
 
 
-async def _ttft(engine: Engine, prompt_ids: list[int], request_id: str) -> float:
+async def _ttft(engine: Engine, prompt_ids: list[int], request_id: str) -> tuple[float, int]:
+    """Seconds to the first token, and the prompt tokens the prefix cache held."""
     started = time.perf_counter()
     _, queue = engine.add_request(request_id, prompt_ids,
                                   SamplingParams(temperature=0.0, max_tokens=1))
-    await collect_outputs(queue)
-    return time.perf_counter() - started
+    output = await queue.get()
+    seconds = time.perf_counter() - started
+    assert not isinstance(output, Exception), output
+    assert output.finish_reason is not None  # max_tokens 1: the first output is the last
+    return seconds, output.num_cached_tokens
 
 
 async def measure_ttft(engine: Engine, prompts: list[list[int]]) -> dict[str, Any]:
     manager = engine.scheduler.block_manager
-    first = await _ttft(engine, prompts[0], "ttft-first")
-    cached, uncached = [], []
+    first, _ = await _ttft(engine, prompts[0], "ttft-first")
+    cached, uncached, hits_on, hits_off = [], [], [], []
     for index, prompt in enumerate(prompts[1:], start=1):
         manager.enable_prefix_caching = False
-        uncached.append(await _ttft(engine, prompt, f"ttft-off-{index}"))
+        seconds, hits = await _ttft(engine, prompt, f"ttft-off-{index}")
+        uncached.append(seconds)
+        hits_off.append(hits)
         manager.enable_prefix_caching = True
-        cached.append(await _ttft(engine, prompt, f"ttft-on-{index}"))
+        seconds, hits = await _ttft(engine, prompt, f"ttft-on-{index}")
+        cached.append(seconds)
+        hits_on.append(hits)
     return {"prompt_tokens": len(prompts[0]), "first_ms": 1000 * first,
+            "cached_tokens_on": min(hits_on), "cached_tokens_off": max(hits_off),
             "cached_ms": 1000 * statistics.median(cached),
             "uncached_ms": 1000 * statistics.median(uncached),
             "first_over_cached": first / statistics.median(cached),
@@ -126,14 +135,15 @@ async def measure_throughput(engine: Engine, prompts: list[list[int]], max_token
             "on_over_off": statistics.median(ratios), "worst_round_on_over_off": min(ratios)}
 
 
-async def measure_logprobs(engine: Engine, batch_size: int, top: int, max_tokens: int,
+async def measure_logprobs(engine: Engine, prompts: list[list[int]], top: int, max_tokens: int,
                            rounds: int) -> dict[str, Any]:
-    """Mean decode-step time with logprobs over without, speculation off."""
+    """Mean decode-step time with logprobs over without, speculation off; one request per
+    prompt at once (the batch size)."""
+    batch_size = len(prompts)
     records: list[StepRecord] = []
     engine.step_listener = records.append
     engine.speculation_enabled = False
     step_ms: dict[bool, list[float]] = {True: [], False: []}
-    prompt = [int(token) for token in range(100, 116)]
     try:
         for round_index in range(rounds):
             for with_logprobs in (False, True):
@@ -141,9 +151,8 @@ async def measure_logprobs(engine: Engine, batch_size: int, top: int, max_tokens
                 params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True,
                                         logprobs=top if with_logprobs else None)
                 await asyncio.gather(*(
-                    collect_outputs(engine.add_request(
-                        f"lp-{round_index}-{i}", prompt + [200 + i], params)[1])
-                    for i in range(batch_size)))
+                    collect_outputs(engine.add_request(f"lp-{round_index}-{i}", prompt, params)[1])
+                    for i, prompt in enumerate(prompts)))
                 decode = [r.finished - r.started for r in records
                           if r.num_prefill_tokens == 0 and r.num_sequences == batch_size]
                 if decode:
@@ -174,6 +183,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--batch-sizes", default="1,16")
     parser.add_argument("--top-logprobs", type=int, default=5)
+    parser.add_argument("--parts", default="ttft,throughput,logprobs",
+                        help="which measurements to run, comma-separated")
     parser.add_argument("--json", default=None, help="also write the figures here")
     add_logging_args(parser)
     return parser
@@ -184,24 +195,30 @@ async def _run(args: argparse.Namespace) -> dict[str, Any]:
     model_dir = resolve_model(args.model)
     tokenizer = load_tokenizer(model_dir)
     system = system_prompt(tokenizer, args.system_tokens)
-    asked = questions(max(args.ttft_requests + 1, args.num_prompts))
+    batch_sizes = [int(size) for size in args.batch_sizes.split(",")]
+    asked = questions(max(args.ttft_requests + 1, args.num_prompts, *batch_sizes))
 
     def chat_ids(question: str) -> list[int]:
         return render_chat_prompt(tokenizer, [{"role": "system", "content": system},
                                               {"role": "user", "content": question}])
 
-    batch_sizes = [int(size) for size in args.batch_sizes.split(",")]
     engine, drafter = await start_engine(args, spec, model_dir,
                                          max_num_seqs=max(batch_sizes + [args.max_concurrency]))
+    parts = set(args.parts.split(","))
+    figures: dict[str, Any] = {}
     try:
-        figures: dict[str, Any] = {"ttft": await measure_ttft(
-            engine, [chat_ids(q) for q in asked[:args.ttft_requests + 1]])}
-        figures["throughput"] = await measure_throughput(
-            engine, [chat_ids(q) for q in asked[:args.num_prompts]], args.max_tokens,
-            args.max_concurrency, args.rounds)
-        figures["logprobs"] = [await measure_logprobs(engine, size, args.top_logprobs, 32,
-                                                      args.rounds)
-                               for size in batch_sizes]
+        if "ttft" in parts:
+            figures["ttft"] = await measure_ttft(
+                engine, [chat_ids(q) for q in asked[:args.ttft_requests + 1]])
+        if "throughput" in parts:
+            figures["throughput"] = await measure_throughput(
+                engine, [chat_ids(q) for q in asked[:args.num_prompts]], args.max_tokens,
+                args.max_concurrency, args.rounds)
+        if "logprobs" in parts:
+            figures["logprobs"] = [await measure_logprobs(
+                engine, [render_chat_prompt(tokenizer, [{"role": "user", "content": q}])
+                         for q in asked[:size]], args.top_logprobs, 32, args.rounds)
+                for size in batch_sizes]
     finally:
         await engine.stop()
         await stop_drafter_server(drafter)
@@ -209,17 +226,22 @@ async def _run(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def format_figures(figures: dict[str, Any]) -> str:
-    ttft, throughput = figures["ttft"], figures["throughput"]
-    lines = [
-        f"TTFT, {ttft['prompt_tokens']}-token prompt: first {ttft['first_ms']:.0f} ms; "
+    lines = []
+    if "ttft" in figures:
+        ttft = figures["ttft"]
+        lines.append(
+            f"TTFT, {ttft['prompt_tokens']}-token prompt: first {ttft['first_ms']:.0f} ms; "
         f"repeated system prompt {ttft['cached_ms']:.0f} ms cached, "
-        f"{ttft['uncached_ms']:.0f} ms uncached; first/cached {ttft['first_over_cached']:.1f}x, "
-        f"uncached/cached {ttft['uncached_over_cached']:.1f}x",
-        f"chat with a shared system prompt ({throughput['requests']} requests, c = "
+            f"{ttft['uncached_ms']:.0f} ms uncached; first/cached {ttft['first_over_cached']:.1f}x, "
+            f"uncached/cached {ttft['uncached_over_cached']:.1f}x")
+    if "throughput" in figures:
+        throughput = figures["throughput"]
+        lines.append(
+            f"chat with a shared system prompt ({throughput['requests']} requests, c = "
         f"{throughput['concurrency']}): {throughput['on_tokens_per_s']:.1f} tok/s cached, "
         f"{throughput['off_tokens_per_s']:.1f} uncached; on/off {throughput['on_over_off']:.2f}x "
-        f"(worst round {throughput['worst_round_on_over_off']:.2f}x)"]
-    for row in figures["logprobs"]:
+            f"(worst round {throughput['worst_round_on_over_off']:.2f}x)")
+    for row in figures.get("logprobs", []):
         lines.append(f"logprobs (top {row['top_logprobs']}) at batch {row['batch_size']}: decode "
                      f"step {row['step_ms_without']:.2f} -> {row['step_ms_with']:.2f} ms "
                      f"({100 * row['cost']:+.1f}%)")

@@ -66,20 +66,21 @@ def token_logprobs(logits: Tensor, token_ids: list[int], num_top: int) -> list[T
 def batch_token_logprobs(logits: Tensor, groups: list[tuple[int, list[int], int]],
                          ) -> list[list[TokenLogprobs]]:
     """Several sequences' entries in one pass over their rows: each group is (first row,
-    the tokens its rows score, how many top entries). One logsumexp and one top-k for
-    the whole step, rather than a softmax per sequence."""
+    the tokens its rows score, how many top entries). One log-softmax and one top-k for
+    the whole step, rather than one of each per sequence."""
     rows = torch.cat([torch.arange(first, first + len(ids)) for first, ids, _ in groups])
-    selected = logits[rows.to(logits.device)].float()  # [r, vocab]
-    normaliser = torch.logsumexp(selected, dim=-1)  # [r]
+    # torch's log_softmax kernel is the fastest full pass measured here (16 rows of 49,152:
+    # 0.32-0.46 ms, against 0.47-1.05 for logsumexp).
+    logprobs = torch.log_softmax(logits[rows.to(logits.device)].float(), dim=-1)  # [r, vocab]
     token_ids = torch.tensor([token for _, ids, _ in groups for token in ids],
-                             dtype=torch.long, device=selected.device)
-    chosen = (selected.gather(1, token_ids[:, None])[:, 0] - normaliser).tolist()
+                             dtype=torch.long, device=logprobs.device)
+    chosen = logprobs.gather(1, token_ids[:, None])[:, 0].tolist()
     num_top = max(top for _, _, top in groups)
     top_values: list[list[float]] = []
     top_ids: list[list[int]] = []
     if num_top:
-        values, ids = top_k(selected, num_top)
-        top_values, top_ids = (values - normaliser[:, None]).tolist(), ids.tolist()
+        values, ids = top_k(logprobs, num_top)
+        top_values, top_ids = values.tolist(), ids.tolist()
     results: list[list[TokenLogprobs]] = []
     row = 0
     for _, ids, top in groups:

@@ -12,6 +12,7 @@ from __future__ import annotations
 import enum
 import time
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -38,6 +39,9 @@ class SpeculationCounters:
     num_draft_tokens: int = 0
     num_accepted_tokens: int = 0
     accepted_per_position: list[int] = field(default_factory=list)
+    # Tokens a grammar forced (its only continuation), verified without a drafter; not
+    # counted as drafts above.
+    num_forced_tokens: int = 0
 
     def record(self, num_draft_tokens: int, num_accepted_tokens: int) -> None:
         if num_draft_tokens == 0:
@@ -75,6 +79,11 @@ class Sequence:
     # Whether a prefix-cache hit may skip the prefix's forward (not when a drafter needs
     # the target's hidden states of every position).
     may_reuse_prefix: bool = True
+    # The request's structured-output constraint (verifier_svc.grammar.GrammarState),
+    # advanced by verified tokens only; None: unconstrained.
+    grammar: Any = None
+    # This step's grammar-forced draft (set when the step is planned).
+    forced_draft: list[int] = field(default_factory=list)
     # Accepted tokens of the last draft, reported to the drafter so it can roll back.
     num_last_accepted: int = 0
     # Times the drafter was asked for this sequence (its first ask carries the whole context).

@@ -76,6 +76,8 @@ class Draft:
     # The drafter's per-token estimate in [0, 1] that the token is accepted given the ones
     # before it (ngram, suffix: drafter_svc/confidence.py); None when it sent none.
     confidence: list[float] | None = None
+    # Tokens a grammar forced (the verifier's own draft, no drafter involved).
+    forced: bool = False
 
 
 @dataclass(slots=True)

@@ -1,0 +1,118 @@
+"""Verification under a grammar: what the engine does for sequences with a constraint.
+
+Per step, for each sequence with a grammar (`GrammarState`, advanced only by verified
+tokens):
+1. plan: the tokens the grammar forces next (its only continuation) become the draft, with
+   no drafter round trip; they are always accepted, since the masked target puts all its
+   mass on them (`forced_draft`);
+2. a drafter's proposal is cut at its first token the grammar rejects, before the forward,
+   so that position costs nothing (`cut_draft`);
+3. after the forward, one mask per verified position (row i: what the grammar allows after
+   the drafts before i) sets the target's logits to -inf outside the grammar, before
+   acceptance, for greedy and sampled verification alike (`mask_rows`);
+4. the emitted tokens advance the state (`advance`). The masks were computed without
+   moving it, so the state is at the accepted prefix: rolled back, in effect.
+
+The backend (llguidance's tokenizer info, ~0.5 s) is built on the first request with a
+grammar, in a worker thread, and compilation runs there too: the engine loop never blocks.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from verifier_svc.grammar.backend import CompiledGrammar, GrammarBackend
+from verifier_svc.grammar.matcher import GrammarState, allocate_bitmask, apply_masks
+
+logger = logging.getLogger(__name__)
+
+
+class GrammarService:
+    """The verifier's grammar backend, made on first use."""
+
+    def __init__(self, make_backend: Callable[[], GrammarBackend]) -> None:
+        self._make_backend = make_backend
+        self._backend: GrammarBackend | None = None
+        self._lock = threading.Lock()
+        # Seconds the engine spent on grammars (masks, cuts, forced tokens, advancing).
+        self.seconds = 0.0
+
+    def _get_backend(self) -> GrammarBackend:
+        with self._lock:
+            if self._backend is None:
+                self._backend = self._make_backend()
+            return self._backend
+
+    async def compile(self, kind: str, value: str, *, param: str = "grammar") -> CompiledGrammar:
+        """Raises InvalidRequestError naming `param` when the grammar does not compile."""
+        if self._backend is None:
+            await asyncio.get_running_loop().run_in_executor(None, self._get_backend)
+        assert self._backend is not None
+        return await self._backend.compile_async(kind, value, param=param)
+
+    def new_state(self, compiled: CompiledGrammar) -> GrammarState:
+        return self._get_backend().new_state(compiled)
+
+    def close(self) -> None:
+        if self._backend is not None:
+            self._backend.close()
+
+
+def forced_draft(state: GrammarState, max_tokens: int) -> list[int]:
+    return state.forced_tokens(max_tokens) if max_tokens > 0 else []
+
+
+def cut_draft(state: GrammarState, token_ids: list[int]) -> int:
+    """How many leading draft tokens the grammar allows."""
+    return state.valid_prefix_len(token_ids)
+
+
+def mask_rows(logits: torch.Tensor, jobs: list[tuple[int, GrammarState, list[int]]],
+              vocab_size: int) -> None:
+    """Masks, in place, each job's rows of the step's logits: (first row, state, draft)
+    covers rows first .. first + len(draft). One bitmask for all of them, one apply."""
+    num_rows = sum(len(draft) + 1 for _, _, draft in jobs)
+    bitmask = allocate_bitmask(num_rows, vocab_size)
+    rows: list[int] = []
+    offset = 0
+    for first_row, state, draft in jobs:
+        count = len(draft) + 1
+        state.fill_masks(draft, bitmask[offset:offset + count])
+        rows.extend(range(first_row, first_row + count))
+        offset += count
+    contiguous = rows == list(range(rows[0], rows[0] + num_rows))
+    if contiguous:
+        apply_masks(logits[rows[0]:rows[0] + num_rows], bitmask)
+        return
+    index = torch.tensor(rows, device=logits.device)
+    selected = logits[index]
+    apply_masks(selected, bitmask)
+    logits[index] = selected
+
+
+def advance(state: GrammarState, token_ids: list[int], request_id: str) -> None:
+    accepted = state.accept_tokens(token_ids)
+    if accepted != len(token_ids):  # masked logits cannot emit a rejected token
+        logger.error("request %s: the grammar rejected emitted token %d (position %d of %d)",
+                     request_id, token_ids[accepted], accepted, len(token_ids))
+
+
+class Timer:
+    """Adds the time of a `with` block to a GrammarService's `seconds`."""
+
+    def __init__(self, service: GrammarService) -> None:
+        self._service = service
+        self._started = 0.0
+
+    def __enter__(self) -> None:
+        self._started = time.perf_counter()
+
+    def __exit__(self, *exc: Any) -> None:
+        self._service.seconds += time.perf_counter() - self._started
