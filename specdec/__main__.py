@@ -30,6 +30,9 @@ def main(argv: list[str] | None = None) -> int:
     if argv[:2] == ["bench", "prefix-cache"]:  # and prefix caching's and logprobs' effect
         from specdec.bench import prefix_cache as bench_prefix_cache
         return bench_prefix_cache.main(argv[2:])
+    if argv[:2] == ["bench", "structured"]:  # and structured decoding with / without drafts
+        from specdec.bench import structured as bench_structured
+        return bench_structured.main(argv[2:])
     parser = argparse.ArgumentParser(prog="python -m specdec")
     commands = parser.add_subparsers(dest="command", required=True)
     from specdec import launcher
@@ -44,7 +47,8 @@ def main(argv: list[str] | None = None) -> int:
                       "speculation; `bench concurrency --help`: on against off under load "
                       "inside one engine; `bench forward --help`: one forward per kernel path; "
                       "`bench prefix-cache --help`: prefix caching's TTFT and throughput, "
-                      "and the cost of logprobs")
+                      "and the cost of logprobs; `bench structured --help`: JSON and tool "
+                      "calls under a grammar, with and without speculation")
     bench.add_bench_args(bench_parser)
     from specdec.train import cli as train_cli
 

@@ -262,3 +262,19 @@ def test_masked_verification_samples_the_masked_distribution(tokenizer) -> None:
     chi_square = sum((observed - mean) ** 2 / mean for observed, mean in bins if mean > 0)
     assert len(bins) >= 3
     assert chi_square < chi_square_critical(len(bins) - 1), (chi_square, bins)
+
+
+async def test_a_tokenizer_without_grammar_support_is_a_clear_invalid_request(tmp_path) -> None:
+    from tests.tiny_models import make_tiny_llama
+
+    model = make_tiny_llama(tmp_path / "word-level")  # llguidance cannot read its decoder
+    engine, _ = build_engine(VerifierConfig(model=str(model), device="cpu", dtype="float32",
+                                            max_model_len=128, num_gpu_blocks_override=64))
+    try:
+        for _ in range(2):  # the failure is remembered, and said the same way each time
+            with pytest.raises(InvalidRequestError) as info:
+                await engine.compile_grammar("regex", "[ab]+")
+            assert info.value.param == "grammar"
+            assert "not available with this model's tokenizer" in info.value.message
+    finally:
+        await engine.stop()

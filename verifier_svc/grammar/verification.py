@@ -28,6 +28,7 @@ from typing import Any
 
 import torch
 
+from specdec.errors import InvalidRequestError
 from verifier_svc.grammar.backend import CompiledGrammar, GrammarBackend
 from verifier_svc.grammar.matcher import GrammarState, allocate_bitmask, apply_masks
 
@@ -40,22 +41,32 @@ class GrammarService:
     def __init__(self, make_backend: Callable[[], GrammarBackend]) -> None:
         self._make_backend = make_backend
         self._backend: GrammarBackend | None = None
+        self._failure: str | None = None
         self._lock = threading.Lock()
         # Seconds the engine spent on grammars (masks, cuts, forced tokens, advancing).
         self.seconds = 0.0
 
     def _get_backend(self) -> GrammarBackend:
         with self._lock:
+            if self._backend is None and self._failure is None:
+                try:
+                    self._backend = self._make_backend()
+                except Exception as exc:  # noqa: BLE001 - a tokenizer llguidance cannot read
+                    logger.warning("no grammar backend for this model: %s: %s",
+                                   type(exc).__name__, exc)
+                    self._failure = f"{type(exc).__name__}: {exc}"
             if self._backend is None:
-                self._backend = self._make_backend()
+                raise InvalidRequestError(
+                    "structured outputs are not available with this model's tokenizer "
+                    f"({self._failure})", param="grammar")
             return self._backend
 
     async def compile(self, kind: str, value: str, *, param: str = "grammar") -> CompiledGrammar:
         """Raises InvalidRequestError naming `param` when the grammar does not compile."""
-        if self._backend is None:
-            await asyncio.get_running_loop().run_in_executor(None, self._get_backend)
-        assert self._backend is not None
-        return await self._backend.compile_async(kind, value, param=param)
+        backend = self._backend
+        if backend is None:
+            backend = await asyncio.get_running_loop().run_in_executor(None, self._get_backend)
+        return await backend.compile_async(kind, value, param=param)
 
     def new_state(self, compiled: CompiledGrammar) -> GrammarState:
         return self._get_backend().new_state(compiled)
