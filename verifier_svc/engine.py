@@ -143,6 +143,8 @@ class Engine:
     async def start(self) -> None:
         if self.drafter_pool is not None:
             await self.drafter_pool.start()
+        if self.grammars is not None:
+            self.grammars.start_warm_up()
         self._loop_task = asyncio.create_task(self._run(), name="engine-loop")
 
     async def stop(self) -> None:
@@ -355,6 +357,11 @@ class Engine:
         except Exception:
             self._fail_step(scheduled)
 
+    def _end_ids(self, params: SamplingParams) -> frozenset[int]:
+        """The token ids that end a sequence with these parameters."""
+        stop_ids = frozenset(params.stop_token_ids)
+        return stop_ids if params.ignore_eos else stop_ids | self.eos_token_ids
+
     def _grammar_seconds(self) -> float:
         return self.grammars.seconds if self.grammars is not None else 0.0
 
@@ -431,7 +438,7 @@ class Engine:
             seq.num_computed_tokens += item.num_query_tokens + num_accepted
             if seq.grammar is not None and self.grammars is not None:
                 with Timer(self.grammars):
-                    advance(seq.grammar, new_token_ids, seq.request_id)
+                    advance(seq.grammar, new_token_ids, seq.request_id, self._end_ids(seq.params))
             if draft.forced:
                 # The grammar's draft, not the drafter's: counted apart, and the drafter
                 # hears of no acceptance of its own.

@@ -13,8 +13,8 @@ tokens):
 4. the emitted tokens advance the state (`advance`). The masks were computed without
    moving it, so the state is at the accepted prefix: rolled back, in effect.
 
-The backend (llguidance's tokenizer info, ~0.5 s) is built on the first request with a
-grammar, in a worker thread, and compilation runs there too: the engine loop never blocks.
+The backend (llguidance's tokenizer info, ~0.5 s) is built in a thread when the engine
+starts, and compilation runs in worker threads: the engine loop never blocks on either.
 """
 
 from __future__ import annotations
@@ -45,6 +45,17 @@ class GrammarService:
         self._lock = threading.Lock()
         # Seconds the engine spent on grammars (masks, cuts, forced tokens, advancing).
         self.seconds = 0.0
+
+    def start_warm_up(self) -> None:
+        """Builds the backend in a daemon thread now, so that a server's first constrained
+        request does not wait for it (it waits on the lock if it comes sooner)."""
+        threading.Thread(target=self._warm_up, name="grammar-warm-up", daemon=True).start()
+
+    def _warm_up(self) -> None:
+        try:
+            self._get_backend()
+        except InvalidRequestError:
+            pass  # remembered; each constrained request is told
 
     def _get_backend(self) -> GrammarBackend:
         with self._lock:
@@ -108,7 +119,13 @@ def mask_rows(logits: torch.Tensor, jobs: list[tuple[int, GrammarState, list[int
     logits[index] = selected
 
 
-def advance(state: GrammarState, token_ids: list[int], request_id: str) -> None:
+def advance(state: GrammarState, token_ids: list[int], request_id: str,
+            end_ids: frozenset[int] | set[int] = frozenset()) -> None:
+    """Accepts the emitted tokens up to the first that ends the sequence (`end_ids`): a
+    draft may hold EOS, after which the step's further tokens are dropped anyway."""
+    end = next((i for i, token_id in enumerate(token_ids) if token_id in end_ids), None)
+    if end is not None:
+        token_ids = token_ids[:end + 1]
     accepted = state.accept_tokens(token_ids)
     if accepted != len(token_ids):  # masked logits cannot emit a rejected token
         logger.error("request %s: the grammar rejected emitted token %d (position %d of %d)",
