@@ -10,6 +10,7 @@ import uvicorn
 
 from gateway.app import GatewayConfig, create_app
 from gateway.server import add_server_args, limits_from_args, uvicorn_config
+from gateway.tools import TOOL_CALL_PARSERS
 from gateway.verifier_client import VerifierClient
 from specdec.errors import SpecdecError
 from specdec.rpc.internal_auth import (
@@ -45,6 +46,13 @@ def build_parser() -> argparse.ArgumentParser:
                         help="file holding the API key (see --api-key)")
     parser.add_argument("--max-model-len", type=int, default=None,
                         help="context length limit (default: the verifier's)")
+    parser.add_argument("--enable-auto-tool-choice", action="store_true",
+                        help='allow tool_choice "auto" (the default when a request has tools): '
+                             "the tools go through the chat template, which must render them, "
+                             "and the output is parsed by --tool-call-parser (vLLM's flag)")
+    parser.add_argument("--tool-call-parser", default=None, choices=sorted(TOOL_CALL_PARSERS),
+                        help='how tool_choice "auto" output is read for tool calls (vLLM\'s '
+                             "flag; hermes: <tool_call>{...}</tool_call> blocks)")
     parser.add_argument("--trust-remote-code", action="store_true",
                         help="accepted for vLLM compatibility")
     parser.add_argument("--log-level", default="info", type=str.lower,
@@ -74,7 +82,9 @@ def main(argv: list[str] | None = None) -> int:
         config = GatewayConfig(model=args.model, served_model_name=args.served_model_name,
                                verifier_addresses=tuple(args.verifier),
                                max_model_len=args.max_model_len,
-                               api_key=api_key_from_args(args), host=args.host, port=args.port)
+                               api_key=api_key_from_args(args), host=args.host, port=args.port,
+                               enable_auto_tool_choice=args.enable_auto_tool_choice,
+                               tool_call_parser=args.tool_call_parser)
         verifier_client = VerifierClient(
             config.verifier_addresses, tls=grpc_tls_from_args(args),
             internal_token=load_internal_token(args.internal_token_file))

@@ -7,8 +7,8 @@ tests inject small ones.
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
+import dataclasses
 import functools
 import hmac
 import json
@@ -30,6 +30,12 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 
 from gateway import responses
 from gateway.chat import render_chat_prompt, tokenize_prompt
+from gateway.choices import (
+    Choice,
+    close_choices,
+    collect_until_disconnect,
+    open_choices,
+)
 from gateway.errors import (
     RequestTooLargeError,
     UnsupportedMediaTypeError,
@@ -37,16 +43,8 @@ from gateway.errors import (
     error_response,
     plain_error_response,
 )
-from gateway.choices import (
-    Choice,
-    CollectedChoice,
-    close_choices,
-    collect_until_disconnect,
-    merged_deltas,
-    open_choices,
-)
-from gateway.generation import TextDelta, build_generate_request, choice_requests
-from gateway.logprobs import CompletionLogprobs, TokenTexts, chat_logprobs_content
+from gateway.generation import build_generate_request, choice_requests
+from gateway.logprobs import TokenTexts
 from gateway.metrics import GatewayMetrics, RequestCountMiddleware
 from gateway.protocol import (
     SamplingOptions,
@@ -55,8 +53,11 @@ from gateway.protocol import (
     parse_completion_request,
     parse_json_body,
 )
+from gateway.tool_chat import ToolOutput, ToolSettings, plan_tools, template_messages
+from gateway.tools import TOOL_CALL_PARSERS, template_accepts_tools
 from gateway.verifier_client import VerifierClient
 from specdec.errors import ConfigError, ModelNotFoundError
+from specdec.grammar_spec import check_grammar
 
 logger = logging.getLogger(__name__)
 
@@ -66,6 +67,22 @@ Handler = Callable[[Request], Awaitable[Response]]
 CLIENT_CLOSED_REQUEST = 499
 # An unknown model name is quoted back in the 404, at most this long.
 MAX_QUOTED_MODEL_CHARS = 256
+# Constraints up to this size that passed the grammar compiler are remembered: an agent
+# sends the same schema with every request. Only successes are kept (lru_cache keeps no
+# exceptions), and not the compiled text, so the cache holds at most ~4 MiB of keys.
+MAX_CACHED_GRAMMAR_CHARS = 16 * 1024
+
+
+@functools.lru_cache(maxsize=256)
+def _check_small_grammar(kind: str, value: str, param: str) -> None:
+    check_grammar(kind, value, param=param)
+
+
+def _check_grammar_text(kind: str, value: str, param: str) -> None:
+    if len(value) > MAX_CACHED_GRAMMAR_CHARS:
+        check_grammar(kind, value, param=param)
+    else:
+        _check_small_grammar(kind, value, param)
 
 
 @dataclass(frozen=True)
@@ -82,10 +99,19 @@ class GatewayConfig:
     host: str = "127.0.0.1"
     port: int = 18080
     max_request_bytes: int = 32 * 1024 * 1024
+    # vLLM's flags: tool_choice "auto" needs both (and a chat template that renders tools).
+    enable_auto_tool_choice: bool = False
+    tool_call_parser: str | None = None
 
     def __post_init__(self) -> None:
         if not self.model:
             raise ConfigError("--model must not be empty", param="model")
+        if self.tool_call_parser is not None and self.tool_call_parser not in TOOL_CALL_PARSERS:
+            raise ConfigError(f"--tool-call-parser must be one of {', '.join(TOOL_CALL_PARSERS)}, "
+                              f"got {self.tool_call_parser!r}", param="tool_call_parser")
+        if self.enable_auto_tool_choice and self.tool_call_parser is None:
+            raise ConfigError("--enable-auto-tool-choice needs --tool-call-parser",
+                              param="tool_call_parser")
         object.__setattr__(self, "verifier_addresses", tuple(self.verifier_addresses))
         for address in self.verifier_addresses:
             host, _, port = address.rpartition(":")
@@ -197,82 +223,18 @@ async def _sse(chunks: AsyncIterator[dict], choices: list[Choice],
         on_finish()
 
 
-@dataclass(slots=True)
-class _Output:
-    """How one request's choices become OpenAI objects."""
-
-    response_id: str
-    created: int
-    model: str
-    chat: bool
-    token_texts: TokenTexts | None  # None: no logprobs asked
-
-    def chat_logprobs(self, delta: TextDelta) -> dict | None:
-        if self.token_texts is None:
-            return None
-        return {"content": chat_logprobs_content(delta.logprobs, delta.token_ids,
-                                                 self.token_texts)}
-
-
-async def _chat_chunks(output: _Output, choices: list[Choice],
-                       include_usage: bool) -> AsyncIterator[dict]:
-    chunk = functools.partial(responses.chat_chunk, output.response_id, output.created,
-                              output.model)
-    for choice in choices:
-        yield chunk({"role": "assistant", "content": ""}, None, include_usage,
-                    index=choice.index)
-    async for choice, delta in merged_deltas(choices):
-        if delta is None:
-            yield chunk({}, choice.result.finish_reason, include_usage, index=choice.index)
-        else:
-            yield chunk({"content": delta.text}, None, include_usage, index=choice.index,
-                        logprobs=output.chat_logprobs(delta))
-    if include_usage:
-        yield responses.usage_chunk(output.response_id, output.created, output.model,
-                                    "chat.completion.chunk", [c.result for c in choices])
-
-
-async def _completion_chunks(output: _Output, choices: list[Choice],
-                             include_usage: bool) -> AsyncIterator[dict]:
-    chunk = functools.partial(responses.completion_chunk, output.response_id, output.created,
-                              output.model)
-    texts = output.token_texts
-    builders = ({choice.index: CompletionLogprobs(texts) for choice in choices}
-                if texts is not None else None)
-    async for choice, delta in merged_deltas(choices):
-        if delta is None:
-            yield chunk("", choice.result.finish_reason, include_usage, index=choice.index)
-        else:
-            logprobs = (builders[choice.index].build(delta.logprobs, delta.token_ids)
-                        if builders is not None else None)
-            yield chunk(delta.text, None, include_usage, index=choice.index, logprobs=logprobs)
-    if include_usage:
-        yield responses.usage_chunk(output.response_id, output.created, output.model,
-                                    "text_completion", [c.result for c in choices])
-
-
-def _response_body(output: _Output, collected: list[CollectedChoice]) -> dict:
-    body = []
-    for item in collected:
-        reason = item.choice.result.finish_reason
-        if output.chat:
-            logprobs = output.chat_logprobs(TextDelta(item.text, item.token_ids, item.logprobs))
-            body.append(responses.chat_choice(
-                item.choice.index, {"role": "assistant", "content": item.text}, logprobs,
-                reason))
-        else:
-            logprobs = (CompletionLogprobs(output.token_texts).build(item.logprobs, item.token_ids)
-                        if output.token_texts is not None else None)
-            body.append(responses.completion_choice(item.choice.index, item.text, logprobs,
-                                                    reason))
-    build = responses.chat_completion if output.chat else responses.text_completion
-    return build(output.response_id, output.created, output.model, body,
-                 [item.choice.result for item in collected])
+async def _check_grammar(sampling: SamplingOptions) -> None:
+    """A constraint the compiler rejects is a 400 naming its field, before anything is
+    queued; compiled in a worker thread (a large schema takes milliseconds)."""
+    grammar = sampling.grammar
+    if grammar is not None:
+        await run_in_threadpool(_check_grammar_text, grammar.kind, grammar.value, grammar.param)
 
 
 async def _generate(request: Request, prompt_token_ids: list[int], sampling: SamplingOptions,
                     *, chat: bool, stream: bool, include_usage: bool, started_at: float,
-                    prompt_param: str) -> Response:
+                    prompt_param: str,
+                    tool_output: Callable[[], ToolOutput | None] | None = None) -> Response:
     state = request.app.state
     info = await state.verifier.get_info()
     max_model_len = state.config.max_model_len or info.max_model_len
@@ -281,9 +243,10 @@ async def _generate(request: Request, prompt_token_ids: list[int], sampling: Sam
     choices = await open_choices(state.verifier, choice_requests(generate_request, sampling.n),
                                  state.tokenizer, prompt_token_ids, sampling.stop, started_at,
                                  sampling.min_tokens)
-    output = _Output(responses.new_id("chatcmpl" if chat else "cmpl"), responses.now(),
-                     state.config.model_name, chat,
-                     state.token_texts if sampling.logprobs is not None else None)
+    output = responses.Output(responses.new_id("chatcmpl" if chat else "cmpl"), responses.now(),
+                              state.config.model_name, chat,
+                              state.token_texts if sampling.logprobs is not None else None,
+                              tool_output)
 
     def observe() -> None:
         for choice in choices:
@@ -295,8 +258,8 @@ async def _generate(request: Request, prompt_token_ids: list[int], sampling: Sam
         observe()
         if collected is None:
             return Response(status_code=CLIENT_CLOSED_REQUEST)
-        return JSONResponse(_response_body(output, collected))
-    make_chunks = _chat_chunks if chat else _completion_chunks
+        return JSONResponse(responses.response_body(output, collected))
+    make_chunks = responses.chat_chunks if chat else responses.completion_chunks
     chunks = make_chunks(output, choices, include_usage)
     return StreamingResponse(_sse(chunks, choices, observe),
                              media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
@@ -307,11 +270,19 @@ async def chat_completions(request: Request) -> Response:
     started_at = time.monotonic()
     chat = parse_chat_request(await _read_json(request))
     _check_model(request, chat.model)
+    settings: ToolSettings = request.app.state.tool_settings
+    plan = plan_tools(chat.tools, chat.sampling.grammar, settings)
+    sampling = chat.sampling
+    if plan.grammar is not None:
+        sampling = dataclasses.replace(sampling, grammar=plan.grammar)
+    await _check_grammar(sampling)
+    messages = template_messages(chat.messages, settings.template_accepts_tools)
     prompt_token_ids = await run_in_threadpool(render_chat_prompt, request.app.state.tokenizer,
-                                               chat.messages)
-    return await _generate(request, prompt_token_ids, chat.sampling, chat=True,
+                                               messages, plan.template_tools)
+    return await _generate(request, prompt_token_ids, sampling, chat=True,
                            stream=chat.stream, include_usage=chat.include_usage,
-                           started_at=started_at, prompt_param="messages")
+                           started_at=started_at, prompt_param="messages",
+                           tool_output=plan.new_output)
 
 
 @_openai_errors
@@ -319,6 +290,7 @@ async def completions(request: Request) -> Response:
     started_at = time.monotonic()
     completion = parse_completion_request(await _read_json(request))
     _check_model(request, completion.model)
+    await _check_grammar(completion.sampling)
     prompt_token_ids = await run_in_threadpool(tokenize_prompt, request.app.state.tokenizer,
                                                completion.prompt)
     return await _generate(request, prompt_token_ids, completion.sampling, chat=False,
@@ -384,6 +356,9 @@ def create_app(config: GatewayConfig, tokenizer: Any,
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
         client = verifier_client or VerifierClient(config.verifier_addresses)
         client.expect_tokenizer(await run_in_threadpool(_fingerprint, tokenizer))
+        app.state.tool_settings = ToolSettings(
+            config.enable_auto_tool_choice, config.tool_call_parser,
+            await run_in_threadpool(template_accepts_tools, tokenizer))
         await client.start()
         app.state.config = config
         app.state.tokenizer = tokenizer

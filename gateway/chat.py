@@ -1,4 +1,5 @@
-"""Chat messages -> prompt token ids through the model's own chat template."""
+"""Chat messages: validated (`parse_messages`), then rendered to prompt token ids through
+the model's own chat template."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ from typing import Any
 
 from jinja2.exceptions import TemplateError
 
+from gateway.tool_chat import parse_message_tool_calls
 from specdec.errors import InvalidRequestError
 
 logger = logging.getLogger(__name__)
@@ -14,6 +16,7 @@ logger = logging.getLogger(__name__)
 TEMPLATE_REJECTED_MESSAGE = ("The chat template could not render these messages; check their "
                              "roles, their order and their content.")
 UNTOKENIZABLE_MESSAGE = "The prompt could not be tokenized."
+CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")
 # A template's own raise_exception text is the model's rule ("roles must alternate"), worth
 # passing on; it is cut short, since nothing else bounds what a template may say.
 MAX_TEMPLATE_MESSAGE_CHARS = 300
@@ -29,15 +32,19 @@ def _template_rejection(exc: Exception) -> str:
     return TEMPLATE_REJECTED_MESSAGE
 
 
-def render_chat_prompt(tokenizer: Any, messages: list[dict[str, str]]) -> list[int]:
-    """Applies the chat template with the generation prompt, then tokenizes.
+def render_chat_prompt(tokenizer: Any, messages: list[dict[str, Any]],
+                       tools: list[dict[str, Any]] | None = None) -> list[int]:
+    """Applies the chat template with the generation prompt, then tokenizes. `tools` (OpenAI's
+    tool objects) reach the template only when given: tool_choice "auto" on a template that
+    renders them.
 
     The template is rendered to text first and encoded without adding special tokens:
     the template itself writes BOS and role markers (vLLM does the same).
     """
+    extra = {"tools": tools} if tools else {}
     try:
         text = tokenizer.apply_chat_template(messages, add_generation_prompt=True,
-                                             tokenize=False)
+                                             tokenize=False, **extra)
     except Exception as exc:  # jinja2 TemplateError / raise_exception, or no template set
         logger.info("the chat template rejected a request: %s: %s", type(exc).__name__, exc)
         raise InvalidRequestError(_template_rejection(exc), "messages") from None
@@ -63,3 +70,59 @@ def _encode(tokenizer: Any, text: str, *, add_special_tokens: bool, param: str) 
     except Exception:  # text the request checks let through: the client gets no internals
         logger.warning("the tokenizer failed on a request's %s", param, exc_info=True)
         raise InvalidRequestError(UNTOKENIZABLE_MESSAGE, param) from None
+
+
+def _message_content(message: dict[str, Any], index: int) -> str:
+    content = message.get("content")
+    if content is None:
+        if message["role"] == "assistant":
+            return ""
+        raise InvalidRequestError(f"messages[{index}].content is required.", "messages")
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list):
+        texts = []
+        for part in content:
+            if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(
+                    part.get("text"), str):
+                raise InvalidRequestError(
+                    f"messages[{index}].content parts must be {{\"type\": \"text\", "
+                    "\"text\": string}; only text content is supported.", "messages")
+            texts.append(part["text"])
+        return "".join(texts)
+    raise InvalidRequestError(
+        f"messages[{index}].content must be a string or an array of text parts.", "messages")
+
+
+def parse_messages(value: Any) -> list[dict[str, Any]]:
+    if value is None:
+        raise InvalidRequestError("messages is required.", "messages")
+    if not isinstance(value, list) or not value:
+        raise InvalidRequestError("messages must be a non-empty array.", "messages")
+    messages = []
+    for index, message in enumerate(value):
+        if not isinstance(message, dict):
+            raise InvalidRequestError(f"messages[{index}] must be an object.", "messages")
+        role = message.get("role")
+        if role not in CHAT_ROLES:
+            raise InvalidRequestError(
+                f"messages[{index}].role must be one of {', '.join(CHAT_ROLES)}, got "
+                f"{role!r}.", "messages")
+        parsed = {"role": "system" if role == "developer" else role,
+                  "content": _message_content(message, index)}
+        name = message.get("name")
+        if name is not None:
+            if not isinstance(name, str):
+                raise InvalidRequestError(f"messages[{index}].name must be a string.",
+                                          "messages")
+            parsed["name"] = name
+        if role == "assistant" and message.get("tool_calls"):
+            parsed["tool_calls"] = parse_message_tool_calls(message["tool_calls"], index)
+        tool_call_id = message.get("tool_call_id")
+        if role == "tool" and tool_call_id is not None:
+            if not isinstance(tool_call_id, str):
+                raise InvalidRequestError(f"messages[{index}].tool_call_id must be a string.",
+                                          "messages")
+            parsed["tool_call_id"] = tool_call_id
+        messages.append(parsed)
+    return messages

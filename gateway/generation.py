@@ -111,6 +111,9 @@ def build_generate_request(prompt_token_ids: list[int], sampling: SamplingOption
         params.seed = sampling.seed
     if sampling.logprobs is not None:
         params.logprobs = sampling.logprobs
+    if sampling.grammar is not None:
+        params.grammar.CopyFrom(specdec_pb2.GrammarSpec(kind=sampling.grammar.kind,
+                                                        value=sampling.grammar.value))
     return specdec_pb2.GenerateRequest(
         request_id=uuid.uuid4().hex, prompt_token_ids=prompt_token_ids, sampling=params,
         speculation=speculation)
@@ -197,6 +200,9 @@ def speculation_usage(stats: specdec_pb2.SpeculationStats | None) -> dict:
         "num_draft_tokens": num_draft_tokens,
         "num_accepted_tokens": num_accepted,
         "accepted_per_position": list(stats.accepted_per_position),
+        # Tokens a grammar forced (its only continuation), verified without the drafter;
+        # not in num_draft_tokens / num_accepted_tokens.
+        "num_forced_tokens": stats.num_forced_tokens,
         "acceptance_rate": num_accepted / num_draft_tokens if num_draft_tokens else 0.0,
         # Tokens per verify step: the accepted drafts plus the recovered or bonus token.
         "mean_acceptance_length": 1.0 + num_accepted / num_drafts if num_drafts else 1.0,

@@ -11,9 +11,12 @@ from __future__ import annotations
 import json
 import math
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
+from gateway.chat import parse_messages
+from gateway.structured import GrammarRequest, grammar_from_request
+from gateway.tool_chat import ToolRequest, parse_tool_request
 from gateway.unhonoured_fields import refuse_unhonoured_fields
 from specdec.errors import InvalidRequestError
 
@@ -25,7 +28,6 @@ MAX_STOP_TOKEN_IDS = 1024
 MAX_TOP_LOGPROBS = 20
 # A hard bound on n; the verifier's max_num_seqs is the one that usually applies.
 MAX_CHOICES = 1024
-CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")
 _SEED_RANGE = (-(2**63), 2**64 - 1)
 
 
@@ -60,16 +62,20 @@ class SamplingOptions:
     logprobs: int | None = None
     # Choices to generate; each is its own sequence on the verifier (seed + index).
     n: int = 1
+    # The output constraint (GrammarSpec); checked by the compiler in app.py, off the loop.
+    grammar: GrammarRequest | None = None
 
 
 @dataclass(frozen=True, slots=True)
 class ChatRequest:
     model: str | None
-    # Each {"role": ..., "content": str} (plus "name" when given), ready for the template.
-    messages: list[dict[str, str]]
+    # Each {"role": ..., "content": str} (plus "name", an assistant's "tool_calls" and a
+    # tool message's "tool_call_id" when given), ready for the template.
+    messages: list[dict[str, Any]]
     sampling: SamplingOptions
     stream: bool
     include_usage: bool
+    tools: ToolRequest = field(default_factory=ToolRequest)
 
 
 @dataclass(frozen=True, slots=True)
@@ -352,55 +358,8 @@ def parse_sampling(body: dict[str, Any], *, chat: bool = True) -> SamplingOption
         speculation=_speculation(body),
         logprobs=_logprobs(body, chat),
         n=_integer(body, "n", minimum=1, maximum=MAX_CHOICES) or 1,
+        grammar=grammar_from_request(body, validate=False),
     )
-
-
-def _message_content(message: dict[str, Any], index: int) -> str:
-    content = message.get("content")
-    if content is None:
-        if message["role"] == "assistant":
-            return ""
-        raise InvalidRequestError(f"messages[{index}].content is required.", "messages")
-    if isinstance(content, str):
-        return content
-    if isinstance(content, list):
-        texts = []
-        for part in content:
-            if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(
-                    part.get("text"), str):
-                raise InvalidRequestError(
-                    f"messages[{index}].content parts must be {{\"type\": \"text\", "
-                    "\"text\": string}; only text content is supported.", "messages")
-            texts.append(part["text"])
-        return "".join(texts)
-    raise InvalidRequestError(
-        f"messages[{index}].content must be a string or an array of text parts.", "messages")
-
-
-def parse_messages(value: Any) -> list[dict[str, str]]:
-    if value is None:
-        raise InvalidRequestError("messages is required.", "messages")
-    if not isinstance(value, list) or not value:
-        raise InvalidRequestError("messages must be a non-empty array.", "messages")
-    messages = []
-    for index, message in enumerate(value):
-        if not isinstance(message, dict):
-            raise InvalidRequestError(f"messages[{index}] must be an object.", "messages")
-        role = message.get("role")
-        if role not in CHAT_ROLES:
-            raise InvalidRequestError(
-                f"messages[{index}].role must be one of {', '.join(CHAT_ROLES)}, got "
-                f"{role!r}.", "messages")
-        parsed = {"role": "system" if role == "developer" else role,
-                  "content": _message_content(message, index)}
-        name = message.get("name")
-        if name is not None:
-            if not isinstance(name, str):
-                raise InvalidRequestError(f"messages[{index}].name must be a string.",
-                                          "messages")
-            parsed["name"] = name
-        messages.append(parsed)
-    return messages
 
 
 def parse_chat_request(body: dict[str, Any]) -> ChatRequest:
@@ -408,7 +367,8 @@ def parse_chat_request(body: dict[str, Any]) -> ChatRequest:
     messages = parse_messages(body.get("messages"))
     stream = _boolean(body, "stream", False)
     return ChatRequest(model=model, messages=messages, sampling=parse_sampling(body),
-                       stream=stream, include_usage=_stream_options(body, stream))
+                       stream=stream, include_usage=_stream_options(body, stream),
+                       tools=parse_tool_request(body))
 
 
 def _prompt(value: Any) -> str | list[int]:
@@ -438,6 +398,12 @@ def parse_completion_request(body: dict[str, Any]) -> CompletionRequest:
         raise InvalidRequestError("echo is not supported.", "echo")
     if body.get("suffix") is not None:
         raise InvalidRequestError("suffix is not supported.", "suffix")
+    # Tool calls belong to chat (OpenAI's completions have none).
+    if body.get("tools") not in (None, []):
+        raise InvalidRequestError("tools is only supported by /v1/chat/completions.", "tools")
+    if body.get("tool_choice") not in (None, "none"):
+        raise InvalidRequestError("tool_choice is only supported by /v1/chat/completions.",
+                                  "tool_choice")
     stream = _boolean(body, "stream", False)
     return CompletionRequest(model=model, prompt=prompt, sampling=parse_sampling(body, chat=False),
                              stream=stream, include_usage=_stream_options(body, stream))

@@ -1,11 +1,18 @@
-"""OpenAI response objects, in the exact shapes the OpenAI API returns."""
+"""OpenAI response objects, in the exact shapes the OpenAI API returns, and the builders
+that turn a request's choices into them (whole, or as SSE chunks)."""
 
 from __future__ import annotations
 
+import functools
 import time
 import uuid
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
 
-from gateway.generation import GenerationResult, usage
+from gateway.choices import Choice, CollectedChoice, merged_deltas
+from gateway.generation import GenerationResult, TextDelta, usage
+from gateway.logprobs import CompletionLogprobs, TokenTexts, chat_logprobs_content
+from gateway.tool_chat import ToolOutput
 
 
 def new_id(prefix: str) -> str:
@@ -96,3 +103,91 @@ def model_list(model_name: str, root: str, created: int, max_model_len: int | No
     if max_model_len:
         card["max_model_len"] = max_model_len
     return {"object": "list", "data": [card]}
+
+
+@dataclass(slots=True)
+class Output:
+    """How one request's choices become OpenAI objects."""
+
+    response_id: str
+    created: int
+    model: str
+    chat: bool
+    token_texts: TokenTexts | None  # None: no logprobs asked
+    # Makes each choice's tool-call reader; None: the text is the content.
+    tool_output: Callable[[], ToolOutput | None] | None = None
+
+    def chat_logprobs(self, delta: TextDelta) -> dict | None:
+        if self.token_texts is None:
+            return None
+        return {"content": chat_logprobs_content(delta.logprobs, delta.token_ids,
+                                                 self.token_texts)}
+
+    def new_tool_output(self) -> ToolOutput | None:
+        return self.tool_output() if self.tool_output is not None else None
+
+
+async def chat_chunks(output: Output, choices: list[Choice],
+                      include_usage: bool) -> AsyncIterator[dict]:
+    chunk = functools.partial(chat_chunk, output.response_id, output.created, output.model)
+    readers = {choice.index: output.new_tool_output() for choice in choices}
+    for choice in choices:
+        yield chunk({"role": "assistant", "content": ""}, None, include_usage,
+                    index=choice.index)
+    async for choice, delta in merged_deltas(choices):
+        reader = readers[choice.index]
+        reason = choice.result.finish_reason
+        if delta is None:
+            if reader is not None:
+                rest = reader.finish()
+                if rest:
+                    yield chunk(rest, None, include_usage, index=choice.index)
+                reason = reader.finish_reason(reason)
+            yield chunk({}, reason, include_usage, index=choice.index)
+            continue
+        fields = {"content": delta.text} if reader is None else reader.feed(delta.text)
+        logprobs = output.chat_logprobs(delta)
+        if fields or logprobs is not None:
+            yield chunk(fields, None, include_usage, index=choice.index, logprobs=logprobs)
+    if include_usage:
+        yield usage_chunk(output.response_id, output.created, output.model,
+                          "chat.completion.chunk", [c.result for c in choices])
+
+
+async def completion_chunks(output: Output, choices: list[Choice],
+                            include_usage: bool) -> AsyncIterator[dict]:
+    chunk = functools.partial(completion_chunk, output.response_id, output.created, output.model)
+    texts = output.token_texts
+    builders = ({choice.index: CompletionLogprobs(texts) for choice in choices}
+                if texts is not None else None)
+    async for choice, delta in merged_deltas(choices):
+        if delta is None:
+            yield chunk("", choice.result.finish_reason, include_usage, index=choice.index)
+        else:
+            logprobs = (builders[choice.index].build(delta.logprobs, delta.token_ids)
+                        if builders is not None else None)
+            yield chunk(delta.text, None, include_usage, index=choice.index, logprobs=logprobs)
+    if include_usage:
+        yield usage_chunk(output.response_id, output.created, output.model,
+                          "text_completion", [c.result for c in choices])
+
+
+def response_body(output: Output, collected: list[CollectedChoice]) -> dict:
+    body = []
+    for item in collected:
+        reason = item.choice.result.finish_reason
+        if output.chat:
+            logprobs = output.chat_logprobs(TextDelta(item.text, item.token_ids, item.logprobs))
+            reader = output.new_tool_output()
+            message = {"role": "assistant", "content": item.text}
+            if reader is not None:
+                message = reader.message(item.text)
+                reason = reader.finish_reason(reason)
+            body.append(chat_choice(item.choice.index, message, logprobs, reason))
+        else:
+            logprobs = (CompletionLogprobs(output.token_texts).build(item.logprobs, item.token_ids)
+                        if output.token_texts is not None else None)
+            body.append(completion_choice(item.choice.index, item.text, logprobs, reason))
+    build = chat_completion if output.chat else text_completion
+    return build(output.response_id, output.created, output.model, body,
+                 [item.choice.result for item in collected])

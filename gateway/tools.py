@@ -125,18 +125,23 @@ def parse_tool_choice(tool_choice: Any, tools: tuple[ToolFunction, ...]) -> Tool
         param="tool_choice")
 
 
-def tool_grammar(choice: ToolChoice, tools: tuple[ToolFunction, ...]) -> GrammarRequest | None:
-    """The constraint that forces a valid call ("required", a named function); else None."""
+def tool_grammar(choice: ToolChoice, tools: tuple[ToolFunction, ...], *,
+                 parallel: bool = True) -> GrammarRequest | None:
+    """The constraint that forces a valid call ("required", a named function); else None.
+    With `parallel` false, "required" makes exactly one call (OpenAI's parallel_tool_calls)."""
     if choice.mode == "function":
-        tool = next(tool for tool in tools if tool.name == choice.name)
-        return GrammarRequest("json_schema", json.dumps(tool.parameters), "tools")
+        index = next(i for i, tool in enumerate(tools) if tool.name == choice.name)
+        return GrammarRequest("json_schema", json.dumps(tools[index].parameters),
+                              f"tools[{index}].function.parameters")
     if choice.mode == "required":
         items = [{"type": "object",
                   "properties": {"name": {"const": tool.name}, "parameters": tool.parameters},
                   "required": ["name", "parameters"], "additionalProperties": False}
                  for tool in tools]
-        schema = {"type": "array", "minItems": 1,
-                  "items": items[0] if len(items) == 1 else {"anyOf": items}}
+        schema: dict[str, Any] = {"type": "array", "minItems": 1,
+                                  "items": items[0] if len(items) == 1 else {"anyOf": items}}
+        if not parallel:
+            schema["maxItems"] = 1
         return GrammarRequest("json_schema", json.dumps(schema), "tools")
     return None
 

@@ -14,12 +14,11 @@ from specdec.errors import InvalidRequestError
 
 # Known fields that change nothing at their default and that specdec cannot honour
 # otherwise: (name, the accepted values besides null). Refused with a 400 naming the field.
+# (`response_format`, `tools`, `tool_choice` and vLLM's guided_* / structured_outputs are
+# honoured: gateway/structured.py and gateway/tool_chat.py.)
 _UNSUPPORTED_UNLESS_DEFAULT: tuple[tuple[str, tuple[Any, ...]], ...] = (
-    ("tools", ([],)),
     ("functions", ([],)),
-    ("tool_choice", ("none",)),
     ("function_call", ("none",)),
-    ("response_format", ({"type": "text"},)),
     ("audio", ()),
     ("modalities", (["text"],)),
     ("prediction", ()),
@@ -30,11 +29,6 @@ _UNSUPPORTED_UNLESS_DEFAULT: tuple[tuple[str, tuple[Any, ...]], ...] = (
     ("verbosity", ()),
     ("web_search_options", ()),
     # vLLM's extensions that would change the output.
-    ("guided_json", ()),
-    ("guided_regex", ()),
-    ("guided_choice", ()),
-    ("guided_grammar", ()),
-    ("structured_outputs", ()),
     ("allowed_token_ids", ()),
     ("bad_words", ([],)),
     ("use_beam_search", (False,)),
@@ -54,5 +48,4 @@ def refuse_unhonoured_fields(body: dict[str, Any]) -> None:
         raise InvalidRequestError(f"{name} is not supported{hint}.", name)
     parallel_tool_calls = body.get("parallel_tool_calls")
     if parallel_tool_calls is not None and not isinstance(parallel_tool_calls, bool):
-        # Honoured trivially: tools are refused above, so no tool call is ever made.
         raise InvalidRequestError("parallel_tool_calls must be a boolean.", "parallel_tool_calls")

@@ -79,6 +79,10 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--enable-reflection", action="store_true",
                         help="serve gRPC reflection on the verifier and the drafter (off by "
                              "default)")
+    parser.add_argument("--enable-auto-tool-choice", action="store_true",
+                        help='passed to the gateway: allow tool_choice "auto"')
+    parser.add_argument("--tool-call-parser", default=None,
+                        help="passed to the gateway: how \"auto\" tool calls are parsed (hermes)")
     parser.add_argument("--verifier-port", type=int, default=0, help="0: a free port")
     parser.add_argument("--drafter-metrics-port", type=int, default=None,
                         help="serve the drafter's Prometheus metrics over HTTP on this port")
@@ -149,6 +153,10 @@ def _child_commands(args: argparse.Namespace, model_path: str) -> list[tuple[str
     gateway = [python, "-m", "gateway", "--model", model_path, "--served-model-name", served_name,
                "--verifier", f"127.0.0.1:{verifier_port}", "--host", args.host,
                "--port", str(args.port), *common]
+    if args.enable_auto_tool_choice:
+        gateway.append("--enable-auto-tool-choice")
+    if args.tool_call_parser is not None:
+        gateway += ["--tool-call-parser", args.tool_call_parser]
     commands.append(("gateway", gateway))
     # gRPC TLS: each child gets the flags of its sides (drafter: server; gateway: client).
     tls = grpc_tls_from_args(args)

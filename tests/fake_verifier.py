@@ -2,7 +2,7 @@
 server, and a live uvicorn gateway in a background thread.
 
 The fake verifier answers every Generate with a fixed reply (the tokens of REPLY_TEXT,
-then EOS), a few tokens per response like accepted drafts, and records the requests it
+then EOS; or what its `reply_for` hook scripts for that request), a few tokens per response like accepted drafts, and records the requests it
 saw and the calls that were cancelled.
 """
 
@@ -12,7 +12,7 @@ import asyncio
 import socket
 import threading
 import time
-from collections.abc import Coroutine
+from collections.abc import Callable, Coroutine
 from typing import Any
 
 import grpc
@@ -86,6 +86,10 @@ class FakeVerifier(specdec_pb2_grpc.VerifierServicer):
         self.requests: list[specdec_pb2.GenerateRequest] = []
         self.cancelled_ids: list[str] = []
         self.completed_ids: list[str] = []
+        # When set and it returns token ids, a request gets those instead of the fixed reply:
+        # a test scripts an answer per request (one that satisfies the request's grammar, a
+        # Hermes tool call); the fake enforces no grammar itself.
+        self.reply_for: Callable[[specdec_pb2.GenerateRequest], list[int] | None] | None = None
 
     async def GetInfo(self, request: Any, context: Any) -> specdec_pb2.VerifierInfo:
         return specdec_pb2.VerifierInfo(
@@ -97,8 +101,9 @@ class FakeVerifier(specdec_pb2_grpc.VerifierServicer):
         self.requests.append(request)
         if self.abort_code is not None:
             await context.abort(self.abort_code, "fake verifier failure")
-        script = self.reply_token_ids + ([] if request.sampling.ignore_eos
-                                         else [self.eos_token_id])
+        scripted = self.reply_for(request) if self.reply_for is not None else None
+        reply = self.reply_token_ids if scripted is None else list(scripted)
+        script = reply + ([] if request.sampling.ignore_eos else [self.eos_token_id])
         max_tokens = request.sampling.max_tokens
         stop_ids = set(request.sampling.stop_token_ids)
         stats = specdec_pb2.SpeculationStats(
