@@ -1,10 +1,19 @@
-"""The drafter process: a grpc.aio server with Drafter, health and (when asked) reflection."""
+"""The drafter process: a grpc.aio server with Drafter, health and (when asked) reflection.
+
+On stop the open Propose streams are ended first, with UNAVAILABLE, and new ones refused:
+a verifier's stream otherwise stays open through the whole grace period and grpc then
+cancels its handler, logging "Exception not handled ... CancelledError" at every roll.
+"""
 
 from __future__ import annotations
 
 import argparse
 import asyncio
 import logging
+from collections.abc import AsyncIterator
+from typing import Any
+
+import grpc
 
 from drafter_svc.metrics import DrafterMetrics
 from drafter_svc.proposer import ModelOptions
@@ -17,7 +26,7 @@ from drafter_svc.servicer import (
 )
 from specdec.config import SpeculativeConfig
 from specdec.errors import ConfigError
-from specdec.rpc.grpc_server import GrpcServer, run_until_signalled
+from specdec.rpc.grpc_server import SHUTDOWN_GRACE_S, GrpcServer, run_until_signalled
 from specdec.rpc.internal_auth import (
     add_internal_auth_args,
     check_server_token,
@@ -30,6 +39,63 @@ logger = logging.getLogger(__name__)
 
 DEFAULT_PORT = 50052
 DRAFTER_SERVICE_NAME = specdec_pb2.DESCRIPTOR.services_by_name["Drafter"].full_name
+SHUTDOWN_DETAILS = "drafter shutting down"
+# How long the ended streams get to send their status before the server stops anyway.
+END_STREAMS_TIMEOUT_S = 2.0
+
+
+class StoppableDrafterServicer(DrafterServicer):
+    """DrafterServicer whose open Propose streams `end_streams` ends with UNAVAILABLE."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:  # DrafterServicer's
+        super().__init__(*args, **kwargs)
+        self._streams: set[asyncio.Task] = set()  # the handler task of each open stream
+        self._stopping = False
+
+    async def Propose(self, request_iterator: AsyncIterator[specdec_pb2.ProposeRequest],
+                      context: grpc.aio.ServicerContext
+                      ) -> AsyncIterator[specdec_pb2.ProposeResponse]:
+        if self._stopping:  # a verifier reconnecting while the server drains
+            await context.abort(grpc.StatusCode.UNAVAILABLE, SHUTDOWN_DETAILS)
+        task = asyncio.current_task()
+        assert task is not None
+        self._streams.add(task)
+        try:
+            async for response in super().Propose(request_iterator, context):
+                yield response
+        except asyncio.CancelledError:
+            if not self._stopping:
+                raise
+            # Cancelled by end_streams, not by grpc: answer with a status instead.
+            if hasattr(task, "uncancel"):  # Python 3.11+
+                task.uncancel()
+            await context.abort(grpc.StatusCode.UNAVAILABLE, SHUTDOWN_DETAILS)
+        finally:
+            self._streams.discard(task)
+
+    async def end_streams(self, timeout_s: float = END_STREAMS_TIMEOUT_S) -> None:
+        """Ends every open stream with UNAVAILABLE (their sequences' state is freed) and
+        refuses new ones; waits up to timeout_s for the statuses to go out."""
+        self._stopping = True
+        tasks = list(self._streams)
+        if not tasks:
+            return
+        logger.info("ending %d open Propose stream(s) before stopping", len(tasks))
+        for task in tasks:
+            task.cancel()
+        await asyncio.wait(tasks, timeout=timeout_s)
+
+
+class DrafterGrpcServer(GrpcServer):
+    """GrpcServer that ends the open Propose streams before the grace period starts."""
+
+    servicer: StoppableDrafterServicer | None = None  # set once registered
+
+    async def stop(self, grace_s: float = SHUTDOWN_GRACE_S) -> None:
+        await self.set_serving(False)
+        if self.servicer is not None:
+            await self.servicer.end_streams()
+        await super().stop(grace_s)
 
 
 async def start_drafter_server(config: SpeculativeConfig, host: str = "127.0.0.1",
@@ -51,14 +117,14 @@ async def start_drafter_server(config: SpeculativeConfig, host: str = "127.0.0.1
     """
     make_proposer = proposer_factory(config, options)
     info = make_proposer().info
-    server = GrpcServer([DRAFTER_SERVICE_NAME], internal_token=internal_token,
-                        enable_reflection=enable_reflection)
+    server = DrafterGrpcServer([DRAFTER_SERVICE_NAME], internal_token=internal_token,
+                               enable_reflection=enable_reflection)
     metrics = None
     if metrics_port is not None:
         metrics = DrafterMetrics(config.method)
         metrics.serve(host, metrics_port)
-    specdec_pb2_grpc.add_DrafterServicer_to_server(
-        DrafterServicer(make_proposer, info, metrics, limits), server.server)
+    server.servicer = StoppableDrafterServicer(make_proposer, info, metrics, limits)
+    specdec_pb2_grpc.add_DrafterServicer_to_server(server.servicer, server.server)
     try:
         bound_port = await server.start(host, port,
                                         tls.server_credentials() if tls is not None else None)
@@ -73,7 +139,8 @@ async def start_drafter_server(config: SpeculativeConfig, host: str = "127.0.0.1
 
 
 async def stop_drafter_server(server: GrpcServer, grace_s: float = 5.0) -> None:
-    """Reports NOT_SERVING, then stops, letting open streams finish within grace_s."""
+    """Reports NOT_SERVING, ends the open Propose streams (UNAVAILABLE), then stops,
+    letting other calls finish within grace_s."""
     await server.stop(grace_s)
 
 

@@ -10,6 +10,9 @@ A Generate call that fails before any token was read (unreachable, an internal e
 overloaded, the stream ending empty) moves once to another healthy verifier: the client
 has seen nothing yet. After a token, a failure ends the stream with the mapped error.
 Addresses appear in logs only: clients and `/health` see replica names ("verifier-0").
+
+Each `--verifier` name is resolved at start and every `resolve_interval_s`, one endpoint
+per address ("verifier-0.1" in `/health`): see gateway.verifier_targets.
 """
 
 from __future__ import annotations
@@ -17,13 +20,19 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import AsyncIterator, Sequence
-from dataclasses import dataclass
+from collections.abc import AsyncIterator, Coroutine, Sequence
+from typing import Any
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from gateway.errors import UNAVAILABLE_MESSAGE, error_from_grpc
+from gateway.verifier_targets import (
+    Resolver,
+    VerifierEndpoint,
+    VerifierTarget,
+    resolve_ips,
+)
 from specdec.errors import SpecdecError, UnavailableError
 from specdec.rpc.tls import GrpcTlsConfig, open_channel
 from specdec.v1 import specdec_pb2, specdec_pb2_grpc
@@ -51,23 +60,9 @@ RETRYABLE_CODES = frozenset({
 # Retries of one request before its first token: once, as the load it can add is bounded.
 MAX_RETRIES = 1
 TOKENIZER_MISMATCH = "tokenizer_mismatch"
-
-
-@dataclass(slots=True, eq=False)
-class _Endpoint:
-    address: str
-    channel: grpc.aio.Channel
-    stub: specdec_pb2_grpc.VerifierStub
-    # What /health shows instead of the address: "verifier-<index>".
-    name: str = ""
-    info: specdec_pb2.VerifierInfo | None = None
-    healthy: bool = False
-    last_probe_at: float = 0.0
-    # What /health reports: serving | not_serving (draining, shutting down) |
-    # unreachable (down, or still loading its model) | tokenizer_mismatch (never used).
-    status: str = "unreachable"
-    # The foreign fingerprint already logged: a mismatch is logged once, not every probe.
-    mismatch_logged: str | None = None
+# How long the streams still open on an address gone from DNS may run before its channel
+# closes under them (a replica being replaced drains its own requests meanwhile).
+RETIRED_CLOSE_GRACE_S = 300.0
 
 
 class GenerationStream:
@@ -83,7 +78,7 @@ class GenerationStream:
         # The verifier to try first when healthy (a request's other choices go where its
         # first one went, whose prompt blocks that verifier has cached).
         self._prefer = prefer
-        self._tried: list[_Endpoint] = []
+        self._tried: list[VerifierEndpoint] = []
         self._call: grpc.aio.UnaryStreamCall | None = None
         self._first_response: specdec_pb2.GenerateResponse | None = None
         self.address = ""
@@ -122,7 +117,7 @@ class GenerationStream:
                 continue
             return first
 
-    def _failed_before_tokens(self, endpoint: _Endpoint,
+    def _failed_before_tokens(self, endpoint: VerifierEndpoint,
                               err: grpc.aio.AioRpcError) -> SpecdecError:
         """The mapped error when another verifier may do better; else raises it."""
         if err.code() == grpc.StatusCode.UNAVAILABLE:
@@ -172,15 +167,21 @@ class VerifierClient:
 
     def __init__(self, addresses: Sequence[str], *, probe_timeout_s: float = 2.0,
                  reprobe_interval_s: float = 1.0, tls: GrpcTlsConfig | None = None,
-                 internal_token: str | None = None) -> None:
+                 internal_token: str | None = None, resolve_interval_s: float = 10.0,
+                 resolver: Resolver = resolve_ips) -> None:
         if not addresses:
             raise ValueError("at least one verifier address is needed")
         self.addresses = tuple(addresses)
         self._probe_timeout_s = probe_timeout_s
         self._reprobe_interval_s = reprobe_interval_s
+        self._resolve_interval_s = resolve_interval_s
+        self._resolver = resolver
+        self._targets: list[VerifierTarget] = []
+        # Endpoints gone from DNS whose channel closes once their streams end.
+        self._retired: set[VerifierEndpoint] = set()
         self._tls = tls  # None or no --grpc-tls-ca: plain channels
         self._internal_token = internal_token  # sent on every call (specdec.rpc.internal_auth)
-        self._endpoints: list[_Endpoint] = []
+        self._endpoints: list[VerifierEndpoint] = []
         self._next_index = 0
         self._background: set[asyncio.Task] = set()
         # The gateway's own tokenizer; None (or a verifier reporting none): not compared.
@@ -192,18 +193,19 @@ class VerifierClient:
 
     async def start(self) -> None:
         self._endpoints = []
-        for address in self.addresses:
-            channel = open_channel(self._tls, address, _CHANNEL_OPTIONS,
-                                   internal_token=self._internal_token)
-            self._endpoints.append(_Endpoint(address, channel,
-                                             specdec_pb2_grpc.VerifierStub(channel)))
-        for index, endpoint in enumerate(self._endpoints):
-            endpoint.name = f"verifier-{index}"
+        self._targets = [VerifierTarget.parse(index, address)
+                         for index, address in enumerate(self.addresses)]
+        await self._resolve()
         await self.probe_all()
         if not any(e.healthy for e in self._endpoints):
             logger.warning("no verifier usable at %s; requests get 503 until one is",
                            ", ".join(self.addresses))
-        task = asyncio.create_task(self._refresh_health())
+        self._spawn(self._refresh_health())
+        if any(target.resolvable for target in self._targets):
+            self._spawn(self._resolve_periodically())
+
+    def _spawn(self, coroutine: Coroutine[Any, Any, None]) -> None:
+        task = asyncio.create_task(coroutine)
         self._background.add(task)
         task.add_done_callback(self._background.discard)
 
@@ -212,8 +214,64 @@ class VerifierClient:
         for task in tasks:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
-        for endpoint in self._endpoints:
+        for endpoint in [*self._endpoints, *self._retired]:
             await endpoint.channel.close()
+        self._retired.clear()
+
+    async def _resolve_periodically(self) -> None:
+        while True:
+            await asyncio.sleep(self._resolve_interval_s)
+            try:
+                added = await self._resolve()
+                await asyncio.gather(*(self._probe(endpoint) for endpoint in added))
+            except Exception:  # a bug here must not end the re-resolution for good
+                logger.exception("resolving the verifier addresses failed")
+
+    async def _resolve(self) -> list[VerifierEndpoint]:
+        """Reconciles the endpoints with what each --verifier resolves to now; returns the
+        endpoints added (not probed yet)."""
+        added: list[VerifierEndpoint] = []
+        for target in self._targets:
+            current = [e for e in self._endpoints if e.target == target.index]
+            wanted = await target.wanted(self._resolver, [e.address for e in current])
+            for endpoint in current:
+                if endpoint.address not in wanted:
+                    self._retire(target, endpoint)
+            have = {endpoint.address for endpoint in current}
+            for address in wanted:
+                if address not in have:
+                    added.append(self._open_endpoint(target, address))
+        # /health lists them by name; a name follows its target's endpoint count.
+        self._endpoints.sort(key=lambda e: (e.target, self._targets[e.target].slots[e.address]))
+        for endpoint in self._endpoints:
+            endpoint.name = self._targets[endpoint.target].name(endpoint.address)
+        return added
+
+    def _open_endpoint(self, target: VerifierTarget, address: str) -> VerifierEndpoint:
+        options = [*_CHANNEL_OPTIONS, *target.channel_options(address, self._tls)]
+        channel = open_channel(self._tls, address, options, internal_token=self._internal_token)
+        target.add(address)
+        endpoint = VerifierEndpoint(address, channel, specdec_pb2_grpc.VerifierStub(channel),
+                                    target=target.index)
+        self._endpoints.append(endpoint)
+        if address != target.address:
+            logger.info("verifier %s: adding replica %s", target.address, address)
+        return endpoint
+
+    def _retire(self, target: VerifierTarget, endpoint: VerifierEndpoint) -> None:
+        """No new requests for endpoint; its channel closes once its streams have ended."""
+        logger.info("verifier %s: %s is no longer one of its addresses", target.address,
+                    endpoint.address)
+        self._endpoints.remove(endpoint)
+        del target.slots[endpoint.address]
+        endpoint.healthy = False
+        endpoint.status = "unreachable"
+        self._retired.add(endpoint)
+        self._spawn(self._close_retired(endpoint))
+
+    async def _close_retired(self, endpoint: VerifierEndpoint) -> None:
+        await endpoint.channel.close(grace=RETIRED_CLOSE_GRACE_S)
+        self._retired.discard(endpoint)
 
     async def _refresh_health(self) -> None:
         """Re-probes every verifier periodically: /health reads this state, never probes."""
@@ -224,7 +282,7 @@ class VerifierClient:
             except Exception:  # a probe bug must not end the refresh for good
                 logger.exception("verifier health refresh failed")
 
-    async def _probe(self, endpoint: _Endpoint) -> bool:
+    async def _probe(self, endpoint: VerifierEndpoint) -> bool:
         endpoint.last_probe_at = time.monotonic()
         try:
             health = await health_pb2_grpc.HealthStub(endpoint.channel).Check(
@@ -250,7 +308,7 @@ class VerifierClient:
             return False
         return self._mark_up(endpoint, info)
 
-    async def _probe_info_only(self, endpoint: _Endpoint) -> bool:
+    async def _probe_info_only(self, endpoint: VerifierEndpoint) -> bool:
         try:
             info = await endpoint.stub.GetInfo(specdec_pb2.GetVerifierInfoRequest(),
                                                timeout=self._probe_timeout_s)
@@ -262,7 +320,7 @@ class VerifierClient:
             return False
         return self._mark_up(endpoint, info)
 
-    def _mark_up(self, endpoint: _Endpoint, info: specdec_pb2.VerifierInfo) -> bool:
+    def _mark_up(self, endpoint: VerifierEndpoint, info: specdec_pb2.VerifierInfo) -> bool:
         expected = self._tokenizer_fingerprint
         if expected and info.tokenizer_fingerprint and info.tokenizer_fingerprint != expected:
             return self._mark_mismatch(endpoint, info, expected)
@@ -275,7 +333,7 @@ class VerifierClient:
         endpoint.status = "serving"
         return True
 
-    def _mark_mismatch(self, endpoint: _Endpoint, info: specdec_pb2.VerifierInfo,
+    def _mark_mismatch(self, endpoint: VerifierEndpoint, info: specdec_pb2.VerifierInfo,
                        expected: str) -> bool:
         if endpoint.mismatch_logged != info.tokenizer_fingerprint:
             endpoint.mismatch_logged = info.tokenizer_fingerprint
@@ -289,7 +347,7 @@ class VerifierClient:
         endpoint.status = TOKENIZER_MISMATCH
         return False
 
-    def _mark_down(self, endpoint: _Endpoint, err: grpc.aio.AioRpcError) -> None:
+    def _mark_down(self, endpoint: VerifierEndpoint, err: grpc.aio.AioRpcError) -> None:
         if endpoint.healthy:
             logger.warning("verifier %s is down: %s", endpoint.address, err.code().name)
         endpoint.healthy = False
@@ -332,8 +390,8 @@ class VerifierClient:
             raise UnavailableError(UNAVAILABLE_MESSAGE)
         return info
 
-    def _next_healthy(self, exclude: Sequence[_Endpoint],
-                      prefer: str | None = None) -> _Endpoint | None:
+    def _next_healthy(self, exclude: Sequence[VerifierEndpoint],
+                      prefer: str | None = None) -> VerifierEndpoint | None:
         """Round-robin: the next healthy verifier not in `exclude` (`prefer`, by address,
         when it is healthy and not excluded)."""
         if prefer is not None:

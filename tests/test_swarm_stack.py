@@ -112,7 +112,7 @@ def test_services_find_each_other_by_service_name_and_port(stack: dict) -> None:
         # One name, every drafter replica: the verifier re-resolves it and connects to each.
         assert flag(command_of(services[name]), "--drafter") == [f"drafter:{drafter_port}"], name
     gateway_targets = flag(command_of(services["gateway"]), "--verifier")
-    # One address per verifier service: the gateway keeps one channel per address.
+    # One address per verifier service (each placed and rolled on its own).
     assert gateway_targets == [f"{name}:{flag(command_of(services[name]), '--port')[0]}" for name in VERIFIERS]
     for service in services.values():
         assert service["networks"] == ["specdec"]
