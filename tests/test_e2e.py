@@ -139,10 +139,20 @@ def test_users_guide_request(served) -> None:
             "messages": [{"role": "user", "content": "Who is the current US president?"}],
             "max_tokens": 128, "top_k": -1, "top_p": 0.1, "temperature": 0, "stream": False,
             "repetition_penalty": 1.0}
+    # The server's first request: it also fills the prefix cache, so that every request
+    # compared below starts from the same cached blocks. In bf16 a prompt's tail computed
+    # apart from its cached head rounds differently from one whole prefill (other kernel
+    # row counts), which can flip a near-tie (docs/architecture.md); the texts compared here
+    # must differ only by what speculation and the API path could change.
+    response = httpx.post(f"{base}/v1/chat/completions", content=json.dumps(body),
+                          headers={"content-type": "application/json"}, timeout=120)
+    assert response.status_code == 200, response.text
+    assert response.json()["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
     response = httpx.post(f"{base}/v1/chat/completions", content=json.dumps(body),
                           headers={"content-type": "application/json"}, timeout=120)
     assert response.status_code == 200, response.text
     answer = response.json()
+    assert answer["usage"]["prompt_tokens_details"]["cached_tokens"] > 0
     assert answer["object"] == "chat.completion" and answer["model"] == DEFAULT_MODEL
     choice = answer["choices"][0]
     assert choice["message"]["role"] == "assistant" and choice["message"]["content"].strip()
