@@ -8,7 +8,7 @@ from pathlib import Path
 
 from specdec.__main__ import main
 from specdec.bench.serve_requests import load_requests
-from specdec.bench.structured import grammar_of, tool_call_schema
+from specdec.bench.structured import METHODS, grammar_of, tool_call_schema
 from specdec.models.model_files import DEFAULT_MODEL, load_tokenizer, resolve_model
 from tests.grammar_decode import make_padded_tiny_model
 
@@ -20,6 +20,12 @@ def test_agent_tool_schema_names_every_tool() -> None:
     assert len(names) == len(set(names)) >= 4
     kind, value = grammar_of(load_requests("extract", 1)[0], "extract")
     assert kind == "json_schema" and json.loads(value)["type"] == "object"
+
+
+def test_the_shipped_drafts_are_methods() -> None:
+    for name in ("eagle3", "draft_model"):
+        assert METHODS[name]["method"] == name
+        assert (resolve_model(METHODS[name]["model"]) / "config.json").is_file()
 
 
 def test_runs_and_reports(tmp_path: Path, capsys) -> None:
@@ -37,4 +43,5 @@ def test_runs_and_reports(tmp_path: Path, capsys) -> None:
     assert [(row["method"], row["workload"], row["concurrency"]) for row in rows] == [
         ("ngram", "extract", 2)]
     assert rows[0]["off_tokens_per_s"] > 0 and rows[0]["on_tokens_per_s"] > 0
+    assert rows[0]["tokens_per_step"] > 0 and rows[0]["accepted_per_draft"] >= 0
     assert "tok/s" in capsys.readouterr().out

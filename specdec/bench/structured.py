@@ -40,6 +40,11 @@ METHODS = {
     "ngram": {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 2,
               "prompt_lookup_max": 5},
     "suffix": {"method": "suffix", "num_speculative_tokens": 8},
+    # The shipped drafts (docs/drafts.md).
+    "eagle3": {"method": "eagle3", "model": "smollm2-135m-instruct-eagle3",
+               "num_speculative_tokens": 4},
+    "draft_model": {"method": "draft_model", "model": "smollm2-135m-instruct-draft",
+                    "num_speculative_tokens": 4},
 }
 TOOLS_MARKER = "Tools (OpenAI function schemas):\n"
 
@@ -90,7 +95,8 @@ async def measure(engine: Engine, jobs: list[tuple[list[int], Any, int]], concur
     records: list[StepRecord] = []
     engine.step_listener = records.append
     rates: dict[bool, list[float]] = {False: [], True: []}
-    counters = {True: [0, 0, 0, 0], False: [0, 0, 0, 0]}  # drafted, accepted, forced, tokens
+    # drafted, accepted, forced, drafts, tokens, steps
+    counters = {True: [0] * 6, False: [0] * 6}
     grammar_share: dict[bool, list[float]] = {False: [], True: []}
     try:
         for _ in range(rounds):
@@ -98,14 +104,17 @@ async def measure(engine: Engine, jobs: list[tuple[list[int], Any, int]], concur
                 engine.speculation_enabled = on
                 records.clear()
                 spec = engine.spec
-                before = (spec.num_draft_tokens, spec.num_accepted_tokens, spec.num_forced_tokens)
+                before = (spec.num_draft_tokens, spec.num_accepted_tokens, spec.num_forced_tokens,
+                          spec.num_drafts)
                 started = time.perf_counter()
                 tokens = await _serve(engine, jobs, concurrency)
                 rates[on].append(tokens / (time.perf_counter() - started))
-                after = (spec.num_draft_tokens, spec.num_accepted_tokens, spec.num_forced_tokens)
-                for slot in range(3):
+                after = (spec.num_draft_tokens, spec.num_accepted_tokens, spec.num_forced_tokens,
+                         spec.num_drafts)
+                for slot in range(4):
                     counters[on][slot] += after[slot] - before[slot]
-                counters[on][3] += tokens
+                counters[on][4] += tokens
+                counters[on][5] += len(records)
                 step_time = sum(r.finished - r.started for r in records)
                 grammar_share[on].append(sum(r.grammar_s for r in records) / step_time
                                          if step_time else 0.0)
@@ -113,12 +122,16 @@ async def measure(engine: Engine, jobs: list[tuple[list[int], Any, int]], concur
         engine.step_listener = None
         engine.speculation_enabled = True
     ratios = [on / off for on, off in zip(rates[True], rates[False])]
-    drafted, accepted, forced, tokens = counters[True]
+    drafted, accepted, forced, drafts, tokens, steps = counters[True]
     return {"concurrency": concurrency, "requests": len(jobs),
             "off_tokens_per_s": statistics.median(rates[False]),
             "on_tokens_per_s": statistics.median(rates[True]),
             "on_over_off": statistics.median(ratios), "worst_round": min(ratios),
             "acceptance": accepted / drafted if drafted else 0.0,
+            # Acceptance counts the drafter's tokens left after the grammar's cut; tokens a
+            # step (the speculative runs' steps, prefills included) is what comes of it.
+            "accepted_per_draft": accepted / drafts if drafts else 0.0,
+            "tokens_per_step": tokens / steps if steps else 0.0,
             "forced_share": forced / tokens if tokens else 0.0,
             "grammar_share_off": statistics.median(grammar_share[False]),
             "grammar_share_on": statistics.median(grammar_share[True])}
@@ -175,7 +188,9 @@ def format_row(row: dict[str, Any]) -> str:
     return (f"{row['method']:>6} {row['workload']:>7} c={row['concurrency']}: "
             f"{row['off_tokens_per_s']:.1f} -> {row['on_tokens_per_s']:.1f} tok/s, "
             f"{row['on_over_off']:.2f}x (worst round {row['worst_round']:.2f}x); acceptance "
-            f"{row['acceptance']:.2f}, forced {100 * row['forced_share']:.0f}% of tokens, "
+            f"{row['acceptance']:.2f} ({row['accepted_per_draft']:.2f} tokens a draft, "
+            f"{row['tokens_per_step']:.2f} tokens a step), "
+            f"forced {100 * row['forced_share']:.0f}% of tokens, "
             f"grammar {100 * row['grammar_share_off']:.1f}% / {100 * row['grammar_share_on']:.1f}% "
             "of step time (off / on)")
 
