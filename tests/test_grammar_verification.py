@@ -19,13 +19,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from drafter_svc.proposer import ModelOptions
-from drafter_svc.server import start_drafter_server, stop_drafter_server
-from specdec.config import SpeculativeConfig
 from specdec.engine.rejection_sampler import verify
 from specdec.engine.sampling_params import SamplingParams
 from specdec.errors import InvalidRequestError
 from specdec.models.model_files import DEFAULT_MODEL, load_tokenizer, resolve_model
+from tests.engine_driver import served_engine
 from tests.grammar_decode import PADDED_VOCAB, make_padded_tiny_model
 from verifier_svc.builder import VerifierConfig, build_engine
 from verifier_svc.drafting.drafter_pool import Draft
@@ -99,24 +97,11 @@ def bias(tokenizer) -> dict[int, float]:
 
 async def run(model_dir: Path, spec: dict | None, requests: list[tuple[str, str, SamplingParams]],
               device: str = "cpu", propose=None) -> tuple[list[list[int]], Engine]:
-    config = SpeculativeConfig.parse(spec) if spec else None
-    drafter = None
-    targets: tuple[str, ...] = ()
-    if config is not None:
-        options = ModelOptions(target_model=str(model_dir), dtype="float32", device=device,
-                               num_blocks=256, block_size=4)
-        drafter, port = await start_drafter_server(config, "127.0.0.1", 0, options=options)
-        targets = (f"127.0.0.1:{port}",)
-    engine, _ = build_engine(VerifierConfig(
-        model=str(model_dir), device=device, dtype="float32", max_model_len=256, block_size=4,
-        num_gpu_blocks_override=512, max_num_batched_tokens=64, speculative_config=config,
-        drafter_targets=targets, draft_timeout_s=2.0, adaptive_speculation=False))
-    await engine.start()
-    try:
-        if engine.drafter_pool is not None:
-            assert await engine.drafter_pool.wait_for_healthy(1, timeout_s=5.0)
-            if propose is not None:
-                engine.drafter_pool.propose = propose  # type: ignore[method-assign]
+    async with served_engine(model_dir, spec, device, max_model_len=256,
+                             num_gpu_blocks_override=512, max_num_batched_tokens=64) as engine:
+        if propose is not None:
+            assert engine.drafter_pool is not None
+            engine.drafter_pool.propose = propose  # type: ignore[method-assign]
 
         async def one(index: int, kind: str, value: str, params: SamplingParams) -> list[int]:
             compiled = await engine.compile_grammar(kind, value)
@@ -132,10 +117,6 @@ async def run(model_dir: Path, spec: dict | None, requests: list[tuple[str, str,
 
         outputs = await asyncio.gather(*(one(i, kind, value, params)
                                          for i, (kind, value, params) in enumerate(requests)))
-    finally:
-        await engine.stop()
-        if drafter is not None:
-            await stop_drafter_server(drafter)
     return list(outputs), engine
 
 

@@ -14,15 +14,17 @@ from pathlib import Path
 import pytest
 import torch
 
-from drafter_svc.proposer import ModelOptions
-from drafter_svc.server import start_drafter_server, stop_drafter_server
-from specdec.config import SpeculativeConfig
 from specdec.engine.logits_processor import process_logits
-from specdec.engine.logprobs import TokenLogprobs, batch_token_logprobs, token_logprobs, top_k
+from specdec.engine.logprobs import (
+    TokenLogprobs,
+    batch_token_logprobs,
+    token_logprobs,
+    top_k,
+)
 from specdec.engine.sampling_params import SamplingParams
 from specdec.errors import InvalidRequestError
+from tests.engine_driver import served_engine
 from tests.tiny_models import make_tiny_llama
-from verifier_svc.builder import VerifierConfig, build_engine
 from verifier_svc.engine import Engine
 
 PROMPTS = [
@@ -41,28 +43,9 @@ def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 async def run(model: Path, device: str, spec: dict | None, params: SamplingParams,
               logprobs_mode: str = "raw_logprobs") -> tuple[list[tuple[list[int], list[TokenLogprobs]]], Engine]:
-    config = SpeculativeConfig.parse(spec) if spec else None
-    drafter = None
-    targets: tuple[str, ...] = ()
-    if config is not None:
-        options = ModelOptions(target_model=str(model), dtype="float32", device=device,
-                               num_blocks=256, block_size=4)
-        drafter, port = await start_drafter_server(config, "127.0.0.1", 0, options=options)
-        targets = (f"127.0.0.1:{port}",)
-    engine, _ = build_engine(VerifierConfig(
-        model=str(model), device=device, dtype="float32", max_model_len=128, block_size=4,
-        num_gpu_blocks_override=256, max_num_batched_tokens=32, speculative_config=config,
-        drafter_targets=targets, draft_timeout_s=2.0, adaptive_speculation=False,
-        logprobs_mode=logprobs_mode))
-    await engine.start()
-    try:
-        if engine.drafter_pool is not None:
-            assert await engine.drafter_pool.wait_for_healthy(1, timeout_s=5.0)
+    async with served_engine(model, spec, device, max_model_len=128, num_gpu_blocks_override=256,
+                             max_num_batched_tokens=32, logprobs_mode=logprobs_mode) as engine:
         results = await asyncio.gather(*(collect(engine, prompt, params) for prompt in PROMPTS))
-    finally:
-        await engine.stop()
-        if drafter is not None:
-            await stop_drafter_server(drafter)
     return list(results), engine
 
 
