@@ -36,6 +36,7 @@ from specdec.cli import (
     served_model_name,
 )
 from specdec.config import SpeculativeConfig, parse_additional_config
+
 from specdec.models.loader import load_model_config
 from specdec.models.model_files import resolve_model
 from specdec.models.parallel import check_tensor_parallel
@@ -48,6 +49,8 @@ from specdec.rpc.internal_auth import (
     load_api_key,
 )
 from specdec.rpc.tls import add_grpc_tls_args, grpc_tls_flags, grpc_tls_from_args
+
+TOOL_CALL_PARSER_NAMES = ("hermes",)
 
 logger = logging.getLogger(__name__)
 
@@ -81,8 +84,10 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
                              "default)")
     parser.add_argument("--enable-auto-tool-choice", action="store_true",
                         help='passed to the gateway: allow tool_choice "auto"')
-    parser.add_argument("--tool-call-parser", default=None,
-                        help="passed to the gateway: how \"auto\" tool calls are parsed (hermes)")
+    # The gateway's parsers (gateway/tools.py TOOL_CALL_PARSERS; a test keeps them equal),
+    # checked here so that a bad name fails at once, not in the gateway child.
+    parser.add_argument("--tool-call-parser", default=None, choices=TOOL_CALL_PARSER_NAMES,
+                        help="passed to the gateway: how \"auto\" tool calls are parsed")
     parser.add_argument("--verifier-port", type=int, default=0, help="0: a free port")
     parser.add_argument("--drafter-metrics-port", type=int, default=None,
                         help="serve the drafter's Prometheus metrics over HTTP on this port")

@@ -26,6 +26,7 @@ from fake_verifier import (
 
 from gateway.__main__ import build_parser
 from gateway.app import GatewayConfig
+from gateway.tools import TOOL_CALL_PARSERS
 from specdec import launcher
 from specdec.errors import ConfigError
 from specdec.v1 import specdec_pb2
@@ -323,3 +324,7 @@ def test_tool_flags() -> None:
     [gateway] = [command for name, command in launcher._child_commands(args, "/m")
                  if name == "gateway"]
     assert gateway[-3:] == ["--enable-auto-tool-choice", "--tool-call-parser", "hermes"]
+    # The launcher checks the parser's name itself, against the gateway's own list.
+    assert set(launcher.TOOL_CALL_PARSER_NAMES) == set(TOOL_CALL_PARSERS)
+    with pytest.raises(SystemExit):
+        parser.parse_args(["--tool-call-parser", "mistral"])
