@@ -68,10 +68,19 @@ def batch_token_logprobs(logits: Tensor, groups: list[tuple[int, list[int], int]
     """Several sequences' entries in one pass over their rows: each group is (first row,
     the tokens its rows score, how many top entries). One log-softmax and one top-k for
     the whole step, rather than one of each per sequence."""
-    rows = torch.cat([torch.arange(first, first + len(ids)) for first, ids, _ in groups])
     # torch's log_softmax kernel is the fastest full pass measured here (16 rows of 49,152:
-    # 0.32-0.46 ms, against 0.47-1.05 for logsumexp).
-    logprobs = torch.log_softmax(logits[rows.to(logits.device)].float(), dim=-1)  # [r, vocab]
+    # 0.32-0.46 ms, against 0.47-1.05 for logsumexp), converting to fp32 as it reads. Rows
+    # that follow each other (every sequence of a decode step asking) are a slice, not a
+    # gather (0.23 ms for 16 rows).
+    firsts = [first for first, _, _ in groups]
+    counts = [len(ids) for _, ids, _ in groups]
+    start = firsts[0]
+    if all(first == start + sum(counts[:index]) for index, first in enumerate(firsts)):
+        selected = logits[start:start + sum(counts)]
+    else:
+        rows = torch.cat([torch.arange(first, first + count) for first, count in zip(firsts, counts)])
+        selected = logits[rows.to(logits.device)]
+    logprobs = torch.log_softmax(selected, dim=-1, dtype=torch.float32)  # [r, vocab]
     token_ids = torch.tensor([token for _, ids, _ in groups for token in ids],
                              dtype=torch.long, device=logprobs.device)
     chosen = logprobs.gather(1, token_ids[:, None])[:, 0].tolist()
