@@ -2,7 +2,8 @@
 
 The last test loads the real default model (fp32) and each shipped draft through the real
 drafter service and verifier engine: greedy output with speculation equals plain output
-token for token, and the trained draft gets tokens accepted.
+token for token, for free text and under a JSON schema (whose output must also satisfy
+it), and the trained draft gets tokens accepted.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from specdec.engine.sampling_params import SamplingParams
 from specdec.models.model_files import DEFAULT_MODEL, load_tokenizer, resolve_model
 from specdec.train.prompts import heldout_prompts
 from tests.engine_driver import generate
+from verifier_svc.requests import collect_outputs
 from verifier_svc.builder import VerifierConfig, build_engine
 
 MAX_FILE_BYTES = 25 * 10**6
@@ -49,7 +51,18 @@ def test_a_shipped_draft_is_small_carded_and_found_by_name(name: str) -> None:
     assert json.loads((directory / "training.json").read_text())["method"] == SHIPPED_DRAFTS[name]
 
 
-async def _outputs(target: Path, prompts: list[list[int]], spec: SpeculativeConfig | None):
+# A constrained request run beside the free ones: (text, JSON schema).
+CONSTRAINED = ("Extract the person as JSON: Marta Ilves, 42, lives in Tartu.",
+               {"type": "object", "properties": {
+                   "name": {"type": "string", "maxLength": 24},
+                   "age": {"type": "integer", "minimum": 0, "maximum": 130},
+                   "city": {"enum": ["Tartu", "Riga", "Vilnius"]}},
+                "required": ["name", "age", "city"], "additionalProperties": False})
+
+
+async def _outputs(target: Path, prompts: list[list[int]], spec: SpeculativeConfig | None,
+                   constrained: list[int]):
+    """The free prompts' outputs, then the constrained prompt's (under CONSTRAINED's schema)."""
     drafter, targets = None, ()
     if spec is not None:
         options = ModelOptions(target_model=str(target), dtype="float32", device="cpu",
@@ -65,7 +78,17 @@ async def _outputs(target: Path, prompts: list[list[int]], spec: SpeculativeConf
         if engine.drafter_pool is not None:
             assert await engine.drafter_pool.wait_for_healthy(1, timeout_s=30.0)
         params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS)
-        outputs = await asyncio.gather(*(generate(engine, prompt, params) for prompt in prompts))
+        grammar = await engine.compile_grammar("json_schema", json.dumps(CONSTRAINED[1]))
+
+        async def constrained_output() -> list[int]:
+            _, queue = engine.add_request("constrained", constrained,
+                                          SamplingParams(temperature=0.0, max_tokens=48),
+                                          grammar=grammar)
+            tokens, _ = await collect_outputs(queue)
+            return tokens
+
+        outputs = await asyncio.gather(*(generate(engine, prompt, params) for prompt in prompts),
+                                       constrained_output())
     finally:
         await engine.stop()
         if drafter is not None:
@@ -81,9 +104,15 @@ def test_shipped_drafts_keep_greedy_output_on_the_default_model() -> None:
     prompts = [tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True,
                                              tokenize=True, return_dict=False)
                for text in heldout_prompts()[:2]]
-    plain, _ = asyncio.run(_outputs(target, prompts, None))
+    constrained = tokenizer.apply_chat_template([{"role": "user", "content": CONSTRAINED[0]}],
+                                                add_generation_prompt=True, tokenize=True,
+                                                return_dict=False)
+    plain, _ = asyncio.run(_outputs(target, prompts, None, constrained))
+    answer = json.loads(tokenizer.decode(plain[-1]))
+    assert set(answer) == {"name", "age", "city"} and answer["city"] in ("Tartu", "Riga", "Vilnius")
+    assert isinstance(answer["age"], int) and len(answer["name"]) <= 24
     for name, method in sorted(SHIPPED_DRAFTS.items()):
         spec = SpeculativeConfig.parse({"method": method, "model": name, "num_speculative_tokens": 4})
-        outputs, counters = asyncio.run(_outputs(target, prompts, spec))
+        outputs, counters = asyncio.run(_outputs(target, prompts, spec, constrained))
         assert outputs == plain, name
         assert counters.num_draft_tokens > 0 and counters.num_accepted_tokens > 0, name
