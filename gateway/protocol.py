@@ -372,7 +372,8 @@ def parse_chat_request(body: dict[str, Any]) -> ChatRequest:
 
 
 def _prompt(value: Any) -> str | list[int]:
-    # A batch of one is accepted; larger batches are not supported (n=1 semantics).
+    # A batch of one is accepted; batches of several prompts are not supported (ask n choices
+    # of one prompt instead).
     if isinstance(value, list) and len(value) == 1 and isinstance(value[0], (str, list)):
         value = value[0]
     if isinstance(value, str):
