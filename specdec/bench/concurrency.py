@@ -45,7 +45,7 @@ import torch
 
 from drafter_svc.server import stop_drafter_server
 from gateway.chat import render_chat_prompt, tokenize_prompt
-from specdec.bench.decode import start_engine
+from specdec.bench.decode import ServeJob, serve_all, start_engine
 from specdec.bench.serve_requests import SHIPPED_DATASETS, BenchRequest, load_requests
 from specdec.cli import add_engine_args, add_logging_args, add_model_args, setup_logging
 from specdec.config import SpeculativeConfig
@@ -53,7 +53,6 @@ from specdec.engine.sampling_params import SamplingParams
 from specdec.errors import ConfigError
 from specdec.models.model_files import load_tokenizer, resolve_model
 from verifier_svc.engine import Engine, StepRecord
-from verifier_svc.requests import collect_outputs
 
 logger = logging.getLogger(__name__)
 
@@ -272,17 +271,6 @@ def _prompt_ids(request: BenchRequest, tokenizer: Any) -> list[int]:
     return tokenize_prompt(tokenizer, request.prompt)
 
 
-async def _serve(engine: Engine, prompts: list[list[int]], params: SamplingParams, concurrency: int) -> None:
-    limit = asyncio.Semaphore(concurrency)
-
-    async def one(index: int, prompt_ids: list[int]) -> None:
-        async with limit:
-            _, queue = engine.add_request(f"bench-{index}", prompt_ids, params)
-            await collect_outputs(queue)
-
-    await asyncio.gather(*(one(index, ids) for index, ids in enumerate(prompts)))
-
-
 async def _switch(engine: Engine, period_s: float) -> None:
     while True:
         engine.speculation_enabled = not engine.speculation_enabled
@@ -309,8 +297,9 @@ async def _run(args: argparse.Namespace, levels: list[int],
     try:
         # The policy's cost fits and acceptance rates, the kernels' first calls.
         params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens, ignore_eos=args.ignore_eos)
-        await _serve(engine, prompts[:max(levels)], SamplingParams(temperature=0.0, max_tokens=WARM_UP_TOKENS),
-                     max(levels))
+        warm_up = SamplingParams(temperature=0.0, max_tokens=WARM_UP_TOKENS)
+        await serve_all(engine, [ServeJob(ids, warm_up) for ids in prompts[:max(levels)]],
+                        max(levels))
         for concurrency in levels:
             records: list[StepRecord] = []
             engine.speculation_enabled = True  # the switch turns it off first
@@ -318,7 +307,7 @@ async def _run(args: argparse.Namespace, levels: list[int],
             switch = asyncio.create_task(_switch(engine, args.period))
             started = time.perf_counter()
             try:
-                await _serve(engine, prompts, params, concurrency)
+                await serve_all(engine, [ServeJob(ids, params) for ids in prompts], concurrency)
             finally:
                 switch.cancel()
                 engine.step_listener = None

@@ -25,6 +25,7 @@ import statistics
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -100,6 +101,29 @@ async def _generate(engine: Engine, prompt_ids: list[int], max_tokens: int,
     _, queue = engine.add_request("bench", prompt_ids, params, num_speculative_tokens)
     token_ids, spec = await collect_outputs(queue)
     return RunResult(token_ids, time.perf_counter() - started, spec)
+
+
+@dataclass(frozen=True, slots=True)
+class ServeJob:
+    """One request of a load run: its prompt ids, parameters and optional compiled grammar."""
+
+    prompt_ids: list[int]
+    params: SamplingParams
+    grammar: Any = None
+
+
+async def serve_all(engine: Engine, jobs: list[ServeJob], concurrency: int) -> int:
+    """Runs `jobs` through `engine`, at most `concurrency` at once; the tokens they output."""
+    limit = asyncio.Semaphore(concurrency)
+
+    async def one(index: int, job: ServeJob) -> int:
+        async with limit:
+            _, queue = engine.add_request(f"bench-{index}", job.prompt_ids, job.params,
+                                          grammar=job.grammar)
+            token_ids, _ = await collect_outputs(queue)
+            return len(token_ids)
+
+    return sum(await asyncio.gather(*(one(index, job) for index, job in enumerate(jobs))))
 
 
 async def start_engine(args: argparse.Namespace, spec: SpeculativeConfig, model_dir: Path,

@@ -28,7 +28,7 @@ from typing import Any
 
 from drafter_svc.server import stop_drafter_server
 from gateway.chat import render_chat_prompt
-from specdec.bench.decode import start_engine
+from specdec.bench.decode import ServeJob, serve_all, start_engine
 from specdec.bench.serve_requests import load_requests
 from specdec.cli import add_engine_args, add_logging_args, add_model_args, setup_logging
 from specdec.config import SpeculativeConfig
@@ -103,19 +103,6 @@ async def measure_ttft(engine: Engine, prompts: list[list[int]]) -> dict[str, An
             "uncached_over_cached": statistics.median(uncached) / statistics.median(cached)}
 
 
-async def _serve(engine: Engine, prompts: list[list[int]], params: SamplingParams,
-                 concurrency: int) -> int:
-    limit = asyncio.Semaphore(concurrency)
-
-    async def one(index: int, prompt_ids: list[int]) -> int:
-        async with limit:
-            _, queue = engine.add_request(f"chat-{index}", prompt_ids, params)
-            tokens, _ = await collect_outputs(queue)
-            return len(tokens)
-
-    return sum(await asyncio.gather(*(one(i, ids) for i, ids in enumerate(prompts))))
-
-
 async def measure_throughput(engine: Engine, prompts: list[list[int]], max_tokens: int,
                              concurrency: int, rounds: int) -> dict[str, Any]:
     manager = engine.scheduler.block_manager
@@ -125,7 +112,8 @@ async def measure_throughput(engine: Engine, prompts: list[list[int]], max_token
         for caching in (False, True):
             manager.enable_prefix_caching = caching
             started = time.perf_counter()
-            tokens = await _serve(engine, prompts, params, concurrency)
+            tokens = await serve_all(engine, [ServeJob(ids, params) for ids in prompts],
+                                     concurrency)
             rates[caching].append(tokens / (time.perf_counter() - started))
     manager.enable_prefix_caching = True
     ratios = [on / off for on, off in zip(rates[True], rates[False])]

@@ -26,7 +26,7 @@ from typing import Any
 
 from drafter_svc.server import stop_drafter_server
 from gateway.chat import render_chat_prompt
-from specdec.bench.decode import start_engine
+from specdec.bench.decode import ServeJob, serve_all, start_engine
 from specdec.bench.serve_requests import BenchRequest, load_requests
 from specdec.cli import add_engine_args, add_logging_args, add_model_args, setup_logging
 from specdec.config import SpeculativeConfig
@@ -68,29 +68,7 @@ def grammar_of(request: BenchRequest, workload: str) -> tuple[str, str]:
     return "json_schema", json.dumps(response_format["json_schema"]["schema"])
 
 
-async def _serve(engine: Engine, jobs: list[tuple[list[int], Any, int]],
-                 concurrency: int) -> int:
-    limit = asyncio.Semaphore(concurrency)
-
-    async def one(index: int, prompt_ids: list[int], grammar: Any, max_tokens: int) -> int:
-        async with limit:
-            _, queue = engine.add_request(f"structured-{index}", prompt_ids,
-                                          SamplingParams(temperature=0.0, max_tokens=max_tokens),
-                                          grammar=grammar)
-            count = 0
-            while True:
-                output = await queue.get()
-                if isinstance(output, Exception):
-                    raise output
-                count += len(output.token_ids)
-                if output.finish_reason is not None:
-                    return count
-
-    counts = await asyncio.gather(*(one(i, *job) for i, job in enumerate(jobs)))
-    return sum(counts)
-
-
-async def measure(engine: Engine, jobs: list[tuple[list[int], Any, int]], concurrency: int,
+async def measure(engine: Engine, jobs: list[ServeJob], concurrency: int,
                   rounds: int) -> dict[str, Any]:
     records: list[StepRecord] = []
     engine.step_listener = records.append
@@ -107,7 +85,7 @@ async def measure(engine: Engine, jobs: list[tuple[list[int], Any, int]], concur
                 before = (spec.num_draft_tokens, spec.num_accepted_tokens, spec.num_forced_tokens,
                           spec.num_drafts)
                 started = time.perf_counter()
-                tokens = await _serve(engine, jobs, concurrency)
+                tokens = await serve_all(engine, jobs, concurrency)
                 rates[on].append(tokens / (time.perf_counter() - started))
                 after = (spec.num_draft_tokens, spec.num_accepted_tokens, spec.num_forced_tokens,
                          spec.num_drafts)
@@ -171,9 +149,10 @@ async def _run(args: argparse.Namespace) -> list[dict[str, Any]]:
                 for request in requests:
                     assert request.messages is not None
                     kind, value = grammar_of(request, workload)
-                    jobs.append((render_chat_prompt(tokenizer, request.messages),
-                                 await engine.compile_grammar(kind, value),
-                                 args.max_tokens or request.max_tokens or 128))
+                    params = SamplingParams(temperature=0.0,
+                                            max_tokens=args.max_tokens or request.max_tokens)
+                    jobs.append(ServeJob(render_chat_prompt(tokenizer, request.messages), params,
+                                         await engine.compile_grammar(kind, value)))
                 for level in levels:
                     row = await measure(engine, jobs, level, args.rounds)
                     rows.append({"method": method, "workload": workload, **row})
