@@ -37,13 +37,13 @@ from typing import TYPE_CHECKING
 import torch
 
 from specdec.config import EngineConfig
+from specdec.engine.logprobs import LogprobsJob, TokenLogprobs, step_logprobs
 from specdec.engine.rejection_sampler import (
     accept_greedy,
     argmax_ids,
     needs_only_argmax,
     verify,
 )
-from specdec.engine.logprobs import LogprobsJob, TokenLogprobs, step_logprobs
 from specdec.engine.sampling_params import SamplingParams
 from specdec.engine.scheduler import ScheduledSequence, Scheduler
 from specdec.engine.sequence import FinishReason, Sequence, SpeculationCounters
@@ -454,8 +454,9 @@ class Engine:
                                              item.num_speculative_tokens)
             if seq.params.logprobs is None:
                 self._append_tokens(seq, new_token_ids)
-            else:  # appended below, with the step's logprobs computed in one pass
-                logprobs_jobs.append((seq, LogprobsJob(first_row, new_token_ids, list(seq.token_ids),
+            else:  # appended below, with the step's logprobs computed in one pass (until then
+                # seq.token_ids is still the context before first_row: no copy needed)
+                logprobs_jobs.append((seq, LogprobsJob(first_row, new_token_ids, seq.token_ids,
                                                        seq.params, seq.prompt_len)))
         if logprobs_jobs:
             entries = step_logprobs(logits, [job for _, job in logprobs_jobs],
@@ -598,7 +599,8 @@ class Engine:
             self._sequences.pop(seq.seq_id, None)
             self._queues.pop(seq.seq_id, None)
             if self.drafter_pool is not None:
-                self.drafter_pool.record_finished_output(seq.seq_id, seq.token_ids[:seq.prompt_len], seq.token_ids[seq.prompt_len:])
+                self.drafter_pool.record_finished_output(
+                    seq.seq_id, seq.token_ids[:seq.prompt_len], seq.token_ids[seq.prompt_len:])
             self._forget_in_drafter(seq.seq_id)
         else:
             # Rejected drafts' slots go back to the pool.

@@ -120,14 +120,24 @@ class BlockManager:
         if not self.enable_prefix_caching:
             return []
         hashes = extend_block_hashes(seq, self.block_size)
-        max_blocks = (seq.num_tokens - 1) // self.block_size
         hits: list[int] = []
-        for digest in hashes[:max_blocks]:
+        for digest in hashes[:self._max_hit_blocks(seq)]:
             block_id = self._cached.get(digest)
             if block_id is None:
                 break
             hits.append(block_id)
         return hits
+
+    def _max_hit_blocks(self, seq: Sequence) -> int:
+        """Blocks of `seq` a hit may cover: those before the block of its last token."""
+        return (seq.num_tokens - 1) // self.block_size
+
+    def next_block_hash(self, seq: Sequence, num_hit_blocks: int) -> bytes | None:
+        """The hash of the block after `seq`'s `num_hit_blocks` hits (from `lookup`), when a
+        hit could still cover it; None otherwise."""
+        if num_hit_blocks >= self._max_hit_blocks(seq):
+            return None
+        return extend_block_hashes(seq, self.block_size)[num_hit_blocks]
 
     def num_free_after_taking(self, hits: list[int]) -> int:
         """Free blocks left once `hits` are taken (unheld cached blocks sit in the queue)."""

@@ -121,7 +121,7 @@ class Scheduler:
                 if pending is None:
                     pending = {digest for running in self.running
                                for digest in block_manager.pending_hashes(running)}
-                if _next_block_pending(seq, len(hits), block_manager.block_size, pending):
+                if block_manager.next_block_hash(seq, len(hits)) in pending:
                     held.append(self.waiting.popleft())
                     continue
             num_cached = len(hits) * block_manager.block_size
@@ -159,11 +159,3 @@ class Scheduler:
         output.preempted.append(seq)
         output.scheduled[:] = [s for s in output.scheduled if s.seq is not seq]
 
-
-def _next_block_pending(seq: Sequence, num_hit_blocks: int, block_size: int,
-                        pending: set[bytes]) -> bool:
-    """Whether the first prompt block `seq` would compute is being computed by a running
-    sequence (so that waiting one step or a few makes it a cache hit)."""
-    if num_hit_blocks >= (seq.num_tokens - 1) // block_size:
-        return False
-    return seq.block_hashes[num_hit_blocks] in pending
