@@ -21,18 +21,10 @@ from specdec.v1 import specdec_pb2
 
 @functools.cache
 def _byte_decoder() -> dict[str, int]:
-    """GPT-2's byte-level alphabet, character -> byte (the printable bytes map to
-    themselves; the others to code points from 256 on)."""
-    printable = (list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1))
-                 + list(range(ord("®"), ord("ÿ") + 1)))
-    codes = list(printable)
-    extra = 0
-    for byte in range(256):
-        if byte not in printable:
-            printable.append(byte)
-            codes.append(256 + extra)
-            extra += 1
-    return {chr(code): byte for byte, code in zip(printable, codes)}
+    """GPT-2's byte-level alphabet, character -> byte (transformers' own table)."""
+    from transformers.convert_slow_tokenizer import bytes_to_unicode
+
+    return {char: byte for byte, char in bytes_to_unicode().items()}
 
 
 class TokenTexts:

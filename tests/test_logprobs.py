@@ -184,3 +184,19 @@ def test_batched_entries_equal_one_sequence_at_a_time() -> None:
     batched = batch_token_logprobs(logits, groups)
     for (first, ids, top), entries in zip(groups, batched):
         assert entries == token_logprobs(logits[first:first + len(ids)], ids, top)
+
+
+def test_token_bytes_are_exact_for_partial_characters() -> None:
+    """A byte-level token may hold part of a UTF-8 character: its `bytes` are its own, so a
+    completion's tokens' bytes join into the completion's text exactly."""
+    from gateway.logprobs import TokenTexts
+    from specdec.models.model_files import DEFAULT_MODEL, load_tokenizer, resolve_model
+
+    tokenizer = load_tokenizer(resolve_model(DEFAULT_MODEL))
+    text = "naïve café 😀 — 日本"
+    token_ids = tokenizer.encode(text, add_special_tokens=False)
+    texts = TokenTexts(tokenizer)
+    pieces = [texts(token_id)[1] for token_id in token_ids]
+    assert bytes(byte for piece in pieces for byte in piece) == text.encode("utf-8")
+    assert any(bytes(piece).decode("utf-8", errors="replace") != bytes(piece).decode(
+        "utf-8", errors="ignore") for piece in pieces), "no token split a character"
