@@ -54,8 +54,6 @@ from verifier_svc.grammar.verification import (
     GrammarService,
     Timer,
     advance,
-    cut_draft,
-    forced_draft,
     mask_rows,
 )
 from verifier_svc.model_runner import ModelRunner, PreparedBatch, StepInput
@@ -323,7 +321,7 @@ class Engine:
             if seq.grammar is None or grammars is None:
                 return num_tokens
             with Timer(grammars):
-                seq.forced_draft = forced_draft(seq.grammar, self._speculative_tokens_for(seq))
+                seq.forced_draft = seq.grammar.forced_tokens(self._speculative_tokens_for(seq))
             return max(num_tokens, len(seq.forced_draft))
 
         return with_forced
@@ -558,7 +556,7 @@ class Engine:
                     draft = _truncate(proposed, item.num_speculative_tokens)
                     if seq.grammar is not None and self.grammars is not None:
                         with Timer(self.grammars):
-                            draft = _truncate(draft, cut_draft(seq.grammar, draft.token_ids))
+                            draft = _truncate(draft, seq.grammar.valid_prefix_len(draft.token_ids))
             step_drafts.append(draft)
             num_logit_rows = 1 + len(draft.token_ids) if item.samples else 0
             inputs.append(StepInput(chunk + draft.token_ids, start, seq.block_table, num_logit_rows))

@@ -4,9 +4,9 @@ Per step, for each sequence with a grammar (`GrammarState`, advanced only by ver
 tokens):
 1. plan: the tokens the grammar forces next (its only continuation) become the draft, with
    no drafter round trip; they are always accepted, since the masked target puts all its
-   mass on them (`forced_draft`);
+   mass on them (`GrammarState.forced_tokens`);
 2. a drafter's proposal is cut at its first token the grammar rejects, before the forward,
-   so that position costs nothing (`cut_draft`);
+   so that position costs nothing (`GrammarState.valid_prefix_len`);
 3. after the forward, one mask per verified position (row i: what the grammar allows after
    the drafts before i) sets the target's logits to -inf outside the grammar, before
    acceptance, for greedy and sampled verification alike (`mask_rows`);
@@ -24,7 +24,6 @@ import logging
 import threading
 import time
 from collections.abc import Callable
-from typing import Any
 
 import torch
 
@@ -87,15 +86,6 @@ class GrammarService:
             self._backend.close()
 
 
-def forced_draft(state: GrammarState, max_tokens: int) -> list[int]:
-    return state.forced_tokens(max_tokens) if max_tokens > 0 else []
-
-
-def cut_draft(state: GrammarState, token_ids: list[int]) -> int:
-    """How many leading draft tokens the grammar allows."""
-    return state.valid_prefix_len(token_ids)
-
-
 def mask_rows(logits: torch.Tensor, jobs: list[tuple[int, GrammarState, list[int]]],
               vocab_size: int) -> None:
     """Masks, in place, each job's rows of the step's logits: (first row, state, draft)
@@ -142,5 +132,5 @@ class Timer:
     def __enter__(self) -> None:
         self._started = time.perf_counter()
 
-    def __exit__(self, *exc: Any) -> None:
+    def __exit__(self, *exc: object) -> None:
         self._service.seconds += time.perf_counter() - self._started
