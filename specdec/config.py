@@ -340,6 +340,12 @@ class EngineConfig:
     # logits processing (penalties, bias, temperature, top-k/top-p/min-p), as vLLM's
     # --logprobs-mode.
     logprobs_mode: str = "raw_logprobs"
+    # The drafter matches text (ngram, suffix) rather than running a model. Such a drafter
+    # takes a context in as it arrives, so a new request's prompt is sent to it as the
+    # prefill starts (no drafts asked) and its first ask carries only the tokens verified
+    # since (a model drafter prefills the context in its first ask whatever it was sent
+    # before).
+    text_drafter: bool = True
 
     def __post_init__(self) -> None:
         if self.logprobs_mode not in LOGPROBS_MODES:

@@ -364,3 +364,21 @@ async def test_stuck_drafter_is_reconnected(pool_for, caplog):
         assert await pool.wait_for_healthy(1, timeout_s=5.0)
     finally:
         await server.stop(0)
+
+
+async def test_a_sync_sends_the_context_without_asking_and_the_ask_only_what_followed(drafter, pool_for):
+    servicer, port = drafter
+    pool = await pool_for(port)
+    prompt = [1, 2, 3, 4, 1, 2]
+    pool.sync([DraftRequest(1, prompt, 0, 0)])
+    for _ in range(100):  # the drafter answers the sync too; nothing waits for it
+        await asyncio.sleep(0.01)
+        if servicer.requests:
+            break
+    sync_message = servicer.requests[-1]
+    assert [(update.seq_id, list(update.new_token_ids), update.num_speculative_tokens)
+            for update in sync_message.sequences] == [(1, prompt, 0)]
+    context = [*prompt, 3]
+    drafts = await pool.propose([DraftRequest(1, context, 0, K)], [], timeout_s=5.0)
+    assert [list(update.new_token_ids) for update in servicer.requests[-1].sequences] == [[3]]
+    assert drafts[1].token_ids == MATCHER.propose(context, K)

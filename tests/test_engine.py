@@ -19,6 +19,7 @@ from specdec.errors import InvalidRequestError
 from tests.engine_driver import generate
 from tests.tiny_models import EOS_TOKEN_ID, make_tiny_llama
 from verifier_svc.builder import VerifierConfig, build_engine
+from verifier_svc.drafting.drafter_pool import DraftRequest
 from verifier_svc.engine import Engine, StepRecord
 from verifier_svc.speculation import probe_schedule
 
@@ -113,21 +114,23 @@ async def test_adaptive_speculation_keeps_outputs(tiny_model: Path, device, expe
     assert list(outputs) == expected
 
 
-async def test_a_sequences_first_drafter_ask_is_not_timed(tiny_model: Path, device,
-                                                        monkeypatch: pytest.MonkeyPatch) -> None:
-    """The first ask for a sequence carries its whole context: a one-time cost that the
-    policy's per-step drafting cost leaves out and times apart (one request at a time: each
-    first ask is alone in its step). Probes wait out their back-off only here (no wait priced beyond it),
-    so that the tiny model, whose step is cheaper than a round trip, still asks after
-    drafting stopped."""
+async def test_a_prompt_reaches_the_drafter_as_its_prefill_starts(tiny_model: Path, device,
+                                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    """A new sequence's prompt is sent to the drafter (no drafts asked) in its first step,
+    so the drafter takes it in while the verifier prefills, and the sequence's first ask
+    carries only the tokens verified since: a steady round trip, timed as one. Probes wait
+    out their back-off only here (no wait priced beyond it), so that the tiny model, whose
+    step is cheaper than a round trip, still asks after drafting stopped."""
     monkeypatch.setattr(probe_schedule, "MAX_PROBE_INTERVAL", 1)  # no priced wait
     async with EngineHarness(tiny_model, str(device), k=3, adaptive_speculation=True) as engine:
         policy, pool = engine.policy, engine.drafter_pool
         assert policy is not None and pool is not None
         timed: list[float] = []
         first_asks: list[int] = []
-        observe, observe_first, propose = policy.observe_drafting, policy.observe_first_asks, pool.propose
-        asks = 0
+        synced: list[int] = []
+        asked_context: list[int] = []
+        observe, observe_first = policy.observe_drafting, policy.observe_first_asks
+        propose, sync = pool.propose, pool.sync
 
         def observe_and_note(max_draft_tokens: int, seconds: float) -> None:
             timed.append(seconds)
@@ -137,18 +140,25 @@ async def test_a_sequences_first_drafter_ask_is_not_timed(tiny_model: Path, devi
             first_asks.append(num_first_asks)
             observe_first(num_first_asks, max_draft_tokens, seconds)
 
-        async def counted_propose(*args: object, **kwargs: object) -> object:
-            nonlocal asks
-            asks += 1
-            return await propose(*args, **kwargs)
+        def sync_and_note(requests: list[DraftRequest]) -> None:
+            synced.extend(len(request.token_ids) for request in requests)
+            assert all(request.num_speculative_tokens == 0 for request in requests)
+            sync(requests)
+
+        async def propose_and_note(requests: list[DraftRequest], *args: object) -> object:
+            asked_context.extend(len(request.token_ids) for request in requests)
+            return await propose(requests, *args)
 
         policy.observe_drafting = observe_and_note  # type: ignore[method-assign]
         policy.observe_first_asks = observe_first_and_note  # type: ignore[method-assign]
-        pool.propose = counted_propose  # type: ignore[method-assign]
-        for prompt in PROMPTS[:2]:
+        pool.sync = sync_and_note  # type: ignore[method-assign]
+        pool.propose = propose_and_note  # type: ignore[method-assign]
+        prompts = PROMPTS[:2]
+        for prompt in prompts:
             await generate(engine, prompt, greedy())
-    assert asks > 2 and len(timed) == asks - 2
-    assert first_asks == [1, 1]  # timed apart, to price a first probe where asking is dear
+    assert synced == [len(prompt) for prompt in prompts]  # each prompt once, whole
+    assert asked_context and min(asked_context) > min(synced)  # asks come after the prefill
+    assert first_asks == [] and len(timed) > 0  # every ask a steady round trip
 
 
 async def test_concurrent_batch_equals_one_at_a_time(tiny_model: Path, device, expected) -> None:
@@ -187,9 +197,12 @@ async def test_speculation_override_per_request(tiny_model: Path, device, expect
 
 @pytest.mark.parametrize("adaptive", [False, True])
 async def test_speculation_switched_off_for_the_engine(tiny_model: Path, device, expected,
-                                                       adaptive: bool) -> None:
+                                                       adaptive: bool, monkeypatch: pytest.MonkeyPatch) -> None:
     """Switched off, no step drafts (nor probes) for any request; switched on again, the same
-    requests draft; every step is reported to the listener with the switch's state."""
+    requests draft; every step is reported to the listener with the switch's state. Probes
+    wait out their back-off only (the tiny model's step is cheaper than a round trip, so
+    priced waits would outlast these short requests)."""
+    monkeypatch.setattr(probe_schedule, "MAX_PROBE_INTERVAL", 1)
     async with EngineHarness(tiny_model, str(device), k=3, adaptive_speculation=adaptive) as engine:
         records: list[StepRecord] = []
         engine.step_listener = records.append

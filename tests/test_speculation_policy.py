@@ -465,6 +465,17 @@ def test_a_new_sequences_first_draft_pays_its_first_ask(first_ask_extra_s: float
     assert policy.plan([Candidate(7, 4)])[7] > 0
 
 
+def test_a_synced_sequences_first_draft_pays_no_first_ask() -> None:
+    """A text drafter got the prompt as the prefill started (`Candidate.synced`): its first
+    ask is a steady round trip, so a dear first ask measured for other sequences (that
+    were not synced) does not keep it from drafting at once."""
+    policy = policy_with_cost(10 * MS, 0.2 * MS, draft_s=1 * MS)
+    for _ in range(5):
+        policy.observe_first_asks(1, 4, 31 * MS)
+    assert policy.plan([Candidate(7, 4)])[7] == 0
+    assert policy.plan([Candidate(8, 4, synced=True)])[8] > 0
+
+
 def test_one_slow_first_ask_does_not_price_the_rest() -> None:
     """The drafter's first call after start-up can take several times the next ones; first
     asks come about once a request, so the estimate is a median of recent ones."""

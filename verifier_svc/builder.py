@@ -13,7 +13,7 @@ from pathlib import Path
 import torch
 
 from specdec.cli import served_model_name
-from specdec.config import EngineConfig, SpeculativeConfig, default_draft_timeout_s
+from specdec.config import MODEL_METHODS, EngineConfig, SpeculativeConfig, default_draft_timeout_s
 from specdec.device import device_memory_bytes, resolve_device, resolve_dtype
 from specdec.engine.block_manager import BlockManager
 from specdec.engine.kv_cache import KVCache
@@ -160,6 +160,8 @@ def build_engine(config: VerifierConfig) -> tuple[Engine, ServedModel]:
                                  adaptive_speculation=config.adaptive_speculation,
                                  enable_prefix_caching=config.enable_prefix_caching,
                                  logprobs_mode=config.logprobs_mode,
+                                 text_drafter=config.speculative_config is None
+                                 or config.speculative_config.method not in MODEL_METHODS,
                                  disable_by_batch_size=config.speculative_config.disable_by_batch_size
                                  if config.speculative_config is not None else None)
     if num_blocks * config.block_size < max_model_len:

@@ -167,9 +167,29 @@ class DrafterPool:
             logger.exception("drafter pool: propose failed; no drafts this step")
             return {}
 
+    def sync(self, requests: list[DraftRequest]) -> None:
+        """Sends these sequences' contexts to their replicas without asking for drafts or
+        waiting for an answer (never raises). The engine syncs a new request's prompt as its
+        prefill starts, so the drafter takes it in (builds its suffix trie, say) while the
+        verifier prefills, and the first ask carries only the tokens verified since."""
+        try:
+            self._send(self._next_step_id(), requests, [])
+        except Exception:
+            logger.exception("drafter pool: sync failed; the next ask sends the whole context")
+
     async def _propose(self, requests: list[DraftRequest], finished_seq_ids: list[int],
                        timeout_s: float) -> dict[int, Draft]:
         step_id = self._next_step_id()
+        waiting, asked = self._send(step_id, requests, finished_seq_ids)
+        if not waiting:
+            return {}
+        return await self._await_drafts(step_id, waiting, asked, timeout_s)
+
+    def _send(self, step_id: int, requests: list[DraftRequest], finished_seq_ids: list[int],
+              ) -> tuple[dict[asyncio.Future[specdec_pb2.ProposeResponse | None], DrafterReplica],
+                         dict[DrafterReplica, dict[int, int]]]:
+        """Queues one message per replica concerned; returns the futures of the answers
+        wanted (with their replicas) and, per replica, the tokens asked for by sequence."""
         messages: dict[DrafterReplica, specdec_pb2.ProposeRequest] = {}
         # Per replica: seq_id -> number of draft tokens asked for.
         asked: dict[DrafterReplica, dict[int, int]] = {}
@@ -232,8 +252,12 @@ class DrafterPool:
             future = replica.send(message, wants_response=bool(asked[replica]))
             if future is not None:
                 waiting[future] = replica
-        if not waiting:
-            return {}
+        return waiting, asked
+
+    async def _await_drafts(self, step_id: int, waiting: dict[asyncio.Future[specdec_pb2.ProposeResponse | None],
+                                                               DrafterReplica],
+                            asked: dict[DrafterReplica, dict[int, int]], timeout_s: float,
+                            ) -> dict[int, Draft]:
         done, late = await asyncio.wait(waiting, timeout=timeout_s)
         for future in late:
             waiting[future].forget(step_id)

@@ -11,3 +11,6 @@ class Candidate:
 
     seq_id: int
     max_tokens: int  # the cap: request override, room left, server k
+    # The drafter holds its context already (the engine synced the prompt as its prefill
+    # started): its first ask costs a steady round trip, not a first ask's.
+    synced: bool = False

@@ -32,7 +32,9 @@ What is measured, not assumed:
 - apart from it, what a sequence's first ask (its whole context: for EAGLE and draft models
   the drafter prefills it) adds to a round trip, a median over recent ones: it is charged to
   a never-asked sequence's first draft (the shipped draft model's first ask cost 14-28 ms
-  against an 8.6 ms step, and one request lost 7% to drafting at once);
+  against an 8.6 ms step, and one request lost 7% to drafting at once). A drafter that
+  needs no hidden states gets the prompt as the prefill starts (`Candidate.synced`), so
+  its first ask is a steady one;
 - per sequence, how often an ask returns any tokens at all (ngram finds no match on new
   text): an empty answer costs the round trip but no verification, so a draft's expected
   gain and its verification cost both scale by that chance, and the acceptance counts
@@ -242,6 +244,9 @@ class SpeculationPolicy:
         first_ask_round_trip, first_ask_seconds = self.first_ask_costs()
         never_asked = [candidate.seq_id not in self._proposals and candidate.seq_id not in self._stats
                        for candidate in candidates]
+        # Whose first draft carries a first ask's cost (its context, not synced before).
+        pays_first_ask = [first and not candidate.synced
+                          for first, candidate in zip(never_asked, candidates)]
         # Max-heap of (-expected tokens the next draft adds, candidate index, its position).
         heap: list[tuple[float, int, int]] = []
         rates: list[list[float]] = []
@@ -258,7 +263,7 @@ class SpeculationPolicy:
                 # A first draft that does not pay at the least it can cost never will (the
                 # plan's tokens per second only rise as drafts are added): left out of the heap.
                 least_cost = proposing[index] * (verify_slope + verify_per_seq)
-                if never_asked[index]:
+                if pays_first_ask[index]:
                     least_cost += first_ask_seconds
                 if gain * seconds > least_cost * expected_tokens:
                     heapq.heappush(heap, (-gain, index, 0))
@@ -268,7 +273,7 @@ class SpeculationPolicy:
             gain = -negative_gain
             # Verification is paid only when the drafter proposes; the ask itself always.
             cost = proposing[index] * (verify_slope + (verify_per_seq if position == 0 else 0.0))
-            if position == 0 and never_asked[index]:
+            if position == 0 and pays_first_ask[index]:
                 cost += first_ask_seconds
             if position + 1 > longest:
                 cost += draft_per_token
@@ -298,7 +303,7 @@ class SpeculationPolicy:
             """The wait that keeps candidate `index`'s share of the probes within budget (a
             never-asked sequence's probe carries its first ask)."""
             probe_seconds = proposing[index] * (verify_slope + verify_per_seq) + ask_seconds
-            if never_asked[index]:
+            if pays_first_ask[index]:
                 probe_seconds += first_ask_seconds
             loss = probe_seconds * tokens_per_second - proposing[index] * rates[index][0]
             max_tokens = candidates[index].max_tokens
@@ -308,23 +313,25 @@ class SpeculationPolicy:
             return probe_schedule.affordable_wait(loss, num_idle, PROBE_BUDGET * share * expected_tokens)
 
         first_probe_round_trip = first_ask_round_trip or draft_base + draft_per_token
-        self.probes.plan_probes(self._num_plans, candidates, plan, priced_wait, never_asked,
-                                first_probe_round_trip / plain_seconds if plain_seconds > 0 else 0.0,
-                                first_ask_is_dear=first_ask_round_trip * tokens_per_second > FREE_FIRST_ASK_TOKENS)
+        first_ask_is_dear = first_ask_round_trip * tokens_per_second > FREE_FIRST_ASK_TOKENS
+        free_first_probe = [first and not (pays and first_ask_is_dear)
+                            for first, pays in zip(never_asked, pays_first_ask)]
+        self.probes.plan_probes(self._num_plans, candidates, plan, priced_wait, free_first_probe,
+                                first_probe_round_trip / plain_seconds if plain_seconds > 0 else 0.0)
         if any(plan.values()):
             self._last_ask_plan = self._num_plans
         elif self._num_plans - self._last_ask_plan >= COST_REFRESH_PLANS:
-            self._refresh_cost(candidates, plan, never_asked)
+            self._refresh_cost(candidates, plan, pays_first_ask)
         return plan
 
-    def _refresh_cost(self, candidates: list[Candidate], plan: dict[int, int], never_asked: list[bool]) -> None:
+    def _refresh_cost(self, candidates: list[Candidate], plan: dict[int, int], pays_first_ask: list[bool]) -> None:
         """Plans one draft token for one sequence that may draft (one asked before, whose
         round trip is a steady one, where there is one), so that the drafter's round trip is
         timed again; that timing replaces the estimate no ask had confirmed for so long."""
         allowed = [index for index, candidate in enumerate(candidates) if candidate.max_tokens > 0]
         if not allowed:
             return
-        index = min(allowed, key=lambda index: never_asked[index])  # False (asked before) first
+        index = min(allowed, key=lambda index: pays_first_ask[index])  # a steady round trip first
         seq_id = candidates[index].seq_id
         plan[seq_id] = 1
         self.probes.probe_now(seq_id)

@@ -134,8 +134,8 @@ class ProbeSchedule:
         self._waits.pop(seq_id, None)
 
     def plan_probes(self, plan_number: int, candidates: list[Candidate], plan: dict[int, int],
-                    priced_wait: Callable[[int], int], never_asked: list[bool],
-                    round_trip_share: float, first_ask_is_dear: bool) -> None:
+                    priced_wait: Callable[[int], int], free_first_probe: list[bool],
+                    round_trip_share: float) -> None:
         """Plans one draft token for each sequence whose probe wait has passed, on a step
         that asks the drafter anyway or whose number the wait divides (for a never-asked
         sequence's unpriced first probe, the first-probe grid: see `first_probe_grid`, and
@@ -165,7 +165,7 @@ class ProbeSchedule:
             # A sequence never drafted for is probed at the back-off alone: its estimate is
             # other requests' rates, and whether a new request is predictable (a repeat
             # prompt among open ones) is worth one verified token to learn.
-            if never_asked[index] and not first_ask_is_dear:
+            if free_first_probe[index]:
                 wait, grid = backoff, max(backoff, first_grid)
             else:
                 wait = grid = max(backoff, priced_wait(index))
