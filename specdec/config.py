@@ -344,7 +344,9 @@ class EngineConfig:
     # takes a context in as it arrives, so a new request's prompt is sent to it as the
     # prefill starts (no drafts asked) and its first ask carries only the tokens verified
     # since (a model drafter prefills the context in its first ask whatever it was sent
-    # before).
+    # before). It drafts any length at about one cost, with a per-token confidence, so
+    # the adaptive policy asks it for the whole cap and verifies the prefix the evidence
+    # pays for (verifier_svc/speculation/evidence.py).
     text_drafter: bool = True
 
     def __post_init__(self) -> None:

@@ -114,6 +114,46 @@ async def test_adaptive_speculation_keeps_outputs(tiny_model: Path, device, expe
     assert list(outputs) == expected
 
 
+async def test_a_text_drafter_is_asked_for_its_cap_and_its_drafts_cut_by_evidence(
+        tiny_model: Path, device, expected, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Under the adaptive policy an ngram drafter asked at all is asked for k; what arrives
+    is cut to the policy's evidence_lengths (here: one token less than each draft), and
+    the verified drafts' confidences calibrate it. Outputs unchanged."""
+    monkeypatch.setattr(probe_schedule, "MAX_PROBE_INTERVAL", 1)  # probes at the back-off
+    async with EngineHarness(tiny_model, str(device), k=3, adaptive_speculation=True) as engine:
+        policy, pool = engine.policy, engine.drafter_pool
+        assert policy is not None and pool is not None
+        asked: list[int] = []
+        offered: list[list[int]] = []
+        verified: list[int] = []
+        propose, lengths, record = pool.propose, policy.evidence_lengths, policy.record_draft
+
+        async def propose_and_note(requests: list[DraftRequest], *args: object) -> object:
+            asked.extend(request.num_speculative_tokens for request in requests)
+            return await propose(requests, *args)
+
+        def one_less(confidences: list[list[float]], *args: object) -> list[int]:
+            offered.append([len(confidence) for confidence in confidences])
+            lengths(confidences, *args)  # runs, on the real fit
+            return [max(0, len(confidence) - 1) for confidence in confidences]
+
+        def record_and_note(seq_id: int, num_draft_tokens: int, *args: object) -> None:
+            verified.append(num_draft_tokens)
+            record(seq_id, num_draft_tokens, *args)
+
+        pool.propose = propose_and_note  # type: ignore[method-assign]
+        policy.evidence_lengths = one_less  # type: ignore[method-assign]
+        policy.record_draft = record_and_note  # type: ignore[method-assign]
+        outputs = await asyncio.gather(*(generate(engine, p, greedy()) for p in PROMPTS))
+        calibrated = sum(policy.calibration.reached)
+    assert list(outputs) == expected
+    # The first plan (nothing timed yet) asks everyone for the cap, as do later asks.
+    assert asked and set(asked) <= {3, 2, 1} and asked.count(3) >= len(asked) - 2 * len(PROMPTS)
+    assert offered and calibrated > 0
+    offered_tokens = sorted(length - 1 for step in offered for length in step if length > 1)
+    assert sorted(length for length in verified if length) == offered_tokens
+
+
 async def test_a_prompt_reaches_the_drafter_as_its_prefill_starts(tiny_model: Path, device,
                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
     """A new sequence's prompt is sent to the drafter (no drafts asked) in its first step,

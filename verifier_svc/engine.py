@@ -125,6 +125,7 @@ class Engine:
         self._sequences: dict[int, Sequence] = {}
         self._queues: dict[int, asyncio.Queue[RequestOutput | SpecdecError]] = {}
         self._finished_for_drafter: list[int] = []
+        self._last_round_trip_s = 0.0  # this step's ask to the drafter (0: none)
         self._wakeup = asyncio.Event()
         self._accepting = True
         self._num_aborted = 0
@@ -313,6 +314,12 @@ class Engine:
                 num_other_tokens += seq.num_uncomputed_tokens
         num_other_tokens = min(num_other_tokens, self.config.max_num_batched_tokens)
         planned = self.policy.plan(candidates, num_other_tokens)
+        if self.config.text_drafter:
+            # Asked at all, a text drafter is asked for the cap: a long match costs it no
+            # more, and the arrived draft's evidence decides what is verified.
+            caps = {candidate.seq_id: candidate.max_tokens for candidate in candidates}
+            return self._with_forced_drafts(
+                lambda seq: caps[seq.seq_id] if planned.get(seq.seq_id, 0) > 0 else 0)
         return self._with_forced_drafts(lambda seq: planned.get(seq.seq_id, 0))
 
     def _with_forced_drafts(self, plan: Callable[[Sequence], int]) -> Callable[[Sequence], int]:
@@ -455,6 +462,8 @@ class Engine:
                 if self.policy is not None:
                     self.policy.record_draft(seq.seq_id, len(draft.token_ids), num_accepted,
                                              item.num_speculative_tokens)
+                    if draft.confidence:
+                        self.policy.record_confidence(draft.confidence, num_accepted)
             if seq.params.logprobs is None:
                 self._append_tokens(seq, new_token_ids)
             else:  # appended below, with the step's logprobs computed in one pass (until then
@@ -511,6 +520,7 @@ class Engine:
         seq.hidden_states[start:start + num_valid] = hidden[first_row:first_row + num_valid]
 
     async def _propose(self, scheduled: list[ScheduledSequence]) -> dict[int, Draft]:
+        self._last_round_trip_s = 0.0
         if self.drafter_pool is None:
             return {}
         asked = [item for item in scheduled
@@ -533,6 +543,7 @@ class Engine:
         started = time.perf_counter()
         drafts = await self.drafter_pool.propose(requests, finished, self.config.draft_timeout_s)
         seconds = time.perf_counter() - started
+        self._last_round_trip_s = seconds
         if self.metrics is not None:
             self.metrics.observe_round_trip(seconds)
         if self.policy is not None:
@@ -584,6 +595,8 @@ class Engine:
                         with Timer(self.grammars):
                             draft = _truncate(draft, seq.grammar.valid_prefix_len(draft.token_ids))
             step_drafts.append(draft)
+        if self.policy is not None and self.config.text_drafter:
+            self._cut_by_evidence(scheduled, step_drafts)
         for item, draft in zip(scheduled, step_drafts):
             seq = item.seq
             start = seq.num_computed_tokens
@@ -591,6 +604,22 @@ class Engine:
             num_logit_rows = 1 + len(draft.token_ids) if item.samples else 0
             inputs.append(StepInput(chunk + draft.token_ids, start, seq.block_table, num_logit_rows))
         return inputs, step_drafts
+
+    def _cut_by_evidence(self, scheduled: list[ScheduledSequence], step_drafts: list[Draft]) -> None:
+        """Cuts, in place, each drafter draft that came with a confidence to the prefix the
+        policy finds pays at this batch's cost (`SpeculationPolicy.evidence_lengths`)."""
+        assert self.policy is not None
+        indices = [index for index, draft in enumerate(step_drafts)
+                   if draft.token_ids and not draft.forced and draft.confidence]
+        if not indices:
+            return
+        num_plain = sum(1 for item in scheduled if item.samples)
+        num_other = sum(item.num_query_tokens for item in scheduled) - num_plain
+        lengths = self.policy.evidence_lengths(
+            [step_drafts[index].confidence or [] for index in indices], num_plain, num_other,
+            self._last_round_trip_s)
+        for index, length in zip(indices, lengths):
+            step_drafts[index] = _truncate(step_drafts[index], length)
 
     def _append_tokens(self, seq: Sequence, new_token_ids: list[int],
                        logprobs: list[TokenLogprobs] | None = None) -> None:

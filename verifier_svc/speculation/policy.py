@@ -61,6 +61,7 @@ import heapq
 from verifier_svc.speculation import probe_schedule
 from verifier_svc.speculation.acceptance_stats import AcceptanceStats, ProposalStats
 from verifier_svc.speculation.candidate import Candidate
+from verifier_svc.speculation.evidence import ConfidenceCalibration, verified_lengths
 from verifier_svc.speculation.probe_schedule import (
     FREE_FIRST_ASK_TOKENS,
     MAX_PROBE_INTERVAL,
@@ -105,6 +106,7 @@ class SpeculationPolicy:
         self.verify_cost = VerifyCostModel()
         self.draft_cost = LinearCostModel(0.0)   # x: longest draft asked
         self.first_ask_cost = FirstAskCost()
+        self.calibration = ConfidenceCalibration()
 
     @property
     def last_probes(self) -> list[int]:
@@ -133,6 +135,25 @@ class SpeculationPolicy:
         if stats is None:
             stats = self._stats[seq_id] = AcceptanceStats(SEQUENCE_DECAY)
         stats.record(num_draft_tokens, num_accepted)
+
+    def record_confidence(self, confidence: list[float], num_accepted: int) -> None:
+        """A verified draft's per-token confidence (as the drafter sent it) and how many of
+        its tokens were accepted: calibrates `evidence_lengths`."""
+        self.calibration.record(confidence, num_accepted)
+
+    def evidence_lengths(self, confidences: list[list[float]], num_plain_tokens: int,
+                         num_other_tokens: int, paid_seconds: float) -> list[int]:
+        """How many tokens of each arrived draft (by its per-token confidence) this step
+        verifies: the prefixes maximising the step's expected tokens per second at the
+        fitted verify cost (verifier_svc/speculation/evidence.py). `num_plain_tokens`: the
+        step's sampling sequences; `num_other_tokens`: its prefill tokens; `paid_seconds`:
+        the round trip already spent. Everything, before any verify step was timed."""
+        if not self.verify_cost.has_data:
+            return [len(confidence) for confidence in confidences]
+        verify_base, verify_slope, verify_per_seq = self.verify_cost.fit()
+        base = verify_base + verify_slope * (num_plain_tokens + num_other_tokens) + paid_seconds
+        return verified_lengths([self.calibration.rates(confidence) for confidence in confidences],
+                                num_plain_tokens, base, verify_slope, verify_per_seq)
 
     def observe_verify(self, num_tokens: int, num_drafting_seqs: int, seconds: float) -> None:
         """A decode-only step's verify time: inputs, forward, logits and sampling of
