@@ -16,7 +16,8 @@ per-position acceptance likewise (accepted at position i / drafts). A failed req
 counted and reported, never raised; the command exits 1 when any request failed.
 `run_benchmark` is the async API behind the command (tests drive load with it).
 Several comma-separated `--speculation` settings are compared side by side over `--rounds`
-(specdec/bench/serve_compare.py).
+(specdec/bench/serve_compare.py), or request by request, held out, with `--paired`
+(specdec/bench/serve_paired.py).
 """
 
 from __future__ import annotations
@@ -44,6 +45,13 @@ from specdec.bench.serve_compare import (
     parse_settings,
     parse_speculation,
     run_rounds,
+)
+from specdec.bench.serve_paired import (
+    DEFAULT_WARMUP,
+    PairedRun,
+    report_paired,
+    run_paired,
+    summarise_paired,
 )
 from specdec.bench.serve_report import (
     SpecCounters,
@@ -112,11 +120,7 @@ async def run_benchmark(config: BenchConfig, requests: list[BenchRequest],
                         on_result: Callable[[RequestResult], None] | None = None,
                         ) -> BenchReport:
     """Sends `requests` as configured; returns every result (failures included)."""
-    headers = {"Authorization": f"Bearer {config.api_key}"} if config.api_key else {}
-    async with httpx.AsyncClient(base_url=config.base_url, headers=headers,
-                                 timeout=httpx.Timeout(config.timeout_s, connect=10.0),
-                                 limits=httpx.Limits(max_connections=config.max_concurrency,
-                                                     max_keepalive_connections=None)) as client:
+    async with open_client(config) as client:
         model = config.model or await fetch_model(client)
         metrics_url = config.metrics_url or "/metrics"
         before = await scrape_speculation(client, metrics_url)
@@ -151,6 +155,16 @@ async def run_benchmark(config: BenchConfig, requests: list[BenchRequest],
     if before is not None and after is not None and after.exported:
         delta = after.minus(before)
     return BenchReport(config, model, results, duration_s, delta)
+
+
+def open_client(config: BenchConfig) -> httpx.AsyncClient:
+    """The client of a run: the server, its key, the timeout, a connection per request in
+    flight."""
+    headers = {"Authorization": f"Bearer {config.api_key}"} if config.api_key else {}
+    return httpx.AsyncClient(base_url=config.base_url, headers=headers,
+                             timeout=httpx.Timeout(config.timeout_s, connect=10.0),
+                             limits=httpx.Limits(max_connections=config.max_concurrency,
+                                                 max_keepalive_connections=None))
 
 
 async def fetch_model(client: httpx.AsyncClient) -> str | None:
@@ -260,6 +274,20 @@ def build_parser() -> argparse.ArgumentParser:
                              "setting (per pair of rounds an order drawn from --seed, then its "
                              "reverse), reported as per-round throughput ratios with a 95%% "
                              "interval (default 1)")
+    parser.add_argument("--paired", action="store_true",
+                        help="with several --speculation settings: held-out comparison, request "
+                             "by request. Waves of --max-concurrency requests (default 1) in "
+                             "dataset order; each wave is prefilled once (max_tokens=1, no "
+                             "speculation, untimed), then run once per setting in the order "
+                             "given, timed, so the first setting meets every answer first (list "
+                             "the drafting one first: on,off) and drift hits all settings alike. "
+                             "Reports tokens/s and the ratio to the first setting for the first "
+                             "--paired-warmup requests, the rest and overall, the acceptance "
+                             "length from the responses and, at temperature 0, the requests "
+                             "whose texts differ. Not with --rounds or --request-rate")
+    parser.add_argument("--paired-warmup", type=int, default=None, metavar="N",
+                        help=f"with --paired: the first N requests (a cold server's) are "
+                             f"reported apart (default {DEFAULT_WARMUP})")
     parser.add_argument("--no-stream", action="store_true",
                         help="non-streaming requests (no TTFT / TPOT / ITL)")
     parser.add_argument("--seed", type=int, default=0,
@@ -308,6 +336,7 @@ def main(argv: list[str] | None = None) -> int:
             raise ValueError("--rounds compares settings: give two or more, e.g. --speculation off,on")
         if len(settings) > 1 and args.plot:
             raise ValueError("--plot draws one run; leave it out when comparing --speculation settings")
+        _check_paired(args, settings)
         requests_for = {setting: load_requests(args.dataset, args.num_prompts, endpoint=args.endpoint,
                                                max_tokens=args.max_tokens, options=_options(args, setting),
                                                response_format=not args.no_response_format)
@@ -318,6 +347,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.no_stream:
         requests_for = {setting: [dataclasses.replace(request, stream=False) for request in requests]
                         for setting, requests in requests_for.items()}
+    if args.paired:
+        return _paired_settings(args, config, settings, requests_for)  # type: ignore[arg-type]
     if len(settings) > 1:
         return _compare_settings(args, config, settings, requests_for)  # type: ignore[arg-type]
     report = asyncio.run(run_benchmark(config, requests_for[settings[0]]))
@@ -360,6 +391,44 @@ def _compare_settings(args: argparse.Namespace, config: BenchConfig, settings: l
         print(f"{failed} requests failed over {len(runs)} runs", file=sys.stderr)
         return 1
     return 0
+
+
+def _check_paired(args: argparse.Namespace, settings: list[str | None]) -> None:
+    """--paired and --paired-warmup: a paired run compares settings, once each, in waves."""
+    if args.paired_warmup is not None and not args.paired:
+        raise ValueError("--paired-warmup needs --paired")
+    if not args.paired:
+        return
+    if len(settings) < 2:
+        raise ValueError("--paired compares settings: give two or more, e.g. --speculation on,off")
+    if args.rounds > 1:
+        raise ValueError("--paired runs each request once per setting; leave out --rounds")
+    if math.isfinite(args.request_rate):
+        raise ValueError("--paired sends waves of --max-concurrency requests; leave out "
+                         "--request-rate")
+    if args.paired_warmup is not None and args.paired_warmup < 0:
+        raise ValueError(f"--paired-warmup must be >= 0, got {args.paired_warmup}")
+
+
+def _paired_settings(args: argparse.Namespace, config: BenchConfig, settings: list[str],
+                     requests_for: dict[str, list[BenchRequest]]) -> int:
+    """Waves of requests, each prefilled then run once per setting (see
+    specdec/bench/serve_paired.py); prints the table, writes the summary to --output-json."""
+    progress = _Progress(len(requests_for[settings[0]]) * len(settings), config.progress)
+
+    async def run() -> PairedRun:
+        async with open_client(config) as client:
+            model = config.model or await fetch_model(client)
+            return await run_paired(client, model, settings, requests_for,
+                                    config.max_concurrency or 1, lambda _: progress.update())
+
+    try:
+        paired = asyncio.run(run())
+    finally:
+        progress.close()
+    warmup = DEFAULT_WARMUP if args.paired_warmup is None else args.paired_warmup
+    return report_paired(summarise_paired(paired, warmup, compare_texts=args.temperature == 0),
+                         args.output_json)
 
 
 def _normalise_base_url(url: str) -> str:
