@@ -107,6 +107,20 @@ def test_only_computed_blocks_are_cached_and_duplicates_are_not() -> None:
     manager.check_consistency([seq, twin])
 
 
+def test_drafts_computed_past_a_stop_register_only_the_kept_blocks() -> None:
+    """A step verified drafts past the request's end (the engine counts them computed, then
+    appends tokens only up to the stop): only blocks full of kept tokens are cached."""
+    manager = BlockManager(16, BLOCK, enable_prefix_caching=True)
+    seq = make_seq(0, list(range(6)))
+    manager.allocate(seq, 6 + 8)  # the last token and 7 drafts: 14 slots, 4 blocks
+    seq.num_computed_tokens = 6 + 7  # all accepted ...
+    seq.token_ids.append(100)  # ... but the first new token stopped the request: 7 kept
+    manager.cache_full_blocks(seq)  # raised IndexError: 3 full blocks computed, 1 kept
+    assert manager.num_cached_blocks == 1
+    assert manager.is_cached(seq.block_table[0]) and not manager.is_cached(seq.block_table[1])
+    manager.check_consistency([seq])
+
+
 def test_eviction_takes_uncached_blocks_first_then_the_least_recently_freed() -> None:
     manager = BlockManager(6, BLOCK, enable_prefix_caching=True)
     old = make_seq(0, list(range(9)))        # 2 full blocks cached, 1 partial

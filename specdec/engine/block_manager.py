@@ -160,10 +160,14 @@ class BlockManager:
 
     def cache_full_blocks(self, seq: Sequence) -> None:
         """Registers `seq`'s blocks that are full of computed (verified) tokens. A block whose
-        content another block already caches stays unregistered (freed like any other)."""
+        content another block already caches stays unregistered (freed like any other).
+
+        A step that verified drafts past a stop (EOS, a stop token, max_tokens) has computed
+        more positions than the sequence keeps: only the kept tokens' blocks count."""
         if not self.enable_prefix_caching:
             return
-        num_full = min(seq.num_computed_tokens // self.block_size, len(seq.block_table))
+        num_full = min(min(seq.num_computed_tokens, seq.num_tokens) // self.block_size,
+                       len(seq.block_table))
         if num_full <= seq.num_registered_blocks:
             return
         hashes = extend_block_hashes(seq, self.block_size)
