@@ -125,7 +125,6 @@ class Engine:
         self._sequences: dict[int, Sequence] = {}
         self._queues: dict[int, asyncio.Queue[RequestOutput | SpecdecError]] = {}
         self._finished_for_drafter: list[int] = []
-        self._last_round_trip_s = 0.0  # this step's ask to the drafter (0: none)
         self._wakeup = asyncio.Event()
         self._accepting = True
         self._num_aborted = 0
@@ -408,7 +407,7 @@ class Engine:
         if hidden_layer_ids:
             self._start_capture(scheduled)
         num_aborted = self._num_aborted
-        drafts = await self._propose(scheduled)
+        drafts, round_trip_s = await self._propose(scheduled)
         await self._sync_new_prompts(scheduled)
         verify_started = time.perf_counter()
         if self._num_aborted != num_aborted:
@@ -416,7 +415,7 @@ class Engine:
             scheduled = [item for item in scheduled if not item.seq.is_finished]
             if not scheduled:
                 return
-        inputs, step_drafts = self._build_inputs(scheduled, drafts)
+        inputs, step_drafts = self._build_inputs(scheduled, drafts, round_trip_s)
         batch = self.runner.prepare(inputs)
         logits, hidden = self.runner.execute(batch, hidden_layer_ids)
         self.num_steps += 1
@@ -519,14 +518,14 @@ class Engine:
         start = seq.num_computed_tokens
         seq.hidden_states[start:start + num_valid] = hidden[first_row:first_row + num_valid]
 
-    async def _propose(self, scheduled: list[ScheduledSequence]) -> dict[int, Draft]:
-        self._last_round_trip_s = 0.0
+    async def _propose(self, scheduled: list[ScheduledSequence]) -> tuple[dict[int, Draft], float]:
+        """The drafts by sequence id and the round trip's seconds (0.0 when none was asked)."""
         if self.drafter_pool is None:
-            return {}
+            return {}, 0.0
         asked = [item for item in scheduled
                  if item.num_speculative_tokens > 0 and not item.seq.forced_draft]
         if not asked:
-            return {}
+            return {}, 0.0
         requests = [
             DraftRequest(item.seq.seq_id, item.seq.token_ids, item.seq.num_last_accepted,
                          item.num_speculative_tokens,
@@ -543,7 +542,6 @@ class Engine:
         started = time.perf_counter()
         drafts = await self.drafter_pool.propose(requests, finished, self.config.draft_timeout_s)
         seconds = time.perf_counter() - started
-        self._last_round_trip_s = seconds
         if self.metrics is not None:
             self.metrics.observe_round_trip(seconds)
         if self.policy is not None:
@@ -552,7 +550,7 @@ class Engine:
                 self.policy.observe_first_asks(num_first_asks, longest, seconds)
             else:
                 self.policy.observe_drafting(longest, seconds)
-        return drafts
+        return drafts, seconds
 
     async def _sync_new_prompts(self, scheduled: list[ScheduledSequence]) -> None:
         """Sends the prompt of each sequence scheduled for the first time to the drafter
@@ -578,7 +576,7 @@ class Engine:
             await asyncio.sleep(0)
 
     def _build_inputs(self, scheduled: list[ScheduledSequence], drafts: dict[int, Draft],
-                      ) -> tuple[list[StepInput], list[Draft]]:
+                      round_trip_s: float) -> tuple[list[StepInput], list[Draft]]:
         inputs: list[StepInput] = []
         step_drafts: list[Draft] = []
         for item in scheduled:
@@ -596,7 +594,7 @@ class Engine:
                             draft = _truncate(draft, seq.grammar.valid_prefix_len(draft.token_ids))
             step_drafts.append(draft)
         if self.policy is not None and self.config.text_drafter:
-            self._cut_by_evidence(scheduled, step_drafts)
+            self._cut_by_evidence(scheduled, step_drafts, round_trip_s)
         for item, draft in zip(scheduled, step_drafts):
             seq = item.seq
             start = seq.num_computed_tokens
@@ -605,9 +603,11 @@ class Engine:
             inputs.append(StepInput(chunk + draft.token_ids, start, seq.block_table, num_logit_rows))
         return inputs, step_drafts
 
-    def _cut_by_evidence(self, scheduled: list[ScheduledSequence], step_drafts: list[Draft]) -> None:
+    def _cut_by_evidence(self, scheduled: list[ScheduledSequence], step_drafts: list[Draft],
+                         round_trip_s: float) -> None:
         """Cuts, in place, each drafter draft that came with a confidence to the prefix the
-        policy finds pays at this batch's cost (`SpeculationPolicy.evidence_lengths`)."""
+        policy finds pays at this batch's cost, the step's round trip (`round_trip_s`) already
+        paid (`SpeculationPolicy.evidence_lengths`)."""
         assert self.policy is not None
         indices = [index for index, draft in enumerate(step_drafts)
                    if draft.token_ids and not draft.forced and draft.confidence]
@@ -617,7 +617,7 @@ class Engine:
         num_other = sum(item.num_query_tokens for item in scheduled) - num_plain
         lengths = self.policy.evidence_lengths(
             [step_drafts[index].confidence or [] for index in indices], num_plain, num_other,
-            self._last_round_trip_s)
+            round_trip_s)
         for index, length in zip(indices, lengths):
             step_drafts[index] = _truncate(step_drafts[index], length)
 
