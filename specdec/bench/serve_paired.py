@@ -16,7 +16,6 @@ import dataclasses
 import json
 import sys
 import time
-from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -24,7 +23,7 @@ from typing import Any, NamedTuple
 
 import httpx
 
-from specdec.bench.serve_report import responses_speculation
+from specdec.bench.serve_report import error_counts, responses_speculation
 from specdec.bench.serve_requests import BenchRequest, RequestResult, send_request
 
 DEFAULT_WARMUP = 16
@@ -145,8 +144,7 @@ def block_figures(run: PairedRun, wave_numbers: list[int]) -> dict[str, Any]:
 
 def acceptance_length(results: list[RequestResult]) -> float | None:
     """1 + accepted / drafts from the responses' usage.speculation; None without drafts."""
-    counters = responses_speculation(results)
-    return 1 + counters.num_accepted_tokens / counters.num_drafts if counters.num_drafts else None
+    return responses_speculation(results).mean_acceptance_length
 
 
 def text_mismatches(run: PairedRun) -> list[int]:
@@ -163,7 +161,7 @@ def text_mismatches(run: PairedRun) -> list[int]:
 def _outcome(results: list[RequestResult]) -> dict[str, Any]:
     failed = [r for r in results if not r.success]
     return {"completed": len(results) - len(failed), "failed": len(failed),
-            "errors": dict(Counter(r.error for r in failed).most_common())}
+            "errors": error_counts(results)}
 
 
 def summarise_paired(run: PairedRun, warmup: int = DEFAULT_WARMUP,

@@ -57,6 +57,12 @@ class SpecCounters:
     # counted; or at all: another server).
     exported: bool = True
 
+    @property
+    def mean_acceptance_length(self) -> float | None:
+        """1 + accepted / drafts: tokens a draft yields with the one it always adds; None
+        without drafts."""
+        return 1 + self.num_accepted_tokens / self.num_drafts if self.num_drafts else None
+
     def minus(self, before: SpecCounters) -> SpecCounters:
         per_position = None
         if self.accepted_per_position is not None:
@@ -148,13 +154,18 @@ def summarise(report: BenchRun) -> dict[str, Any]:
                                                 from_responses)
     summary["speculation_from_responses"] = _speculation_block(from_responses, "responses",
                                                                from_responses)
-    summary["errors"] = dict(Counter(r.error for r in results if not r.success).most_common())
+    summary["errors"] = error_counts(results)
     summary["requests"] = [
         {"success": r.success, "error": r.error or None, "start_s": r.start_s,
          "e2e_ms": r.e2e_s * 1000, "ttft_ms": None if r.ttft_s is None else r.ttft_s * 1000,
          "prompt_tokens": r.num_prompt_tokens, "output_tokens": r.num_output_tokens}
         for r in results]
     return summary
+
+
+def error_counts(results: list[RequestResult]) -> dict[str, int]:
+    """The failed requests' errors with their counts, most frequent first."""
+    return dict(Counter(r.error for r in results if not r.success).most_common())
 
 
 def _speculation_block(counters: SpecCounters, source: str,
@@ -173,7 +184,7 @@ def _speculation_block(counters: SpecCounters, source: str,
         "num_accepted_tokens": int(counters.num_accepted_tokens),
         "acceptance_rate": (counters.num_accepted_tokens / counters.num_draft_tokens
                             if counters.num_draft_tokens else None),
-        "mean_acceptance_length": 1 + counters.num_accepted_tokens / drafts if drafts else None,
+        "mean_acceptance_length": counters.mean_acceptance_length,
         "per_position_acceptance": [n / drafts_for_positions for n in per_position or ()]
         if drafts_for_positions else [],
         "per_position_source": per_position_source,
