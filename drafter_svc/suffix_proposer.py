@@ -49,7 +49,7 @@ from drafter_svc.proposer import (
     TokenHistory,
     target_limits,
 )
-from drafter_svc.suffix_tree import Draft, Node, SuffixTree
+from drafter_svc.suffix_tree import Draft, SuffixTree
 from specdec.config import SpeculativeConfig
 
 if TYPE_CHECKING:
@@ -101,8 +101,8 @@ class GlobalSuffixCache:
 class _SequenceState:
     history: TokenHistory
     prompt_len: int | None = None  # set by the first append
-    local_matches: list[Node] = field(default_factory=list)
-    global_matches: list[Node] = field(default_factory=list)
+    local_matches: list[int] = field(default_factory=list)  # node ids
+    global_matches: list[int] = field(default_factory=list)
     global_version: int = -1
 
 

@@ -18,6 +18,14 @@ lengths 1..M with M the longest match.
 Memory: a sequence of n tokens adds at most n * max_depth nodes (fewer where text repeats);
 removing it (`remove`) gives them back, so a trie that holds a bounded number of sequences
 holds a bounded number of nodes.
+
+A node is an int, an index into parallel lists (its token, count, most frequent child,
+children by token), not a Python object: the cyclic garbage collector scans every object
+that can hold references, and a drafter's tries hold millions of nodes. As objects (a
+slotted class with a dict of children) they made the drafter's full collections take
+90-210 ms each (1.5 s in one 96-request agent run at 16 requests), each a stall longer than
+the verifier's draft deadline. A children dict that maps ints to ints is one the collector
+does not track, so a trie adds a handful of scanned objects however large it grows.
 """
 
 from __future__ import annotations
@@ -27,23 +35,8 @@ from dataclasses import dataclass, field
 
 from drafter_svc.confidence import match_confidence
 
-
-class Node:
-    """One substring: its last token, its occurrence count, and its children by token."""
-
-    __slots__ = ("best", "children", "count", "token")
-
-    def __init__(self, token: int) -> None:
-        self.token = token
-        self.count = 0
-        # None until the first child: most nodes of a deep trie are leaves.
-        self.children: dict[int, Node] | None = None
-        # The child with the highest count (the first to reach it on ties): kept on insert,
-        # recomputed on removal, so a draft step never scans a wide node's children.
-        self.best: Node | None = None
-
-    def child(self, token: int) -> Node | None:
-        return None if self.children is None else self.children.get(token)
+ROOT = 0       # the root's node id: the empty substring
+NO_NODE = -1   # "no node", in the best-child list
 
 
 @dataclass(slots=True)
@@ -60,17 +53,51 @@ class Draft:
 
 
 class SuffixTree:
-    """The trie of all substrings of at most `max_depth` tokens of the inserted text."""
+    """The trie of all substrings of at most `max_depth` tokens of the inserted text.
+
+    Nodes are ids (ROOT is the root); `count`, `token`, `best`, `child` and `children` read
+    them. A match list (of node ids) is valid until the next `remove`: a removed node's id
+    is given to a later new node.
+    """
 
     def __init__(self, max_depth: int) -> None:
         if max_depth < 1:
             raise ValueError(f"max_depth must be >= 1, got {max_depth}")
         self.max_depth = max_depth
-        self.root = Node(-1)
         self.num_nodes = 0  # without the root
+        # Per node id: its last token, how often its substring occurs, its most frequent
+        # child (the first to reach that count on ties; NO_NODE for a leaf, kept on insert
+        # and recomputed on removal, so a draft step never scans a wide node's children),
+        # and its children by token (None for a leaf: most nodes of a deep trie are leaves).
+        self._token: list[int] = [-1]
+        self._count: list[int] = [0]
+        self._best: list[int] = [NO_NODE]
+        self._children: list[dict[int, int] | None] = [None]
+        self._free: list[int] = []  # ids of removed nodes, reused first
+
+    # --- reading -------------------------------------------------------------------------
+    def count(self, node: int) -> int:
+        return self._count[node]
+
+    def token(self, node: int) -> int:
+        return self._token[node]
+
+    def best(self, node: int) -> int | None:
+        """The most frequent child; None for a leaf."""
+        best = self._best[node]
+        return None if best == NO_NODE else best
+
+    def child(self, node: int, token: int) -> int | None:
+        children = self._children[node]
+        return None if children is None else children.get(token)
+
+    def children(self, node: int) -> dict[int, int]:
+        """Token -> child id (a copy)."""
+        children = self._children[node]
+        return {} if children is None else dict(children)
 
     # --- insertion -----------------------------------------------------------------------
-    def extend(self, matches: list[Node], token_ids: Sequence[int]) -> list[Node]:
+    def extend(self, matches: list[int], token_ids: Sequence[int]) -> list[int]:
         """Inserts tokens continuing the text whose suffixes are `matches` (which must be this
         trie's insertion list for that text, [] for a new text); returns the new list.
 
@@ -78,27 +105,37 @@ class SuffixTree:
         one at the root, so the returned list is the nodes of the text's last 1..max_depth
         tokens (all present: the text itself was just inserted).
         """
-        root = self.root
         keep = self.max_depth - 1
+        token_of, count, best, children_of, free = (self._token, self._count, self._best,
+                                                     self._children, self._free)
         num_new_nodes = 0
         # The per-token work, inlined: a long prompt arrives in one update and is inserted
         # within one step's draft deadline.
         for token in token_ids:
             token = int(token)
-            root.count += 1  # the root counts suffix starts, i.e. tokens
-            grown: list[Node] = []
-            for parent in (root, *matches[:keep]):
-                children = parent.children
+            count[ROOT] += 1  # the root counts suffix starts, i.e. tokens
+            grown: list[int] = []
+            for parent in (ROOT, *matches[:keep]):
+                children = children_of[parent]
                 if children is None:
-                    children = parent.children = {}
+                    children = children_of[parent] = {}
                 node = children.get(token)
                 if node is None:
-                    node = children[token] = Node(token)
+                    if free:
+                        node = free.pop()
+                        token_of[node] = token
+                    else:
+                        node = len(count)
+                        token_of.append(token)
+                        count.append(0)
+                        best.append(NO_NODE)
+                        children_of.append(None)
+                    children[token] = node
                     num_new_nodes += 1
-                node.count += 1
-                best = parent.best
-                if best is None or node.count > best.count:
-                    parent.best = node
+                node_count = count[node] = count[node] + 1
+                parent_best = best[parent]
+                if parent_best == NO_NODE or node_count > count[parent_best]:
+                    best[parent] = node
                 grown.append(node)
             matches = grown
         self.num_nodes += num_new_nodes
@@ -117,111 +154,123 @@ class SuffixTree:
             self._decrement_path(tokens[start:start + self.max_depth])
 
     def _decrement_path(self, path: list[int]) -> None:
-        parent = self.root
-        self.root.count -= 1
+        count, best, children_of = self._count, self._best, self._children
+        parent = ROOT
+        count[ROOT] -= 1
         for token in path:
-            node = parent.child(token)
+            children = children_of[parent]
+            node = None if children is None else children.get(token)
             if node is None:  # not inserted: a caller bug; keep the trie consistent anyway
                 return
-            node.count -= 1
-            if node.count <= 0:
-                assert parent.children is not None
-                del parent.children[token]
-                self.num_nodes -= _subtree_size(node)
-                if parent.best is node:
-                    parent.best = _most_frequent(parent)
+            count[node] -= 1
+            if count[node] <= 0:
+                assert children is not None
+                del children[token]
+                if not children:
+                    children_of[parent] = None
+                self._free_subtree(node)
+                if best[parent] == node:
+                    best[parent] = self._most_frequent(parent)
                 return
-            if parent.best is node:
-                parent.best = _most_frequent(parent)
+            if best[parent] == node:
+                best[parent] = self._most_frequent(parent)
             parent = node
 
+    def _free_subtree(self, node: int) -> None:
+        count, best, children_of, free = self._count, self._best, self._children, self._free
+        stack = [node]
+        while stack:
+            current = stack.pop()
+            children = children_of[current]
+            if children:
+                stack.extend(children.values())
+            children_of[current] = None
+            count[current] = 0
+            best[current] = NO_NODE
+            free.append(current)
+            self.num_nodes -= 1
+
+    def _most_frequent(self, node: int) -> int:
+        children = self._children[node]
+        if not children:
+            return NO_NODE
+        count = self._count
+        return max(children.values(), key=count.__getitem__)
+
     # --- matching ------------------------------------------------------------------------
-    def follow(self, matches: list[Node], token_ids: Sequence[int]) -> list[Node]:
+    def follow(self, matches: list[int], token_ids: Sequence[int]) -> list[int]:
         """The match list after the text grows by `token_ids`, without inserting anything.
 
         Only valid while the trie is unchanged since `matches` was computed (see `match`).
         """
+        children_of = self._children
+        keep = self.max_depth - 1
         for token in token_ids:
             token = int(token)
-            grown: list[Node] = []
-            for parent in (self.root, *matches[:self.max_depth - 1]):
-                node = parent.child(token)
+            grown: list[int] = []
+            for parent in (ROOT, *matches[:keep]):
+                children = children_of[parent]
+                node = None if children is None else children.get(token)
                 if node is None:
                     break  # nested suffixes: no longer one can match either
                 grown.append(node)
             matches = grown
         return matches
 
-    def match(self, context: Sequence[int]) -> list[Node]:
+    def match(self, context: Sequence[int]) -> list[int]:
         """The match list of `context` computed from scratch (its last max_depth tokens)."""
         return self.follow([], list(context[-self.max_depth:]))
 
-    def speculate(self, matches: list[Node], max_tokens: int, max_spec_factor: float,
+    def speculate(self, matches: list[int], max_tokens: int, max_spec_factor: float,
                   min_token_prob: float) -> Draft:
         """The best draft over all match lengths, by score (ties: the shorter match).
 
         From the node of a match of length m, up to min(max_tokens, m * max_spec_factor)
         tokens: the most frequent child each time, while the path's probability (the product
-        of child.count / node.count) stays >= min_token_prob.
+        of child count / node count) stays >= min_token_prob.
         """
-        best = Draft([])
+        best_draft = Draft([])
         for match_len, node in enumerate(matches, start=1):
             limit = min(max_tokens, int(match_len * max_spec_factor + 1e-6))
-            if limit <= 0 or node.best is None:
+            if limit <= 0 or self._best[node] == NO_NODE:
                 continue
-            draft = _walk(node, limit, min_token_prob)
-            if draft.score > best.score:
+            draft = self._walk(node, limit, min_token_prob)
+            if draft.score > best_draft.score:
                 draft.match_len = match_len
-                best = draft
-        if best.token_ids:
-            best.confidence = _confidence(matches[best.match_len - 1], best.token_ids,
-                                          best.match_len)
-        return best
+                best_draft = draft
+        if best_draft.token_ids:
+            best_draft.confidence = self._confidence(matches[best_draft.match_len - 1],
+                                                     best_draft.token_ids, best_draft.match_len)
+        return best_draft
 
+    def _walk(self, node: int, limit: int, min_token_prob: float) -> Draft:
+        count, best, token_of = self._count, self._best, self._token
+        tokens: list[int] = []
+        prob = 1.0
+        score = 0.0
+        while len(tokens) < limit:
+            child = best[node]
+            if child == NO_NODE:
+                break
+            prob *= count[child] / count[node]
+            if prob < min_token_prob:
+                break
+            tokens.append(token_of[child])
+            score += prob
+            node = child
+        return Draft(tokens, score)
 
-def _walk(node: Node, limit: int, min_token_prob: float) -> Draft:
-    tokens: list[int] = []
-    prob = 1.0
-    score = 0.0
-    while len(tokens) < limit:
-        child = node.best
-        if child is None:
-            break
-        prob *= child.count / node.count
-        if prob < min_token_prob:
-            break
-        tokens.append(child.token)
-        score += prob
-        node = child
-    return Draft(tokens, score)
-
-
-def _confidence(node: Node, token_ids: list[int], match_len: int) -> list[float]:
-    """The winning draft's confidence, from its match node down its path (only the winner's:
-    summing a wide node's children is not free)."""
-    confidence: list[float] = []
-    for token in token_ids:
-        child = node.child(token)
-        assert child is not None and node.children is not None
-        num_going_on = sum(other.count for other in node.children.values())
-        confidence.append(match_confidence(child.count, num_going_on,
-                                           match_len + len(confidence)))
-        node = child
-    return confidence
-
-
-def _most_frequent(node: Node) -> Node | None:
-    if not node.children:
-        return None
-    return max(node.children.values(), key=lambda child: child.count)
-
-
-def _subtree_size(node: Node) -> int:
-    size = 0
-    stack = [node]
-    while stack:
-        current = stack.pop()
-        size += 1
-        if current.children:
-            stack.extend(current.children.values())
-    return size
+    def _confidence(self, node: int, token_ids: list[int], match_len: int) -> list[float]:
+        """The winning draft's confidence, from its match node down its path (only the
+        winner's: summing a wide node's children is not free)."""
+        count, children_of = self._count, self._children
+        confidence: list[float] = []
+        for token in token_ids:
+            children = children_of[node]
+            assert children is not None
+            child = children[token]
+            num_going_on = sum(count[other] for other in children.values())
+            confidence.append(match_confidence(count[child], num_going_on,
+                                               match_len + len(confidence)))
+            node = child
+        return confidence

@@ -101,7 +101,7 @@ def test_drafts_never_enter_the_state_so_rollback_is_safe() -> None:
     # "1 2" went on with 3 and with 9 once each (and ends the context once): the first seen
     # wins the tie, p = 1/3 per token. Had the draft [3, 4] been held, "1 2 3 4" would count 2.
     assert draft(method, 1) == [3, 4]
-    assert method._trees[1].match([1, 2, 3, 4])[-1].count == 1
+    assert method._trees[1].count(method._trees[1].match([1, 2, 3, 4])[-1]) == 1
 
 
 def test_a_finished_output_is_drafted_from_by_later_requests_on_other_streams() -> None:

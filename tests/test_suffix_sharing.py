@@ -110,7 +110,7 @@ def test_a_finished_output_from_the_verifier_is_learned_once() -> None:
     handle_propose_request(method, finished(7, output, prompt=[1, 2]))
     handle_propose_request(method, finished(7, output))  # replayed: already held
     assert len(method.cache) == 1
-    assert method.cache.tree.match([40])[-1].count == 1
+    assert method.cache.tree.count(method.cache.tree.match([40])[-1]) == 1
     # Another stream of the same server drafts from it.
     other = make()
     assert drafts(handle_propose_request(other, update(3, [9, 40, 41], 3))) == {3: [42, 43]}
@@ -126,7 +126,7 @@ def test_a_stream_told_of_finished_outputs_stops_publishing_its_own() -> None:
     request.finished_seq_ids.append(1)
     handle_propose_request(method, request)
     assert len(method.cache) == 1
-    assert method.cache.tree.match([50, 51])[-1].count == 1  # not 2
+    assert method.cache.tree.count(method.cache.tree.match([50, 51])[-1]) == 1  # not 2
     # A stream that never got one publishes its finished sequences itself (as before).
     alone = proposer_factory(suffix())()
     handle_propose_request(alone, update(1, [9], 1))  # the prompt
