@@ -26,6 +26,7 @@ from drafter_svc.servicer import (
 )
 from specdec.config import SpeculativeConfig
 from specdec.errors import ConfigError
+from specdec.heap import freeze_startup_heap
 from specdec.rpc.grpc_server import SHUTDOWN_GRACE_S, GrpcServer, run_until_signalled
 from specdec.rpc.internal_auth import (
     add_internal_auth_args,
@@ -200,6 +201,7 @@ async def serve(config: SpeculativeConfig, host: str, port: int, options: ModelO
                                            metrics_port=metrics_port, limits=limits,
                                            internal_token=internal_token,
                                            enable_reflection=enable_reflection)
+    freeze_startup_heap()
     await run_until_signalled(server)
 
 

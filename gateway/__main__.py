@@ -13,6 +13,7 @@ from gateway.server import add_server_args, limits_from_args, uvicorn_config
 from gateway.tools import TOOL_CALL_PARSERS
 from gateway.verifier_client import VerifierClient
 from specdec.errors import SpecdecError
+from specdec.heap import freeze_startup_heap
 from specdec.rpc.internal_auth import (
     add_internal_auth_args,
     load_api_key,
@@ -94,6 +95,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {getattr(exc, 'message', exc)}", file=sys.stderr)
         return 2
     app = create_app(config, tokenizer, verifier_client)
+    freeze_startup_heap()
     uvicorn.Server(uvicorn_config(app, config.host, config.port, log_level=args.log_level,
                                   limits=limits)).run()
     return 0

@@ -20,6 +20,7 @@ from specdec.cli import (
 )
 from specdec.config import SpeculativeConfig, parse_additional_config
 from specdec.errors import ConfigError
+from specdec.heap import freeze_startup_heap
 from specdec.rpc.grpc_server import wait_for_signal
 from specdec.rpc.internal_auth import (
     add_internal_auth_args,
@@ -82,7 +83,8 @@ def config_from_args(args: argparse.Namespace) -> VerifierConfig:
 
 async def serve(args: argparse.Namespace, config: VerifierConfig) -> int:
     verifier = await start_verifier(config, args.host, args.port, args.metrics_port)
-    logger.info("verifier serving on %s:%d", args.host, verifier.port)
+    logger.info("verifier serving on %s:%d (%d start-up objects frozen)", args.host,
+                verifier.port, freeze_startup_heap())
     signalled = asyncio.ensure_future(wait_for_signal())
     fatal = asyncio.ensure_future(verifier.wait_for_fatal_error())
     await asyncio.wait({signalled, fatal}, return_when=asyncio.FIRST_COMPLETED)
