@@ -348,14 +348,27 @@ class Engine:
             if not scheduled:
                 return
             listener = self.step_listener
-            if listener is not None:
+            # A decode step without grammar-forced drafts tells the policy what drafting (or
+            # not drafting) realized at this batch size.
+            checks_policy = (self.policy is not None
+                             and all(item.num_query_tokens == 1 and item.samples
+                                     and not (item.num_speculative_tokens and item.seq.forced_draft)
+                                     for item in scheduled))
+            if listener is not None or checks_policy:
                 outputs_before = sum(item.seq.num_output_tokens for item in scheduled)
+            if listener is not None:
                 num_prefill_tokens = sum(item.num_query_tokens for item in scheduled
                                          if item.num_query_tokens > 1 or not item.samples)
                 probes = set(self.policy.last_probes) if self.policy is not None else set()
                 num_probes = sum(1 for item in scheduled
                                  if item.num_speculative_tokens and item.seq.seq_id in probes)
             await self._run_step(scheduled)
+            if checks_policy:
+                assert self.policy is not None
+                self.policy.observe_step(
+                    len(scheduled), any(item.num_speculative_tokens for item in scheduled),
+                    sum(item.seq.num_output_tokens for item in scheduled) - outputs_before,
+                    time.perf_counter() - started)
             if listener is not None:
                 listener(StepRecord(
                     started, time.perf_counter(), speculation_enabled, len(scheduled),
@@ -681,12 +694,18 @@ class Engine:
         self._last_stats_log = now
         spec = self.spec
         per_position = ", ".join(f"{n / spec.num_drafts:.2f}" for n in spec.accepted_per_position)
+        realized = ""
+        if self.policy is not None and self.num_running:
+            efficiency = self.policy.realized.efficiency(self.num_running)
+            if efficiency is not None:
+                realized = (f"; at this batch size drafting steps yield {efficiency:.2f}x plain, "
+                            f"draft cost x{self.policy.realized.cost_scale(self.num_running):.2f}")
         logger.info(
             "speculation: acceptance rate %.3f, mean acceptance length %.2f, per-position "
-            "acceptance [%s], drafts %d; running %d, waiting %d, KV usage %.1f%%",
+            "acceptance [%s], drafts %d; running %d, waiting %d, KV usage %.1f%%%s",
             spec.num_accepted_tokens / max(1, spec.num_draft_tokens),
             1 + spec.num_accepted_tokens / spec.num_drafts, per_position, spec.num_drafts,
-            self.num_running, self.num_waiting, 100 * self.scheduler.block_manager.usage)
+            self.num_running, self.num_waiting, 100 * self.scheduler.block_manager.usage, realized)
 
 
 _NO_DRAFT = Draft(token_ids=[], probs=None)

@@ -39,6 +39,13 @@ What is measured, not assumed:
   text): an empty answer costs the round trip but no verification, so a draft's expected
   gain and its verification cost both scale by that chance, and the acceptance counts
   above are kept for proposals only.
+The fits are linear in rows and blind to context length, so they are checked against
+what steps realize (verifier_svc/speculation/realized.py): per batch-size bucket, while
+steps that ask the drafter yield fewer tokens than plain steps of their size would in
+their time, every cost of drafting (verified rows, first-draft terms, round trip, first
+asks) is scaled up, in the plan and in `evidence_lengths`; the scale returns to 1 while
+drafting pays.
+
 Sequences planned at k = 0 are probed now and then (one draft token, so that their
 acceptance keeps being measured), and new ones soon after they start: when, and within
 what share of the throughput, is verifier_svc/speculation/probe_schedule.py's; the plan prices each
@@ -68,6 +75,7 @@ from verifier_svc.speculation.probe_schedule import (
     PROBE_BUDGET,
     ProbeSchedule,
 )
+from verifier_svc.speculation.realized import RealizedThroughput
 from verifier_svc.speculation.step_cost import (
     FirstAskCost,
     LinearCostModel,
@@ -107,6 +115,7 @@ class SpeculationPolicy:
         self.draft_cost = LinearCostModel(0.0)   # x: longest draft asked
         self.first_ask_cost = FirstAskCost()
         self.calibration = ConfidenceCalibration()
+        self.realized = RealizedThroughput()
 
     @property
     def last_probes(self) -> list[int]:
@@ -152,8 +161,18 @@ class SpeculationPolicy:
             return [len(confidence) for confidence in confidences]
         verify_base, verify_slope, verify_per_seq = self.verify_cost.fit()
         base = verify_base + verify_slope * (num_plain_tokens + num_other_tokens) + paid_seconds
+        scale = self.realized.cost_scale(num_plain_tokens)
         return verified_lengths([self.calibration.rates(confidence) for confidence in confidences],
-                                num_plain_tokens, base, verify_slope, verify_per_seq)
+                                num_plain_tokens, base, verify_slope * scale, verify_per_seq * scale)
+
+    def observe_step(self, num_seqs: int, asked: bool, num_tokens: int, seconds: float) -> None:
+        """A decode step's wall time and tokens (`asked`: it asked the drafter; otherwise it
+        drafted nothing): checks the fitted costs against what drafting realizes."""
+        if not self.verify_cost.has_data:
+            return
+        verify_base, verify_slope, _ = self.verify_cost.fit()
+        self.realized.observe(num_seqs, asked, num_tokens, seconds,
+                              verify_base + verify_slope * num_seqs)
 
     def observe_verify(self, num_tokens: int, num_drafting_seqs: int, seconds: float) -> None:
         """A decode-only step's verify time: inputs, forward, logits and sampling of
@@ -254,6 +273,11 @@ class SpeculationPolicy:
         num_tokens = len(candidates) + num_other_tokens
         plain_tokens = float(len(candidates))
         plain_seconds = verify_base + verify_slope * num_tokens
+        # From here on the costs are drafting's, scaled by what drafting steps realized
+        # against plain ones at this batch size (realized.py; 1 while they pay as fitted).
+        scale = self.realized.cost_scale(len(candidates))
+        verify_slope, verify_per_seq = verify_slope * scale, verify_per_seq * scale
+        draft_base, draft_per_token = draft_base * scale, draft_per_token * scale
         # The drafter's round trip is paid once for all of a step's drafts, so no single
         # draft need pay it: the drafts are planned as if it were paid, then kept only if
         # together they beat not asking (at eight requests here no one draft paid a 1.2 ms
@@ -262,7 +286,7 @@ class SpeculationPolicy:
 
         # A sequence never asked for pays its first ask with its first draft (its context;
         # for EAGLE and draft models the drafter's prefill of it).
-        first_ask_round_trip, first_ask_seconds = self.first_ask_costs()
+        first_ask_round_trip, first_ask_seconds = (cost * scale for cost in self.first_ask_costs())
         never_asked = [candidate.seq_id not in self._proposals and candidate.seq_id not in self._stats
                        for candidate in candidates]
         # Whose first draft carries a first ask's cost (its context, not synced before).
