@@ -114,6 +114,32 @@ async def test_adaptive_speculation_keeps_outputs(tiny_model: Path, device, expe
     assert list(outputs) == expected
 
 
+async def test_decode_steps_tell_the_policy_what_drafting_realized(tiny_model: Path, device,
+                                                                   expected) -> None:
+    """Each decode step reports its sequences, whether it drafted, its tokens and its wall
+    time (verifier_svc/speculation/realized.py); steps with a prefill chunk do not."""
+    async with EngineHarness(tiny_model, str(device), k=3, adaptive_speculation=True) as engine:
+        policy = engine.policy
+        assert policy is not None
+        reported: list[tuple[int, bool, int, float]] = []
+        observe = policy.observe_step
+
+        def observe_and_note(num_seqs: int, asked: bool, num_tokens: int, seconds: float) -> None:
+            reported.append((num_seqs, asked, num_tokens, seconds))
+            observe(num_seqs, asked, num_tokens, seconds)
+
+        policy.observe_step = observe_and_note  # type: ignore[method-assign]
+        outputs = await asyncio.gather(*(generate(engine, p, greedy()) for p in PROMPTS))
+        num_steps = engine.num_steps
+    assert list(outputs) == expected
+    assert 0 < len(reported) < num_steps  # the prefill steps are not reported
+    assert any(asked for _, asked, _, _ in reported)
+    for num_seqs, asked, num_tokens, seconds in reported:
+        assert 1 <= num_seqs <= len(PROMPTS) and seconds > 0
+        # A sequence yields one token a step, more only through accepted drafts.
+        assert num_tokens <= num_seqs * (1 + 3) if asked else num_tokens <= num_seqs
+
+
 async def test_a_text_drafter_is_asked_for_its_cap_and_its_drafts_cut_by_evidence(
         tiny_model: Path, device, expected, monkeypatch: pytest.MonkeyPatch) -> None:
     """Under the adaptive policy an ngram drafter asked at all is asked for k; what arrives

@@ -7,7 +7,12 @@ import pytest
 
 from verifier_svc.speculation.candidate import Candidate
 from verifier_svc.speculation.policy import SpeculationPolicy
-from verifier_svc.speculation.realized import MAX_SCALE, MIN_STEPS, RealizedThroughput, bucket
+from verifier_svc.speculation.realized import (
+    MAX_SCALE,
+    MIN_STEPS,
+    RealizedThroughput,
+    bucket,
+)
 
 
 @pytest.mark.parametrize("num_seqs, expected", [(1, 0), (2, 1), (3, 2), (4, 2), (5, 3), (8, 3),
@@ -57,6 +62,19 @@ def test_drafting_is_judged_against_plain_steps_of_its_own_size() -> None:
         realized.observe(9, True, 12, 0.012, 0.009)
     assert realized.efficiency(9) == pytest.approx(12 / (9 * 0.012 / 0.01125))
     assert realized.cost_scale(9) == 1.0
+
+
+def test_plain_steps_relax_the_scale_so_drafting_is_tried_again() -> None:
+    # A high scale stops the drafting whose steps would lower it: plain steps bring it back.
+    realized = RealizedThroughput()
+    _plain_steps(realized, 16, MIN_STEPS)
+    for _ in range(200):
+        realized.observe(16, True, 20, 0.040, 0.016)
+    assert realized.cost_scale(16) == pytest.approx(MAX_SCALE)
+    _plain_steps(realized, 16, 140)
+    assert 1.0 < realized.cost_scale(16) < MAX_SCALE ** 0.55
+    _plain_steps(realized, 16, 1000)
+    assert realized.cost_scale(16) < 1.01
 
 
 def test_nothing_moves_before_both_kinds_of_step_were_seen() -> None:

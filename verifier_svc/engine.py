@@ -362,11 +362,17 @@ class Engine:
                 probes = set(self.policy.last_probes) if self.policy is not None else set()
                 num_probes = sum(1 for item in scheduled
                                  if item.num_speculative_tokens and item.seq.seq_id in probes)
+            if checks_policy:
+                assert self.policy is not None
+                # A step whose only drafts are probes (exploration) is neither kind.
+                exploring = set(self.policy.last_probes)
+                drafting = [item.seq.seq_id for item in scheduled if item.num_speculative_tokens]
+                checks_policy = not drafting or any(seq_id not in exploring for seq_id in drafting)
             await self._run_step(scheduled)
             if checks_policy:
                 assert self.policy is not None
                 self.policy.observe_step(
-                    len(scheduled), any(item.num_speculative_tokens for item in scheduled),
+                    len(scheduled), bool(drafting),
                     sum(item.seq.num_output_tokens for item in scheduled) - outputs_before,
                     time.perf_counter() - started)
             if listener is not None:

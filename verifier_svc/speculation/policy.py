@@ -44,7 +44,7 @@ what steps realize (verifier_svc/speculation/realized.py): per batch-size bucket
 steps that ask the drafter yield fewer tokens than plain steps of their size would in
 their time, every cost of drafting (verified rows, first-draft terms, round trip, first
 asks) is scaled up, in the plan and in `evidence_lengths`; the scale returns to 1 while
-drafting pays.
+drafting pays or plain steps go by. Steps that only probe are left out of the check.
 
 Sequences planned at k = 0 are probed now and then (one draft token, so that their
 acceptance keeps being measured), and new ones soon after they start: when, and within
