@@ -27,11 +27,18 @@ def _plain_steps(realized: RealizedThroughput, num_seqs: int, count: int,
         realized.observe(num_seqs, False, num_seqs, seconds, predicted)
 
 
-def test_the_scale_rises_while_drafting_steps_yield_less_than_plain_ones() -> None:
+def _losing(num_drafting_steps: int) -> RealizedThroughput:
+    """Plain steps at 16 sequences (16 tokens in 20 ms: 800 tokens/s), then drafting steps
+    yielding 20 tokens in 40 ms (500 tokens/s)."""
     realized = RealizedThroughput()
-    _plain_steps(realized, 16, MIN_STEPS)   # 16 tokens in 20 ms: 800 tokens/s
-    for _ in range(200):                    # 20 tokens in 40 ms: 500 tokens/s
+    _plain_steps(realized, 16, MIN_STEPS)
+    for _ in range(num_drafting_steps):
         realized.observe(16, True, 20, 0.040, 0.016)
+    return realized
+
+
+def test_the_scale_rises_while_drafting_steps_yield_less_than_plain_ones() -> None:
+    realized = _losing(200)
     assert realized.efficiency(16) == pytest.approx(0.625)
     assert realized.cost_scale(16) == pytest.approx(MAX_SCALE)  # bounded
     assert realized.cost_scale(12) == realized.cost_scale(16)   # the same bucket
@@ -39,10 +46,7 @@ def test_the_scale_rises_while_drafting_steps_yield_less_than_plain_ones() -> No
 
 
 def test_the_scale_falls_back_to_one_while_drafting_pays() -> None:
-    realized = RealizedThroughput()
-    _plain_steps(realized, 16, MIN_STEPS)
-    for _ in range(40):
-        realized.observe(16, True, 20, 0.040, 0.016)
+    realized = _losing(40)
     raised = realized.cost_scale(16)
     assert raised > 1.5
     for _ in range(400):                    # 48 tokens in 40 ms: 1.5x plain
@@ -66,10 +70,7 @@ def test_drafting_is_judged_against_plain_steps_of_its_own_size() -> None:
 
 def test_plain_steps_relax_the_scale_so_drafting_is_tried_again() -> None:
     # A high scale stops the drafting whose steps would lower it: plain steps bring it back.
-    realized = RealizedThroughput()
-    _plain_steps(realized, 16, MIN_STEPS)
-    for _ in range(200):
-        realized.observe(16, True, 20, 0.040, 0.016)
+    realized = _losing(200)
     assert realized.cost_scale(16) == pytest.approx(MAX_SCALE)
     _plain_steps(realized, 16, 140)
     assert 1.0 < realized.cost_scale(16) < MAX_SCALE ** 0.55

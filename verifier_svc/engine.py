@@ -348,39 +348,36 @@ class Engine:
             if not scheduled:
                 return
             listener = self.step_listener
+            policy = self.policy
+            probes = set(policy.last_probes) if policy is not None else set()
             # A decode step without grammar-forced drafts tells the policy what drafting (or
-            # not drafting) realized at this batch size.
-            checks_policy = (self.policy is not None
-                             and all(item.num_query_tokens == 1 and item.samples
-                                     and not (item.num_speculative_tokens and item.seq.forced_draft)
-                                     for item in scheduled))
+            # not drafting) realized at this batch size; one whose only drafts are probes
+            # (exploration) is neither kind.
+            checks_policy = False
+            if policy is not None and all(item.num_query_tokens == 1 and item.samples
+                                          and not (item.num_speculative_tokens and item.seq.forced_draft)
+                                          for item in scheduled):
+                drafting = [item.seq.seq_id for item in scheduled if item.num_speculative_tokens]
+                checks_policy = not drafting or not probes.issuperset(drafting)
             if listener is not None or checks_policy:
                 outputs_before = sum(item.seq.num_output_tokens for item in scheduled)
             if listener is not None:
                 num_prefill_tokens = sum(item.num_query_tokens for item in scheduled
                                          if item.num_query_tokens > 1 or not item.samples)
-                probes = set(self.policy.last_probes) if self.policy is not None else set()
                 num_probes = sum(1 for item in scheduled
                                  if item.num_speculative_tokens and item.seq.seq_id in probes)
-            if checks_policy:
-                assert self.policy is not None
-                # A step whose only drafts are probes (exploration) is neither kind.
-                exploring = set(self.policy.last_probes)
-                drafting = [item.seq.seq_id for item in scheduled if item.num_speculative_tokens]
-                checks_policy = not drafting or any(seq_id not in exploring for seq_id in drafting)
             await self._run_step(scheduled)
+            if listener is not None or checks_policy:
+                num_output_tokens = sum(item.seq.num_output_tokens for item in scheduled) - outputs_before
             if checks_policy:
-                assert self.policy is not None
-                self.policy.observe_step(
-                    len(scheduled), bool(drafting),
-                    sum(item.seq.num_output_tokens for item in scheduled) - outputs_before,
-                    time.perf_counter() - started)
+                assert policy is not None
+                policy.observe_step(len(scheduled), bool(drafting), num_output_tokens,
+                                    time.perf_counter() - started)
             if listener is not None:
                 listener(StepRecord(
                     started, time.perf_counter(), speculation_enabled, len(scheduled),
                     num_prefill_tokens, sum(item.num_speculative_tokens for item in scheduled),
-                    sum(item.seq.num_output_tokens for item in scheduled) - outputs_before,
-                    num_probes, self._grammar_seconds() - grammar_before))
+                    num_output_tokens, num_probes, self._grammar_seconds() - grammar_before))
         except Exception:
             self._fail_step(scheduled)
 
