@@ -57,6 +57,9 @@ class VerifierEndpoint:
     info: specdec_pb2.VerifierInfo | None = None
     healthy: bool = False
     last_probe_at: float = 0.0
+    # Probes in a row that ran out of time while the verifier was healthy (a busy one: it
+    # runs its forwards on the thread that answers probes).
+    slow_probes: int = 0
     # What /health reports: serving | not_serving (draining, shutting down) |
     # unreachable (down, or still loading its model) | tokenizer_mismatch (never used).
     status: str = "unreachable"

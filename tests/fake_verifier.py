@@ -82,6 +82,7 @@ class FakeVerifier(specdec_pb2_grpc.VerifierServicer):
         self.reply_token_ids = list(reply_token_ids)
         self.eos_token_id = eos_token_id
         self.delay_s = 0.0
+        self.info_delay_s = 0.0  # GetInfo waits this long: a verifier busy with a forward
         self.abort_code: grpc.StatusCode | None = None
         self.requests: list[specdec_pb2.GenerateRequest] = []
         self.cancelled_ids: list[str] = []
@@ -92,6 +93,7 @@ class FakeVerifier(specdec_pb2_grpc.VerifierServicer):
         self.reply_for: Callable[[specdec_pb2.GenerateRequest], list[int] | None] | None = None
 
     async def GetInfo(self, request: Any, context: Any) -> specdec_pb2.VerifierInfo:
+        await asyncio.sleep(self.info_delay_s)
         return specdec_pb2.VerifierInfo(
             model_name="tiny-model", max_model_len=MAX_MODEL_LEN, vocab_size=400,
             eos_token_ids=[self.eos_token_id], speculative_method="ngram",

@@ -15,6 +15,7 @@ import pytest
 from fake_verifier import (
     REPLY_TEXT,
     SERVED_MODEL,
+    BackgroundLoop,
     FakeVerifier,
     FakeVerifierServer,
     LiveGateway,
@@ -23,6 +24,7 @@ from fake_verifier import (
 )
 
 from gateway import VerifierClient
+from gateway.verifier_client import SLOW_PROBES_TO_DOWN
 from specdec.v1 import specdec_pb2
 
 MESSAGES = [{"role": "user", "content": "What is the answer?"}]
@@ -197,3 +199,37 @@ def test_a_non_streaming_failure_after_tokens_is_a_5xx_error(tokenizer):
         assert response.status_code == 503
         assert set(response.json()["error"]) == {"message", "type", "param", "code"}
     assert sum(len(s.requests) for s in servicers) == 1
+
+
+def test_a_busy_verifier_stays_up_until_its_probes_keep_timing_out(tokenizer):
+    """A verifier answers probes on the thread that runs its forwards: a probe that waits
+    out its deadline during a burst of long prompts is a busy verifier, not a gone one, and
+    turning the requests away with 503s would lose them. Three slow probes in a row are."""
+    servicer = FakeVerifier([5], tokenizer.eos_token_id)
+    server = FakeVerifierServer(servicer)
+    server.start()
+    loop = BackgroundLoop()
+    client = VerifierClient([server.address], probe_timeout_s=0.2, reprobe_interval_s=3600)
+    try:
+        loop.run(client.start())
+        assert client.serving
+        servicer.info_delay_s = 0.5
+        for _ in range(SLOW_PROBES_TO_DOWN - 1):
+            assert loop.run(client.probe_all())
+            assert client.serving and client.statuses() == {"verifier-0": "serving"}
+        servicer.info_delay_s = 0.0
+        assert loop.run(client.probe_all())  # an answer in time clears the count
+        servicer.info_delay_s = 0.5
+        for _ in range(SLOW_PROBES_TO_DOWN - 1):
+            assert loop.run(client.probe_all())
+        assert not loop.run(client.probe_all())
+        assert not client.serving and client.statuses() == {"verifier-0": "unreachable"}
+        servicer.info_delay_s = 0.0
+        assert loop.run(client.probe_all()) and client.serving
+        server.stop()  # a refused connection is down at once
+        assert not loop.run(client.probe_all())
+        assert not client.serving
+    finally:
+        loop.run(client.close())
+        loop.close()
+        server.close()
