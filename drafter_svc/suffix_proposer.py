@@ -5,9 +5,9 @@ Two tries (drafter_svc/suffix_tree.py), as in the reference:
 - a per-sequence trie over the sequence's prompt and verified output, grown as the
   verifier's updates arrive (the drafter never holds its own drafts, so nothing is rolled
   back);
-- one server-wide global trie over the outputs of finished sequences, shared by every
-  Propose stream of this drafter, so the next request drafts from the previous ones'
-  answers. It holds at most `suffix_decoding_max_cached_requests` outputs, the oldest
+- one server-wide global trie over the outputs of finished sequences (each behind its
+  prompt's lead-in, below), shared by every Propose stream of this drafter, so the next
+  request drafts from the previous ones' answers. It holds at most `suffix_decoding_max_cached_requests` outputs, the oldest
   dropped first (FIFO); 0 disables it.
 
 How an output enters the global trie, exactly once:
@@ -23,6 +23,19 @@ How an output enters the global trie, exactly once:
   The verifier sends an output no later than the finished_seq_ids entry of its sequence
   (the same message, or an earlier one), and the servicer learns before it removes.
 
+Each output enters the global trie behind the last `lead_in` tokens of its prompt
+(ceil(k / max_spec_factor), at most the tree depth; the verifier sends 64): without them an
+answer's first tokens match nothing in the global trie, and since a draft is at most
+max_spec_factor x the match length long, the next few drafts stay short until the
+answer's own text matches. With them, the end of the prompt (the chat template's
+assistant header and the end of the last turn) matches at once, and the answers that
+followed prompts ending alike draft the new one's first tokens; a draft from a full
+lead-in match can already be k long. In an offline replay of the built-in workloads' greedy
+answers (one request after another) this took the steps spent on an answer's first 8 tokens
+from 3.0 to 2.0 (agent), 4.9 to 3.2 (code-edit) and 4.7 to 2.4 (extract), and tokens per
+step up 1.5-6.5% on every workload (chat 1.8%). Only the lead-in of an output is held: a prompt is not
+otherwise a global source.
+
 Each step drafts from both tries and keeps the proposal with the higher score (expected
 accepted tokens; ties go to the per-sequence one). The draft is greedy (no probs) and at
 most min(num_speculative_tokens, max_spec_factor x match length) tokens long.
@@ -36,6 +49,7 @@ missed draft source, not a wrong draft).
 from __future__ import annotations
 
 import logging
+import math
 from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -65,8 +79,9 @@ class GlobalSuffixCache:
         self.tree = SuffixTree(max_depth)
         self.max_cached_requests = max_cached_requests
         # Keyed by output id (the verifier's, >= 0) or, for locally published outputs, by a
-        # negative counter: a key already held is not inserted again.
-        self._outputs: OrderedDict[int, list[int]] = OrderedDict()
+        # negative counter: a key already held is not inserted again. Each value: the tokens
+        # inserted (lead-in and output) and how many of them are the lead-in.
+        self._outputs: OrderedDict[int, tuple[list[int], int]] = OrderedDict()
         self._next_local_key = -1
         # Bumped on every change: a sequence's incremental match list is valid only for the
         # version it was computed at (a removal frees nodes it may point to).
@@ -79,8 +94,14 @@ class GlobalSuffixCache:
     def __len__(self) -> int:
         return len(self._outputs)
 
-    def add(self, output: Sequence[int], output_id: int | None = None) -> None:
-        """Inserts one finished output; output_id None: a local one (always new)."""
+    def outputs(self) -> dict[int, list[int]]:
+        """The outputs held (without their lead-ins), oldest first, by output id."""
+        return {key: tokens[lead_in:] for key, (tokens, lead_in) in self._outputs.items()}
+
+    def add(self, output: Sequence[int], output_id: int | None = None,
+            lead_in: Sequence[int] = ()) -> None:
+        """Inserts one finished output behind `lead_in` (the end of its prompt); output_id
+        None: a local one (always new)."""
         if not self.enabled or not output:
             return
         if output_id is None:
@@ -88,11 +109,11 @@ class GlobalSuffixCache:
             self._next_local_key -= 1
         elif output_id in self._outputs:
             return  # replayed: held already
-        tokens = [int(token) for token in output]
+        tokens = [int(token) for token in (*lead_in, *output)]
         self.tree.insert(tokens)
-        self._outputs[output_id] = tokens
+        self._outputs[output_id] = (tokens, len(lead_in))
         while len(self._outputs) > self.max_cached_requests:
-            _, oldest = self._outputs.popitem(last=False)
+            _, (oldest, _) = self._outputs.popitem(last=False)
             self.tree.remove(oldest)
         self.version += 1
 
@@ -112,6 +133,15 @@ class SuffixParams:
     max_spec_factor: float
     min_token_prob: float
     num_speculative_tokens: int
+
+    @property
+    def lead_in(self) -> int:
+        """Prompt tokens held in front of each output in the global trie: as many as a
+        k-token draft needs as its match (k / max_spec_factor), at most the tree depth."""
+        if self.max_spec_factor <= 0:
+            return 0
+        return min(self.max_tree_depth,
+                   math.ceil(self.num_speculative_tokens / self.max_spec_factor - 1e-9))
 
 
 @dataclass(slots=True)
@@ -153,9 +183,9 @@ class SuffixMethod:
 
     def learn(self, output_id: int, prompt_token_ids: Sequence[int],
               output_token_ids: Sequence[int]) -> None:
-        # The prompt is not a global source (as in the reference): only outputs are.
+        # Of the prompt only the lead-in (the verifier sends the last 64 tokens) is held.
         self._verifier_shares = True
-        self.cache.add(output_token_ids, output_id)
+        self.cache.add(output_token_ids, output_id, lead_in=self._lead_in(prompt_token_ids))
 
     def remove_sequence(self, seq_id: int) -> None:
         state = self._states.pop(seq_id, None)
@@ -163,7 +193,13 @@ class SuffixMethod:
         if state is None or state.prompt_len is None or self._verifier_shares:
             return
         # A finished (or evicted) sequence's verified output becomes a draft source.
-        self.cache.add(state.history.view()[state.prompt_len:].tolist())
+        history = state.history.view()
+        self.cache.add(history[state.prompt_len:].tolist(),
+                       lead_in=self._lead_in(history[:state.prompt_len].tolist()))
+
+    def _lead_in(self, prompt_token_ids: Sequence[int]) -> list[int]:
+        count = self.params.lead_in
+        return [int(token) for token in prompt_token_ids[-count:]] if count else []
 
     def propose(self, seq_ids: Sequence[int], num_tokens: Sequence[int]) -> list[Proposal]:
         proposals = []

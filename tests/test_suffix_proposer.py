@@ -117,9 +117,42 @@ def test_a_finished_output_is_drafted_from_by_later_requests_on_other_streams() 
     assert draft(second, 5) == [73, 74, 75]
     second.append_tokens(5, [73, 74, 75], None)
     assert draft(second, 5) == [76, 77]
-    # The prompt is not a global source (as in the reference): only outputs are.
-    start(second, 6, [9, 1, 2])
-    assert draft(second, 6) == []
+    # Of the prompt only its last k / max_spec_factor tokens (here all three) are held, in
+    # front of the output: a prompt ending as the first one did drafts that answer's start.
+    start(second, 6, [9, 1, 2, 3])
+    assert draft(second, 6) == [70, 71, 72]
+
+
+@pytest.mark.parametrize("publish", ["finished", "learnt"])
+def test_an_output_is_held_behind_the_last_tokens_of_its_prompt(publish) -> None:
+    method = proposer_factory(suffix(num_speculative_tokens=4))()
+    assert isinstance(method, SuffixMethod) and method.params.lead_in == 4
+    prompt, output = [40, 41, 42, 43, 44, 45, 46, 47], [70, 71, 72, 73, 74, 75]
+    if publish == "finished":  # a stream whose verifier sends no finished outputs
+        start(method, 1, prompt)
+        method.append_tokens(1, output, None)
+        method.remove_sequence(1)
+    else:
+        method.learn(7, prompt, output)
+    # A new prompt ending in the whole lead-in: a full k-token draft at the first token.
+    start(method, 2, [9, 44, 45, 46, 47])
+    assert draft(method, 2, 4) == [70, 71, 72, 73]
+    start(method, 3, [9, 46, 47])  # a 2-token match drafts 2 (max_spec_factor 1)
+    assert draft(method, 3, 4) == [70, 71]
+    start(method, 4, [9, 40, 41, 42])  # the prompt before its lead-in is not held
+    assert draft(method, 4, 4) == []
+
+
+@pytest.mark.parametrize("fields, lead_in", [
+    ({}, 8),
+    ({"suffix_decoding_max_spec_factor": 0.5}, 16),
+    ({"suffix_decoding_max_spec_factor": 3.0}, 3),
+    ({"suffix_decoding_max_spec_factor": 0.25}, 24),  # at most the tree depth
+    ({"suffix_decoding_max_spec_factor": 0.0}, 0),
+])
+def test_the_lead_in_is_what_a_full_draft_needs_as_its_match(fields, lead_in) -> None:
+    method = proposer_factory(suffix(**fields))()
+    assert isinstance(method, SuffixMethod) and method.params.lead_in == lead_in
 
 
 def test_zero_cached_requests_disables_the_global_tree() -> None:
@@ -159,8 +192,8 @@ def test_memory_stays_bounded_over_thousands_of_requests() -> None:
             draft(method, seq_id)
         method.remove_sequence(seq_id)
     assert len(method.cache) == 50
-    # Each cached output adds at most output_len * depth nodes.
-    assert method.cache.tree.num_nodes <= 50 * output_len * 8
+    # Each cached output adds at most (lead-in + output_len) * depth nodes.
+    assert method.cache.tree.num_nodes <= 50 * (method.params.lead_in + output_len) * 8
     assert not method._states and not method._trees
 
 

@@ -244,7 +244,7 @@ async def test_an_answer_finished_through_one_replica_is_a_draft_source_on_anoth
         # The other replica learned it although it never drafted for it: all of it, up to
         # the last token (which no drafter is ever sent as context).
         await wait_until(lambda: len(other.cache) == 1, "the broadcast")
-        assert list(other.cache._outputs.values()) == [first_output]
+        assert list(other.cache.outputs().values()) == [first_output]
         await served.stop()  # the same prompt again can only go to the other replica
         await wait_until(lambda: engine.drafter_pool.num_healthy() == 1, "the replica to go")
         second_output, second_accepted = await run_one(engine, PROMPTS[0])
@@ -272,7 +272,7 @@ async def test_a_restarted_replica_catches_up_from_the_verifiers_replay(target, 
         await pool.wait_for_healthy(1, timeout_s=HANG_GUARD_S)
         await wait_until(lambda: not any(r.catching_up for r in pool._replicas.values()),
                          "the catch-up")
-        assert sorted(replica.cache._outputs.values()) == sorted(outputs)
+        assert sorted(replica.cache.outputs().values()) == sorted(outputs)
         output, accepted = await run_one(engine, PROMPTS[1])
         assert output == outputs[1]
         assert accepted >= len(output) // 2  # drafted from the replayed answer
@@ -309,7 +309,7 @@ async def test_memory_stays_bounded_after_thousands_of_finished_outputs(target, 
         # All sent: nothing waits for the dead replica.
         await wait_until(lambda: live.outputs_cursor == log.head(), "the flush")
         # The drafter has them once it holds the last one recorded.
-        await wait_until(lambda: list(replicas[0].cache._outputs)[-1] & 0xFFFFFFFF == 2999,
+        await wait_until(lambda: list(replicas[0].cache.outputs())[-1] & 0xFFFFFFFF == 2999,
                          "the last output")
         assert len(replicas[0].cache) == cached
         assert replicas[0].cache.tree.num_nodes <= cached * output_len * depth

@@ -15,7 +15,8 @@ An entry dropped from the log before a slow replica got it is simply missed (a l
 source, never a wrong draft).
 
 Each entry carries the output and the prompt's last `PROMPT_TAIL_TOKENS` tokens (what the
-output continues; suffix decoding uses only the output, as the reference's global tree).
+output continues; suffix decoding holds the output behind the last few of them, its
+lead-in: drafter_svc/suffix_proposer.py).
 Its wire id is the engine's seq_id tagged with a random per-log 32-bit prefix, so the ids
 of two verifiers, or of one verifier before and after a restart, do not collide: a drafter
 uses them to skip an output it already holds (a replay after a mere stream reconnect).
