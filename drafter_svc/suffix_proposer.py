@@ -7,8 +7,9 @@ Two tries (drafter_svc/suffix_tree.py), as in the reference:
   back);
 - one server-wide global trie over the outputs of finished sequences (each behind its
   prompt's lead-in, below), shared by every Propose stream of this drafter, so the next
-  request drafts from the previous ones' answers. It holds at most `suffix_decoding_max_cached_requests` outputs, the oldest
-  dropped first (FIFO); 0 disables it.
+  request drafts from the previous ones' answers. It holds at most
+  `suffix_decoding_max_cached_requests` outputs, the oldest dropped first (FIFO); 0
+  disables it.
 
 How an output enters the global trie, exactly once:
 - the verifier sends every finished output to every replica of this drafter
@@ -33,8 +34,8 @@ followed prompts ending alike draft the new one's first tokens; a draft from a f
 lead-in match can already be k long. In an offline replay of the built-in workloads' greedy
 answers (one request after another) this took the steps spent on an answer's first 8 tokens
 from 3.0 to 2.0 (agent), 4.9 to 3.2 (code-edit) and 4.7 to 2.4 (extract), and tokens per
-step up 1.5-6.5% on every workload (chat 1.8%). Only the lead-in of an output is held: a prompt is not
-otherwise a global source.
+step up 1.5-6.5% on every workload (chat 1.8%). Only the lead-in of an output is held: a
+prompt is not otherwise a global source.
 
 Each step drafts from both tries and keeps the proposal with the higher score (expected
 accepted tokens; ties go to the per-sequence one). The draft is greedy (no probs) and at
@@ -195,7 +196,7 @@ class SuffixMethod:
         # A finished (or evicted) sequence's verified output becomes a draft source.
         history = state.history.view()
         self.cache.add(history[state.prompt_len:].tolist(),
-                       lead_in=self._lead_in(history[:state.prompt_len].tolist()))
+                       lead_in=self._lead_in(history[:state.prompt_len]))
 
     def _lead_in(self, prompt_token_ids: Sequence[int]) -> list[int]:
         count = self.params.lead_in
