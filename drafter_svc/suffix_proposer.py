@@ -198,9 +198,9 @@ class SuffixMethod:
         self.cache.add(history[state.prompt_len:].tolist(),
                        lead_in=self._lead_in(history[:state.prompt_len]))
 
-    def _lead_in(self, prompt_token_ids: Sequence[int]) -> list[int]:
+    def _lead_in(self, prompt_token_ids: Sequence[int]) -> Sequence[int]:
         count = self.params.lead_in
-        return [int(token) for token in prompt_token_ids[-count:]] if count else []
+        return prompt_token_ids[-count:] if count else ()
 
     def propose(self, seq_ids: Sequence[int], num_tokens: Sequence[int]) -> list[Proposal]:
         proposals = []

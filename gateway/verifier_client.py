@@ -329,11 +329,7 @@ class VerifierClient:
                 logger.info("verifier %s is slow to answer probes (%d in a row); still up",
                             endpoint.address, endpoint.slow_probes)
                 return True
-        if endpoint.healthy:
-            logger.warning("verifier %s is down: %s", endpoint.address, err.code().name)
-        endpoint.healthy = False
-        endpoint.status = "unreachable"
-        endpoint.slow_probes = 0
+        self._mark_down(endpoint, err)
         return False
 
     def _mark_up(self, endpoint: VerifierEndpoint, info: specdec_pb2.VerifierInfo) -> bool:
