@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import gc
 import random
+import tracemalloc
 
 import pytest
 
@@ -42,6 +43,11 @@ def assert_best_children(tree: SuffixTree) -> None:
             stack.extend(children.values())
         else:
             assert best is None
+
+
+def assert_compact(tree: SuffixTree) -> None:
+    """Only nodes with two or more children hold a children dict."""
+    assert all(children is None or len(children) >= 2 for children in tree._children)
 
 
 def brute_counts(texts: list[list[int]], depth: int) -> dict[tuple[int, ...], int]:
@@ -175,6 +181,7 @@ def test_remove_restores_the_tree_without_the_text() -> None:
     assert counts(tree) == expected
     assert tree.num_nodes == len(expected)
     assert_best_children(tree)
+    assert_compact(tree)
     for text in kept:
         tree.remove(text)
     assert tree.num_nodes == 0 and not tree.children(ROOT)
@@ -198,6 +205,7 @@ def test_removed_nodes_are_reused_and_the_trie_stays_right() -> None:
     assert counts(tree) == counts(fresh) == brute_counts(held, 5)
     assert tree.num_nodes == fresh.num_nodes
     assert_best_children(tree)
+    assert_compact(tree)
 
 
 def test_the_trie_gives_the_garbage_collector_nothing_per_node_to_scan() -> None:
@@ -210,6 +218,23 @@ def test_the_trie_gives_the_garbage_collector_nothing_per_node_to_scan() -> None
     tree.insert([rng.randrange(500) for _ in range(5_000)])
     assert tree.num_nodes > 50_000
     assert len(gc.get_objects()) - before < 20
+
+
+def test_a_node_with_one_child_costs_no_dict() -> None:
+    # Past a few tokens text rarely repeats, so most nodes have at most one child; a dict
+    # per node made a trie ~270 bytes a node (30 MiB for an 8,000-token context).
+    rng = random.Random(4)
+    text = [rng.randrange(300, 800) for _ in range(4_000)]
+    tracemalloc.start()
+    try:
+        tree = SuffixTree(24)
+        tree.insert(text)
+        size, _ = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert tree.num_nodes > 80_000
+    assert_compact(tree)
+    assert size / tree.num_nodes < 100
 
 
 def test_depth_must_be_positive() -> None:
