@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import time
 from collections.abc import AsyncIterator, Coroutine, Sequence
 from typing import Any
 
@@ -290,7 +289,6 @@ class VerifierClient:
                 logger.exception("verifier health refresh failed")
 
     async def _probe(self, endpoint: VerifierEndpoint) -> bool:
-        endpoint.last_probe_at = time.monotonic()
         try:
             health = await health_pb2_grpc.HealthStub(endpoint.channel).Check(
                 health_pb2.HealthCheckRequest(service=_VERIFIER_SERVICE),
@@ -365,7 +363,6 @@ class VerifierClient:
             logger.warning("verifier %s is down: %s", endpoint.address, err.code().name)
         endpoint.healthy = False
         endpoint.status = "unreachable"
-        endpoint.last_probe_at = time.monotonic()
 
     async def probe_all(self) -> bool:
         """Probes every verifier now; True when at least one answered."""

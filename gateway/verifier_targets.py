@@ -56,7 +56,6 @@ class VerifierEndpoint:
     name: str = ""
     info: specdec_pb2.VerifierInfo | None = None
     healthy: bool = False
-    last_probe_at: float = 0.0
     # Probes in a row that ran out of time while the verifier was healthy (a busy one: it
     # runs its forwards on the thread that answers probes).
     slow_probes: int = 0
