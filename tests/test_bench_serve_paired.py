@@ -16,10 +16,12 @@ import pytest
 
 from specdec.bench import serve as bench_serve
 from specdec.bench.serve_paired import (
+    MIN_INTERVAL_WAVES,
     PairedRun,
     format_paired,
     mismatch_warning,
     prefill_request,
+    ratio_interval,
     summarise_paired,
     wave_plan,
 )
@@ -137,7 +139,11 @@ def test_one_at_a_time_by_default(served: Served, dataset: Path, tmp_path: Path)
     # The default warmup (16) covers all five requests: the rest is empty.
     assert summary["blocks"]["warmup"]["num_requests"] == 5
     assert summary["blocks"]["rest"]["settings"]["on"] == {
-        "output_tokens": 0, "seconds": 0, "output_throughput": None, "ratio": None}
+        "output_tokens": 0, "seconds": 0, "output_throughput": None, "ratio": None,
+        "ratio_ci95": None}
+    # Five one-request waves: the least a ratio gets an interval from.
+    low, high = summary["blocks"]["warmup"]["settings"]["on"]["ratio_ci95"]
+    assert 0 < low <= summary["blocks"]["warmup"]["settings"]["on"]["ratio"] <= high
 
 
 def test_differing_texts_are_counted_and_named(served: Served, dataset: Path, tmp_path: Path,
@@ -256,7 +262,8 @@ def test_warmup_takes_whole_waves() -> None:
     cold = summarise_paired(run, warmup=0)["blocks"]
     assert cold["warmup"]["num_requests"] == 0
     assert cold["warmup"]["settings"]["off"] == {"output_tokens": 0, "seconds": 0,
-                                                 "output_throughput": None, "ratio": None}
+                                                 "output_throughput": None, "ratio": None,
+                                                 "ratio_ci95": None}
     assert cold["rest"] == cold["overall"]
 
 
@@ -271,11 +278,53 @@ def test_table_and_warning() -> None:
                                 "2.50", "0"]
     assert table[3].split() == ["off", "10.00", "0.500x", "4.29", "0.429x", "5.56", "0.463x",
                                 "-", "1"]
-    assert table[4] == "Texts differ between settings in 1 of 6 requests"
-    assert table[6].split() == ["1", "x", "off:", "HTTP", "500:", "boom"]
+    assert table[4].split() == ["95%", "CI", "-", "-", "-"]  # three waves: too few for one
+    assert table[5] == "Texts differ between settings in 1 of 6 requests"
+    assert table[7].split() == ["1", "x", "off:", "HTTP", "500:", "boom"]
     assert mismatch_warning(summary) == (
         "warning: greedy texts differ between settings on, off in requests 1")
     assert mismatch_warning(summarise_paired(synthetic_run(), compare_texts=False)) is None
+
+
+def timed_run(seconds_on: list[float], seconds_off: list[float], tokens: int = 10) -> PairedRun:
+    """One request a wave, `tokens` each, the given wave seconds per setting."""
+    num = len(seconds_on)
+    return PairedRun(model="m", settings=["on", "off"], concurrency=1,
+                     waves=[range(i, i + 1) for i in range(num)],
+                     results={setting: [result(i, tokens=tokens) for i in range(num)]
+                              for setting in ("on", "off")},
+                     seconds={"on": seconds_on, "off": seconds_off}, prefill=[])
+
+
+def test_ratio_interval_is_a_paired_bootstrap_over_the_waves() -> None:
+    # The machine's speed moves 1x-10x from wave to wave, but off always takes twice as
+    # long: resampling whole waves keeps each pair together, so the interval is exactly 0.5.
+    drift = [1.0, 7.0, 3.0, 10.0, 2.0, 5.0, 8.0, 4.0]
+    run = timed_run(drift, [2 * seconds for seconds in drift])
+    assert ratio_interval(run, list(range(8)), "off") == [pytest.approx(0.5), pytest.approx(0.5)]
+    # Identical settings with noise of their own: an interval around 1 that the noise widens.
+    noise = [1.0, 1.1, 0.9, 1.05, 0.95, 1.0, 1.08, 0.92]
+    run = timed_run(drift, [seconds * factor for seconds, factor in zip(drift, noise)])
+    low, high = ratio_interval(run, list(range(8)), "off")
+    assert low < 1.0 < high and high - low > 0.02
+    narrow = timed_run(drift, [seconds * (1 + (factor - 1) / 10) for seconds, factor in zip(drift, noise)])
+    narrow_low, narrow_high = ratio_interval(narrow, list(range(8)), "off")
+    assert high - low > 5 * (narrow_high - narrow_low)
+    # Drawn with a fixed seed: the same run gives the same interval.
+    assert ratio_interval(run, list(range(8)), "off") == [low, high]
+    # Too few waves for a bootstrap to mean anything.
+    assert ratio_interval(run, list(range(MIN_INTERVAL_WAVES - 1)), "off") is None
+
+
+def test_each_ratio_gets_its_interval_in_the_summary_and_the_table() -> None:
+    drift = [1.0, 2.0, 3.0, 4.0, 5.0, 6.0]
+    summary = summarise_paired(timed_run(drift, [2 * seconds for seconds in drift]), warmup=1)
+    blocks = summary["blocks"]
+    assert blocks["warmup"]["settings"]["off"]["ratio_ci95"] is None  # one wave
+    assert blocks["rest"]["settings"]["off"]["ratio_ci95"] == [pytest.approx(0.5)] * 2
+    assert blocks["overall"]["settings"]["on"]["ratio_ci95"] is None  # the reference
+    table = format_paired(summary).splitlines()
+    assert table[4].split() == ["95%", "CI", "-", "0.500-0.500x", "0.500-0.500x"]
 
 
 # ------------------------------------------------------------------ the flags

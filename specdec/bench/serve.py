@@ -281,8 +281,10 @@ def build_parser() -> argparse.ArgumentParser:
                              "speculation, untimed), then run once per setting in the order "
                              "given, timed, so the first setting meets every answer first (list "
                              "the drafting one first: on,off) and drift hits all settings alike. "
-                             "Reports tokens/s and the ratio to the first setting for the first "
-                             "--paired-warmup requests, the rest and overall, the acceptance "
+                             "Reports tokens/s and the ratio to the first setting, with a 95%% "
+                             "interval (a bootstrap over the waves, from five waves up), for "
+                             "the first --paired-warmup requests, the rest and overall, the "
+                             "acceptance "
                              "length from the responses and, at temperature 0, the requests "
                              "whose texts differ. Not with --rounds or --request-rate")
     parser.add_argument("--paired-warmup", type=int, default=None, metavar="N",

@@ -7,6 +7,11 @@ in waves of --max-concurrency: a wave's prompts are first prefilled once (max_to
 speculation, untimed) so that every setting finds them in the prefix cache, then each setting
 runs the wave, timed, in the order given. The first setting meets every answer first, and
 the settings take turns within seconds, so drift weighs on all of them alike.
+
+Each ratio comes with a 95% interval from a paired bootstrap over the block's waves (a wave
+resampled keeps all its settings' figures), so that a difference smaller than the run
+resolves reads as such. It covers the noise within the run only: runs on fresh servers
+differ by more.
 """
 
 from __future__ import annotations
@@ -14,6 +19,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import json
+import random
 import sys
 import time
 from collections.abc import Callable
@@ -28,6 +34,10 @@ from specdec.bench.serve_requests import BenchRequest, RequestResult, send_reque
 
 DEFAULT_WARMUP = 16
 BLOCKS = ("warmup", "rest", "overall")
+# The bootstrap behind each ratio's interval: resamples, and the fewest waves it is drawn
+# from (with fewer the resamples repeat a handful of values and the interval means little).
+INTERVAL_RESAMPLES = 2000
+MIN_INTERVAL_WAVES = 5
 TABLE_WIDTH = 12 + 3 * (21 + 9) + 9 + 7
 
 
@@ -124,22 +134,55 @@ def block_waves(wave_list: list[range], warmup: int) -> dict[str, list[int]]:
     return {"warmup": cold, "rest": warm, "overall": list(range(len(wave_list)))}
 
 
+def wave_tokens(run: PairedRun, setting: str, number: int) -> int:
+    """Output tokens of wave `number`'s successful requests under `setting`."""
+    results = run.results[setting]
+    return sum(results[i].num_output_tokens for i in run.waves[number] if results[i].success)
+
+
 def block_figures(run: PairedRun, wave_numbers: list[int]) -> dict[str, Any]:
     """Per setting, over the given waves: output tokens of the successful requests, seconds,
-    tokens/s and the ratio of that to the first setting's (None where there is no data)."""
+    tokens/s, the ratio of that to the first setting's and the ratio's 95% interval
+    (`ratio_interval`; None where there is no data or too few waves)."""
     indices = [i for number in wave_numbers for i in run.waves[number]]
     figures: dict[str, Any] = {}
     for setting in run.settings:
-        tokens = sum(run.results[setting][i].num_output_tokens for i in indices
-                     if run.results[setting][i].success)
+        tokens = sum(wave_tokens(run, setting, number) for number in wave_numbers)
         seconds = sum(run.seconds[setting][number] for number in wave_numbers)
         figures[setting] = {"output_tokens": tokens, "seconds": seconds,
                             "output_throughput": tokens / seconds if seconds > 0 else None}
     reference = figures[run.settings[0]]["output_throughput"]
-    for entry in figures.values():
+    for setting, entry in figures.items():
         value = entry["output_throughput"]
         entry["ratio"] = value / reference if reference and value is not None else None
+        entry["ratio_ci95"] = (ratio_interval(run, wave_numbers, setting)
+                               if setting != run.settings[0] else None)
     return {"num_requests": len(indices), "settings": figures}
+
+
+def ratio_interval(run: PairedRun, wave_numbers: list[int], setting: str,
+                   resamples: int = INTERVAL_RESAMPLES, seed: int = 0) -> list[float] | None:
+    """A 95% interval of `setting`'s tokens/s over the first setting's in these waves, by a
+    paired bootstrap: the waves drawn with replacement, each keeping both settings' tokens
+    and seconds (the drift a wave met is common to its settings). None below
+    MIN_INTERVAL_WAVES waves."""
+    if len(wave_numbers) < MIN_INTERVAL_WAVES:
+        return None
+    reference = run.settings[0]
+    waves = [(wave_tokens(run, setting, number), run.seconds[setting][number],
+              wave_tokens(run, reference, number), run.seconds[reference][number])
+             for number in wave_numbers]
+    rng = random.Random(seed)
+    ratios = []
+    for _ in range(resamples):
+        tokens, seconds, reference_tokens, reference_seconds = (
+            sum(column) for column in zip(*rng.choices(waves, k=len(waves))))
+        if seconds > 0 and reference_tokens > 0 and reference_seconds > 0:
+            ratios.append(tokens / seconds * reference_seconds / reference_tokens)
+    if not ratios:
+        return None
+    ratios.sort()
+    return [ratios[round(0.025 * (len(ratios) - 1))], ratios[round(0.975 * (len(ratios) - 1))]]
 
 
 def acceptance_length(results: list[RequestResult]) -> float | None:
@@ -206,14 +249,21 @@ def format_paired(summary: dict[str, Any]) -> str:
                    for name in BLOCKS)
     lines = [f"{title:-^{TABLE_WIDTH}}", f"{'speculation':<12}{head}{'acc len':>9}{'failed':>7}"]
     for setting, outcome in summary["per_setting"].items():
+        entries = [blocks[name]["settings"][setting] for name in BLOCKS]
         cells = "".join(f"{_cell(entry['output_throughput'], '{:.2f}'):>21}"
-                        f"{_cell(entry['ratio'], '{:.3f}x'):>9}"
-                        for entry in (blocks[name]["settings"][setting] for name in BLOCKS))
+                        f"{_cell(entry['ratio'], '{:.3f}x'):>9}" for entry in entries)
         lines.append(f"{setting:<12}{cells}"
                      f"{_cell(outcome['acceptance_length'], '{:.2f}'):>9}{outcome['failed']:>7}")
+        if setting != reference:
+            intervals = "".join(f"{_interval(entry['ratio_ci95']):>30}" for entry in entries)
+            lines.append(f"{'  95% CI':<12}{intervals}")
     lines.append(_agreement(summary))
     lines += _error_lines(summary)
     return "\n".join(lines)
+
+
+def _interval(bounds: list[float] | None) -> str:
+    return "-" if bounds is None else f"{bounds[0]:.3f}-{bounds[1]:.3f}x"
 
 
 def _agreement(summary: dict[str, Any]) -> str:
