@@ -23,6 +23,7 @@ from specdec.bench.serve_paired import (
     prefill_request,
     ratio_interval,
     summarise_paired,
+    wave_figures,
     wave_plan,
 )
 from specdec.bench.serve_requests import BenchRequest, RequestResult
@@ -296,24 +297,31 @@ def timed_run(seconds_on: list[float], seconds_off: list[float], tokens: int = 1
                      seconds={"on": seconds_on, "off": seconds_off}, prefill=[])
 
 
+def off_interval(run: PairedRun, num_waves: int) -> list[float] | None:
+    """The interval of off against on over the run's first `num_waves` waves."""
+    return ratio_interval(wave_figures(run, "off", range(num_waves)),
+                          wave_figures(run, "on", range(num_waves)))
+
+
 def test_ratio_interval_is_a_paired_bootstrap_over_the_waves() -> None:
     # The machine's speed moves 1x-10x from wave to wave, but off always takes twice as
     # long: resampling whole waves keeps each pair together, so the interval is exactly 0.5.
     drift = [1.0, 7.0, 3.0, 10.0, 2.0, 5.0, 8.0, 4.0]
     run = timed_run(drift, [2 * seconds for seconds in drift])
-    assert ratio_interval(run, list(range(8)), "off") == [pytest.approx(0.5), pytest.approx(0.5)]
+    assert off_interval(run, 8) == [pytest.approx(0.5), pytest.approx(0.5)]
     # Identical settings with noise of their own: an interval around 1 that the noise widens.
     noise = [1.0, 1.1, 0.9, 1.05, 0.95, 1.0, 1.08, 0.92]
     run = timed_run(drift, [seconds * factor for seconds, factor in zip(drift, noise)])
-    low, high = ratio_interval(run, list(range(8)), "off")
+    low, high = off_interval(run, 8)
     assert low < 1.0 < high and high - low > 0.02
-    narrow = timed_run(drift, [seconds * (1 + (factor - 1) / 10) for seconds, factor in zip(drift, noise)])
-    narrow_low, narrow_high = ratio_interval(narrow, list(range(8)), "off")
+    narrow = timed_run(drift, [seconds * (1 + (factor - 1) / 10)
+                               for seconds, factor in zip(drift, noise)])
+    narrow_low, narrow_high = off_interval(narrow, 8)
     assert high - low > 5 * (narrow_high - narrow_low)
     # Drawn with a fixed seed: the same run gives the same interval.
-    assert ratio_interval(run, list(range(8)), "off") == [low, high]
+    assert off_interval(run, 8) == [low, high]
     # Too few waves for a bootstrap to mean anything.
-    assert ratio_interval(run, list(range(MIN_INTERVAL_WAVES - 1)), "off") is None
+    assert off_interval(run, MIN_INTERVAL_WAVES - 1) is None
 
 
 def test_each_ratio_gets_its_interval_in_the_summary_and_the_table() -> None:

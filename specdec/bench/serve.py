@@ -284,9 +284,8 @@ def build_parser() -> argparse.ArgumentParser:
                              "Reports tokens/s and the ratio to the first setting, with a 95%% "
                              "interval (a bootstrap over the waves, from five waves up), for "
                              "the first --paired-warmup requests, the rest and overall, the "
-                             "acceptance "
-                             "length from the responses and, at temperature 0, the requests "
-                             "whose texts differ. Not with --rounds or --request-rate")
+                             "acceptance length from the responses and, at temperature 0, the "
+                             "requests whose texts differ. Not with --rounds or --request-rate")
     parser.add_argument("--paired-warmup", type=int, default=None, metavar="N",
                         help=f"with --paired: the first N requests (a cold server's) are "
                              f"reported apart (default {DEFAULT_WARMUP})")

@@ -22,7 +22,7 @@ import json
 import random
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, NamedTuple
@@ -140,43 +140,50 @@ def wave_tokens(run: PairedRun, setting: str, number: int) -> int:
     return sum(results[i].num_output_tokens for i in run.waves[number] if results[i].success)
 
 
+def wave_figures(run: PairedRun, setting: str,
+                 wave_numbers: Iterable[int]) -> list[tuple[int, float]]:
+    """(output tokens, seconds) of each of these waves under `setting`."""
+    return [(wave_tokens(run, setting, number), run.seconds[setting][number])
+            for number in wave_numbers]
+
+
 def block_figures(run: PairedRun, wave_numbers: list[int]) -> dict[str, Any]:
     """Per setting, over the given waves: output tokens of the successful requests, seconds,
     tokens/s, the ratio of that to the first setting's and the ratio's 95% interval
     (`ratio_interval`; None where there is no data or too few waves)."""
     indices = [i for number in wave_numbers for i in run.waves[number]]
+    per_wave = {setting: wave_figures(run, setting, wave_numbers) for setting in run.settings}
     figures: dict[str, Any] = {}
-    for setting in run.settings:
-        tokens = sum(wave_tokens(run, setting, number) for number in wave_numbers)
-        seconds = sum(run.seconds[setting][number] for number in wave_numbers)
+    for setting, waves in per_wave.items():
+        tokens = sum(count for count, _ in waves)
+        seconds = sum(spent for _, spent in waves)
         figures[setting] = {"output_tokens": tokens, "seconds": seconds,
                             "output_throughput": tokens / seconds if seconds > 0 else None}
-    reference = figures[run.settings[0]]["output_throughput"]
+    reference = run.settings[0]
+    reference_throughput = figures[reference]["output_throughput"]
     for setting, entry in figures.items():
         value = entry["output_throughput"]
-        entry["ratio"] = value / reference if reference and value is not None else None
-        entry["ratio_ci95"] = (ratio_interval(run, wave_numbers, setting)
-                               if setting != run.settings[0] else None)
+        entry["ratio"] = (value / reference_throughput
+                          if reference_throughput and value is not None else None)
+        entry["ratio_ci95"] = (ratio_interval(per_wave[setting], per_wave[reference])
+                               if setting != reference else None)
     return {"num_requests": len(indices), "settings": figures}
 
 
-def ratio_interval(run: PairedRun, wave_numbers: list[int], setting: str,
+def ratio_interval(waves: list[tuple[int, float]], reference_waves: list[tuple[int, float]],
                    resamples: int = INTERVAL_RESAMPLES, seed: int = 0) -> list[float] | None:
-    """A 95% interval of `setting`'s tokens/s over the first setting's in these waves, by a
-    paired bootstrap: the waves drawn with replacement, each keeping both settings' tokens
-    and seconds (the drift a wave met is common to its settings). None below
-    MIN_INTERVAL_WAVES waves."""
-    if len(wave_numbers) < MIN_INTERVAL_WAVES:
+    """A 95% interval of one setting's tokens/s over the reference's, from each wave's
+    (tokens, seconds) under both (`wave_figures`, the same waves in the same order), by a
+    paired bootstrap: the waves drawn with replacement, each keeping both settings' figures
+    (the drift a wave met is common to its settings). None below MIN_INTERVAL_WAVES waves."""
+    if len(waves) < MIN_INTERVAL_WAVES:
         return None
-    reference = run.settings[0]
-    waves = [(wave_tokens(run, setting, number), run.seconds[setting][number],
-              wave_tokens(run, reference, number), run.seconds[reference][number])
-             for number in wave_numbers]
+    pairs = [(*wave, *reference) for wave, reference in zip(waves, reference_waves, strict=True)]
     rng = random.Random(seed)
     ratios = []
     for _ in range(resamples):
         tokens, seconds, reference_tokens, reference_seconds = (
-            sum(column) for column in zip(*rng.choices(waves, k=len(waves))))
+            sum(column) for column in zip(*rng.choices(pairs, k=len(pairs))))
         if seconds > 0 and reference_tokens > 0 and reference_seconds > 0:
             ratios.append(tokens / seconds * reference_seconds / reference_tokens)
     if not ratios:
