@@ -66,7 +66,8 @@ RUN apt-get update \
     fi \
  && rm -rf /var/lib/apt/lists/*
 WORKDIR /build
-COPY specdec/__init__.py specdec/layers/cpu_extension.py specdec/
+COPY specdec/__init__.py specdec/
+COPY specdec/layers/__init__.py specdec/layers/cpu_extension.py specdec/layers/
 COPY specdec/layers/csrc/ specdec/layers/csrc/
 ARG SPECDEC_CPU_VARIANTS=all
 RUN python3 -m specdec.layers.cpu_extension prebuild /opt/specdec/cpu-kernels --variants "$SPECDEC_CPU_VARIANTS"
