@@ -4,13 +4,18 @@ PORT ?= 18080
 SPEC ?= {"num_speculative_tokens":1,"method":"ngram","prompt_lookup_min":1,"prompt_lookup_max":8}
 PYTEST_ARGS ?=
 
-.PHONY: install test serve bench protos compose-config
+.PHONY: install install-test test serve bench protos compose-config
 
-# pip takes torch==2.13.0 from the CPU wheel on disk (see pyproject.toml).
+# pip takes torch==2.13.0 from the CPU wheel on disk (see pyproject.toml). Serving needs the
+# project alone; the tests add their extras. pip shows its progress: a first install takes
+# minutes.
 install:
+	$(PYTHON) -m pip install -e .
+
+install-test:
 	$(PYTHON) -m pip install -q -e '.[test]'
 
-test: install
+test: install-test
 	$(PYTHON) -m pytest -q $(PYTEST_ARGS)
 
 serve: install

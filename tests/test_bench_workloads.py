@@ -12,6 +12,7 @@ from importlib import resources
 from pathlib import Path
 from typing import Any
 
+import jsonschema
 import pytest
 
 from specdec.bench import compare as bench_compare
@@ -107,7 +108,6 @@ def test_extract_carries_a_json_schema_response_format_unless_switched_off() -> 
         assert schema["type"] == "object" and set(schema["required"]) <= set(schema["properties"])
         assert json.dumps(schema) in request.messages[0]["content"]  # the prompt names it too
         assert request_body(request, None)["response_format"] == response_format
-    jsonschema = pytest.importorskip("jsonschema")
     for request in requests:
         jsonschema.Draft202012Validator.check_schema(request.options["response_format"]["json_schema"]["schema"])
     assert all("response_format" not in request.options and
