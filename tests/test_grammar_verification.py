@@ -259,3 +259,71 @@ async def test_a_tokenizer_without_grammar_support_is_a_clear_invalid_request(tm
             assert "not available with this model's tokenizer" in info.value.message
     finally:
         await engine.stop()
+
+
+@pytest.mark.parametrize("pattern", [format(bits, "04b") for bits in range(16)])
+def test_masking_any_pattern_of_constrained_rows_in_inference_mode(tokenizer, pattern) -> None:
+    """Four sequences in one step, each constrained ('1') or plain ('0'), with drafts of
+    different lengths: the step's logits come out of the forward as inference tensors, and
+    masking any subset of their rows (adjacent or not) equals masking each sequence's rows
+    alone, and leaves the plain rows untouched."""
+    backend = GrammarBackend(tokenizer, PADDED_VOCAB)
+    compiled = backend.compile("choice", json.dumps(["alpha", "beta", "gamma"]))
+    drafts = [[], tokenizer.encode("beta", add_special_tokens=False)[:1], [], [5, 6]]
+    firsts = [0]
+    for draft in drafts[:-1]:
+        firsts.append(firsts[-1] + len(draft) + 1)
+    num_rows = firsts[-1] + len(drafts[-1]) + 1
+    raw = torch.randn(num_rows, PADDED_VOCAB, generator=torch.Generator().manual_seed(1))
+    with torch.inference_mode():
+        logits = raw.clone()  # an inference tensor, as the model runner returns
+    jobs = [(firsts[i], backend.new_state(compiled), drafts[i])
+            for i, bit in enumerate(pattern) if bit == "1"]
+    if jobs:
+        mask_rows(logits, jobs, PADDED_VOCAB)
+    expected = raw.clone()
+    for first, _, draft in jobs:
+        rows = expected[first:first + len(draft) + 1].clone()
+        mask_rows(rows, [(0, backend.new_state(compiled), draft)], PADDED_VOCAB)
+        expected[first:first + len(draft) + 1] = rows
+    assert torch.equal(logits, expected)
+    for i, bit in enumerate(pattern):
+        rows = slice(firsts[i], firsts[i] + len(drafts[i]) + 1)
+        if bit == "0":
+            assert torch.equal(logits[rows], raw[rows])
+        else:
+            assert torch.isinf(logits[rows]).any()
+
+
+async def test_constrained_and_plain_requests_mixed_in_one_batch(model_dir, tokenizer, plain) -> None:
+    """Constrained, plain, constrained, ... in one engine's batches (with speculation): every
+    request is served, the constrained outputs are valid and every greedy output equals the
+    same request served alone."""
+    params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, logit_bias=bias(tokenizer))
+    plain_params = SamplingParams(temperature=0.0, max_tokens=12)
+    constrained = list(CONSTRAINTS.items())
+    async with served_engine(model_dir, NGRAM, "cpu", max_model_len=256,
+                             num_gpu_blocks_override=512, max_num_batched_tokens=256) as engine:
+        async def one(index: int, constraint: tuple[str, str] | None) -> list[int]:
+            grammar = None if constraint is None else await engine.compile_grammar(*constraint)
+            prompt = [1] + list(range(100 + index, 130 + index))
+            _, queue = engine.add_request(f"m{index}", prompt,
+                                          plain_params if constraint is None else params, grammar=grammar)
+            tokens: list[int] = []
+            while True:
+                output = await queue.get()
+                assert not isinstance(output, Exception), output
+                tokens += output.token_ids
+                if output.finish_reason is not None:
+                    return tokens
+
+        order: list[tuple[str, str] | None] = []
+        for constraint in constrained:
+            order += [constraint, None]
+        mixed = await asyncio.gather(*(one(i, c) for i, c in enumerate(order)))
+        alone = [await one(i, c) for i, c in enumerate(order)]
+    assert mixed == alone
+    for index, constraint in enumerate(order):
+        if constraint is not None:
+            kind, value = constraint
+            assert valid(kind, value, tokenizer.decode(mixed[index])), (kind, mixed[index])

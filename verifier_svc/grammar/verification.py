@@ -89,24 +89,29 @@ class GrammarService:
 def mask_rows(logits: torch.Tensor, jobs: list[tuple[int, GrammarState, list[int]]],
               vocab_size: int) -> None:
     """Masks, in place, each job's rows of the step's logits: (first row, state, draft)
-    covers rows first .. first + len(draft). One bitmask for all of them, one apply."""
+    covers rows first .. first + len(draft). One bitmask is filled for all of them; each run
+    of adjacent rows is masked through a view of its slice, so constrained rows with plain
+    rows between them (any order in the batch) never need a gather and a scatter.
+
+    The step's logits come out of the forward as inference tensors; an in-place update of
+    one is allowed only inside inference mode, so the masking runs there.
+    """
     num_rows = sum(len(draft) + 1 for _, _, draft in jobs)
     bitmask = allocate_bitmask(num_rows, vocab_size)
-    rows: list[int] = []
+    runs: list[tuple[int, int, int]] = []  # (first logit row, first bitmask row, row count)
     offset = 0
     for first_row, state, draft in jobs:
         count = len(draft) + 1
         state.fill_masks(draft, bitmask[offset:offset + count])
-        rows.extend(range(first_row, first_row + count))
+        if runs and runs[-1][0] + runs[-1][2] == first_row and runs[-1][1] + runs[-1][2] == offset:
+            start, mask_start, length = runs[-1]
+            runs[-1] = (start, mask_start, length + count)
+        else:
+            runs.append((first_row, offset, count))
         offset += count
-    contiguous = rows == list(range(rows[0], rows[0] + num_rows))
-    if contiguous:
-        apply_masks(logits[rows[0]:rows[0] + num_rows], bitmask)
-        return
-    index = torch.tensor(rows, device=logits.device)
-    selected = logits[index]
-    apply_masks(selected, bitmask)
-    logits[index] = selected
+    with torch.inference_mode():
+        for first_row, mask_start, count in runs:
+            apply_masks(logits[first_row:first_row + count], bitmask[mask_start:mask_start + count])
 
 
 def advance(state: GrammarState, token_ids: list[int], request_id: str,
