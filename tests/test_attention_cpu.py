@@ -143,6 +143,93 @@ def test_a_verify_window_attends_as_one_token_decodes_would(dtype: torch.dtype, 
         assert torch.equal(decoded[0], together[j]), f"token {j} differs decoded alone"
 
 
+def _attend_in_steps(backend: CpuPagedAttention, inputs: dict, key_cache: torch.Tensor, value_cache: torch.Tensor,
+                     cuts: list[int], others: list[tuple[int, int]], dtype: torch.dtype) -> torch.Tensor:
+    """The one sequence of `inputs` (an empty cache, all its tokens as queries) attended in
+    steps ending at `cuts` (a prefill chunk, a cache-hit tail, decodes), each step sharing
+    its call with sequences of the shapes `others` (cached_len, query_len); its rows' outputs."""
+    metadata = inputs["metadata"]
+    outputs, start = [], 0
+    for end in cuts:
+        extra, extra_keys, extra_values = build_batch(backend.num_heads, backend.num_kv_heads, backend.head_dim,
+                                                      16, others, dtype, torch.int64, seed=end)
+        extra_metadata = extra["metadata"]
+        # Both sequences in one call: the other sequences' blocks lie past this sequence's.
+        offset = key_cache.shape[0]
+        keys, values = torch.cat((key_cache, extra_keys)), torch.cat((value_cache, extra_values))
+        step = AttentionMetadata(
+            slot_mapping=torch.cat((extra_metadata.slot_mapping + offset * 16, metadata.slot_mapping[start:end])),
+            query_start_locs=[*extra_metadata.query_start_locs, extra_metadata.query_start_locs[-1] + end - start],
+            context_lens=[*extra_metadata.context_lens, end],
+            block_tables=[*(table.long() + offset for table in extra_metadata.block_tables), metadata.block_tables[0]])
+        attended = backend.forward(torch.cat((extra["query"], inputs["query"][start:end])),
+                                   torch.cat((extra["key"], inputs["key"][start:end])),
+                                   torch.cat((extra["value"], inputs["value"][start:end])), keys, values, step)
+        key_cache.copy_(keys[:offset])
+        value_cache.copy_(values[:offset])
+        outputs.append(attended[extra_metadata.query_start_locs[-1]:])
+        start = end
+    return torch.cat(outputs)
+
+
+# How a 300-token prompt reaches the cache: one prefill, prefill chunks of the sizes a
+# --max-num-batched-tokens gives, a cache hit then its tail, a short prefill then decodes.
+PROMPT_LEN = 300
+SPLITS = {
+    "chunks of 16": list(range(16, PROMPT_LEN, 16)) + [PROMPT_LEN],
+    "chunks of 100": [100, 200, PROMPT_LEN],
+    "cache hit, tail of 44": [256, PROMPT_LEN],
+    "prefill then decodes": [290, *range(291, PROMPT_LEN + 1)],
+}
+# Other sequences in the call: none, a decode, a verify window and a prefill, many decodes.
+OTHERS = {"alone": [], "1 decode": [(40, 1)], "window and prefill": [(130, 7), (0, 64)],
+          "64 decodes": [(20 + 3 * i, 1) for i in range(64)]}
+
+
+# Each split beside one kind of other sequences (the 64 decodes with the two-step split: each
+# step builds their batch anew).
+SPLIT_CASES = [("chunks of 16", "window and prefill"), ("chunks of 100", "1 decode"),
+               ("cache hit, tail of 44", "64 decodes"), ("prefill then decodes", "alone")]
+
+
+@pytest.mark.parametrize("split,others", SPLIT_CASES, ids=[f"{split}, {others}" for split, others in SPLIT_CASES])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=["fp32", "bf16", "fp16"])
+def test_a_prefill_attends_as_decodes_would_whatever_the_chunking(dtype: torch.dtype, split: str,
+                                                                  others: str) -> None:
+    """Batch invariance of a prefill: each prompt token's attention has the same bits whether
+    its prefix was computed in the same call (a 300-token prefill, past the kernel's 32-token
+    pieces) or read from the cache (a chunk, a cache-hit tail, a decode), and whatever other
+    sequences share the call."""
+    kernel = extension_or_skip()
+    backend = CpuPagedAttention(kernel, 9, 3, 64)
+    assert backend.batch_invariant
+    inputs, key_cache, value_cache = build_batch(9, 3, 64, 16, [(0, PROMPT_LEN)], dtype, torch.int64, seed=7)
+    whole = _attend_in_steps(backend, inputs, key_cache.clone(), value_cache.clone(), [PROMPT_LEN], [], dtype)
+    reference = TorchPagedAttention(9, 3, 64).forward(inputs["query"], inputs["key"], inputs["value"],
+                                                     key_cache.clone(), value_cache.clone(), inputs["metadata"])
+    torch.testing.assert_close(whole, reference, atol=DTYPES[dtype], rtol=DTYPES[dtype])
+    stepped = _attend_in_steps(backend, inputs, key_cache.clone(), value_cache.clone(), SPLITS[split],
+                               OTHERS[others], dtype)
+    differing = (stepped != whole).flatten(1).any(dim=1).nonzero().flatten().tolist()
+    assert not differing, f"tokens {differing[:10]} ({len(differing)} in all) differ"
+
+
+def test_without_batch_invariance_a_long_prefill_goes_by_sdpa(monkeypatch: pytest.MonkeyPatch) -> None:
+    """VLLM_BATCH_INVARIANT=0: a long segment is torch's SDPA, whose bits depend on the
+    segment's length: the prompt's last tokens then differ between a prefill and decodes."""
+    kernel = extension_or_skip()
+    monkeypatch.setenv("VLLM_BATCH_INVARIANT", "0")
+    backend = CpuPagedAttention(kernel, 9, 3, 64)
+    assert not backend.batch_invariant
+    inputs, key_cache, value_cache = build_batch(9, 3, 64, 16, [(0, PROMPT_LEN)], torch.bfloat16, torch.int64,
+                                                 seed=7)
+    whole = _attend_in_steps(backend, inputs, key_cache.clone(), value_cache.clone(), [PROMPT_LEN], [],
+                             torch.bfloat16)
+    stepped = _attend_in_steps(backend, inputs, key_cache.clone(), value_cache.clone(),
+                               SPLITS["prefill then decodes"], [], torch.bfloat16)
+    assert not torch.equal(stepped, whole)
+
+
 def test_bad_slots_and_short_tables_raise_instead_of_writing_out_of_bounds() -> None:
     kernel = extension_or_skip()
     inputs, key_cache, value_cache = build_batch(2, 1, 8, 4, [(3, 1)], torch.float32, torch.int64, seed=1)

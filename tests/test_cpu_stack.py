@@ -177,6 +177,57 @@ def test_a_sequence_computes_the_same_alone_and_batched(model_dir: Path, dtype: 
     assert torch.equal(batched[16:20], alone)
 
 
+# How an 80-token prompt reaches the cache: one prefill (past the attention's 32-token
+# pieces), prefill chunks, a cache-hit head then its tail, a prefill then decodes.
+PROMPT_SPLITS = {"one prefill": [80], "chunks of 33": [33, 66, 80], "cache hit, tail": [64, 80],
+                 "decodes": [70, *range(71, 81)]}
+
+
+def _prompt_states(stack: CpuDecoderStack, model: torch.nn.Module, dtype: torch.dtype, cuts: list[int],
+                   with_others: bool) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    """The 80-token prompt's final hidden states and the residuals entering layers 0 and 2
+    (what eagle3's capture reads), run in steps ending at `cuts`, alone or each step beside
+    another sequence's prefill chunk and a decode."""
+    cache = KVCache.allocate(model.config, 64, BLOCK_SIZE, dtype, torch.device("cpu"))
+    tokens, other = _tokens(80, seed=5), _tokens(60, seed=6)
+    table, other_table, decode_table = list(range(40, 60)), list(range(1, 16)), [20, 21]
+    hidden, aux, start = [], [[], []], 0
+    with torch.inference_mode():
+        for step, end in enumerate(cuts):
+            work = [(tokens[start:end], start, table)]
+            if with_others:
+                other_start = (step * 7) % 50
+                work = [(other[other_start:other_start + 9], other_start, other_table), *work,
+                        (other[:1], step % 6, decode_table)]
+            input_ids, positions, metadata = _step(work)
+            states, captured = stack(input_ids, positions, cache, metadata, aux_layer_ids=(0, 2))
+            first = len(work[0][0]) if with_others else 0
+            hidden.append(states[first:first + end - start])
+            for kept, layer_states in zip(aux, captured):
+                kept.append(layer_states[first:first + end - start])
+            start = end
+    return torch.cat(hidden), [torch.cat(kept) for kept in aux]
+
+
+@KERNELS
+@pytest.mark.parametrize("split", list(PROMPT_SPLITS))
+def test_a_prompt_computes_the_same_whatever_its_chunking(model_dir: Path, dtype: torch.dtype, kernel: str,
+                                                          split: str) -> None:
+    """Batch invariance of a prefill through every kernel of the stack (linears, attention,
+    norms, RoPE) and the hidden-state capture: each prompt token's states are bit-identical
+    whether the prompt is one prefill, chunks, a cache hit's tail or decodes, alone or beside
+    other sequences."""
+    model = _packed_model(model_dir, dtype, kernel)
+    stack = CpuDecoderStack(model)
+    whole, whole_aux = _prompt_states(stack, model, dtype, [80], with_others=False)
+    for with_others in (False, True):
+        hidden, aux = _prompt_states(stack, model, dtype, PROMPT_SPLITS[split], with_others)
+        differing = (hidden != whole).any(dim=1).nonzero().flatten().tolist()
+        assert not differing, f"tokens {differing} differ (others: {with_others})"
+        for kept, expected in zip(aux, whole_aux):
+            assert torch.equal(kept, expected)
+
+
 def test_what_the_stack_leaves_to_the_model(model_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     model = load_model(model_dir, torch.float32, torch.device("cpu"))
     assert unsupported_reason(model) is None

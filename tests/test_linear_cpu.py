@@ -75,10 +75,12 @@ def test_matches_float64(dtype: torch.dtype, in_features: int, out_features: int
 
 @pytest.mark.parametrize(("dtype", "num_rows", "in_features"), [
     _with_kernel(dtype, n, k) for dtype in (torch.float32, torch.bfloat16)
-    for n in (2, 4, 7, 9, 10, 11, 16, 17, 32, CHUNKED_ROWS[1], CHUNKED_ROWS[1] + 1, 300) for k in (576, 1537)])
+    for n in (2, 4, 7, 8, 9, 10, 11, 16, 17, 32, CHUNKED_ROWS[1], CHUNKED_ROWS[1] + 1, 65, 300, 301)
+    for k in (576, 1537)])
 def test_a_row_is_bit_identical_alone_and_in_a_batch(dtype: torch.dtype, num_rows: int, in_features: int) -> None:
-    # What makes a decode token's projections equal to the same token's in a verify window
-    # (one row takes the plain walk, 8-40 the chunked one; 1537: an odd last pair row).
+    # What makes a decode token's projections equal to the same token's in a verify window or
+    # a prefill: a row alone and among 1, 7, 64 and 300 others (one row takes the plain
+    # walk, 8-40 the chunked one, more the plain walk in tiles; 1537: an odd last pair row).
     x, weight, bias = _operands(num_rows, in_features, 962, dtype, bias=True, seed=1)
     packed = torch.ops.specdec_cpu.pack_weight(weight)
     together = torch.ops.specdec_cpu.linear(x, packed, bias, 962)
@@ -231,7 +233,8 @@ def test_int8_weights_match_float64(dtype: torch.dtype, in_features: int, out_fe
 
 @pytest.mark.parametrize(("dtype", "num_rows", "in_features"), [
     _with_int8_kernel(dtype, n, k) for dtype in (torch.float32, torch.bfloat16)
-    for n in (2, 7, 9, 10, 11, 16, 17, CHUNKED_ROWS[1], CHUNKED_ROWS[1] + 1, 300) for k in (576, 1537)])
+    for n in (2, 7, 8, 9, 10, 11, 16, 17, CHUNKED_ROWS[1], CHUNKED_ROWS[1] + 1, 65, 300, 301)
+    for k in (576, 1537)])
 def test_an_int8_row_is_bit_identical_alone_and_in_a_batch(dtype: torch.dtype, num_rows: int, in_features: int) -> None:
     x, weight, scales, bias = _int8_operands(num_rows, in_features, 962, dtype, bias=True, seed=1)
     packed = torch.ops.specdec_cpu.pack_weight_int8(weight)

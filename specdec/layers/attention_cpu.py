@@ -2,8 +2,10 @@
 
 The kernel (`specdec/layers/csrc/paged_attention_cpu.cpp`) writes the step's K/V into the paged
 cache and attends every query token in one call: a decode token or a verify window reads its
-cached rows straight from the blocks in fp32 arithmetic, a prefill chunk goes through torch's
-SDPA as `TorchPagedAttention` does. It replaces about twenty dispatcher trips a layer (the
+cached rows straight from the blocks in fp32 arithmetic, and so does a prefill chunk, piece
+by piece, each row reduced over its keys as a decode of it would be (batch invariance; with
+`VLLM_BATCH_INVARIANT=0` a prefill chunk goes through torch's SDPA as `TorchPagedAttention`
+does). It replaces about twenty dispatcher trips a layer (the
 reference's gather, conversions and SDPA per sequence), which cost more than the arithmetic
 of a decode step on a small model.
 
@@ -19,6 +21,7 @@ from types import ModuleType
 import torch
 
 from specdec.layers.attention_metadata import AttentionMetadata
+from specdec.layers.batch_invariance import batch_invariant_requested
 
 
 class CpuPagedAttention:
@@ -32,6 +35,7 @@ class CpuPagedAttention:
         self.num_kv_heads = num_kv_heads
         self.head_dim = head_dim
         self.scale = head_dim**-0.5 if scale is None else scale
+        self.batch_invariant = batch_invariant_requested()
 
     def forward(
         self,
@@ -44,4 +48,4 @@ class CpuPagedAttention:
     ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim], contiguous
         return self.kernel.paged_attention(query, key, value, key_cache, value_cache, metadata.slot_mapping,
                                            metadata.query_start_locs, metadata.context_lens,
-                                           metadata.block_tables, self.scale)
+                                           metadata.block_tables, self.scale, self.batch_invariant)

@@ -27,6 +27,7 @@ from torch import nn
 
 from specdec.engine.kv_cache import KVCache
 from specdec.layers.attention import AttentionMetadata
+from specdec.layers.batch_invariance import batch_invariant_requested
 from specdec.layers.cpu_extension import linear_supports, load_extension
 from specdec.models.llama import LlamaForCausalLM, check_aux_layer_ids
 from specdec.models.packed_linear import PackedLinear
@@ -138,7 +139,8 @@ class CpuDecoderStack:
         self._final_norm = model.model.norm.weight.detach()
         self._rotary = model.model.rotary_emb
         self._shape = (config.num_attention_heads, config.num_key_value_heads, config.head_dim,
-                       config.intermediate_size, float(config.rms_norm_eps), config.head_dim**-0.5)
+                       config.intermediate_size, float(config.rms_norm_eps), config.head_dim**-0.5,
+                       batch_invariant_requested())
 
     def __call__(
         self,

@@ -98,8 +98,13 @@ bool linear_supports(at::ScalarType dtype, bool int8_weights);
 // dispatcher trips or allocations a layer. Every cache the plan serves has the shape of the
 // one it was made with.
 struct AttentionPlan {
+  // chunk >= 0: that chunk of a short segment's context, every query row of it (merged after
+  // all units ran); kWholePiece: query tokens [piece_start, piece_start + piece_len) of a long
+  // segment over every chunk they see, merged as they go.
+  static constexpr int64_t kWholePiece = -1;
   struct Unit {
     int64_t seq, kv_head, chunk;
+    int64_t piece_start = 0, piece_len = 0;
   };
   int64_t num_tokens = 0, num_heads = 0, num_kv_heads = 0, head_dim = 0, block_size = 0, num_blocks = 0;
   std::vector<int64_t> slots, query_start_locs, context_lens;
@@ -107,6 +112,10 @@ struct AttentionPlan {
   std::vector<Unit> units;
   std::vector<int64_t> partial_starts;  // where each sequence's chunk partials begin
   int64_t work = 0;  // query rows x cached positions, the units' arithmetic
+  // Long segments (a prefill chunk) go by torch's SDPA (faster for long prompts, but its
+  // reduction order depends on the segment's length) unless batch_invariant: then by the
+  // kernel in pieces (Unit::kWholePiece), each row computed as a decode of it would be.
+  bool batch_invariant = true;
   bool has_long_segment = false;
   std::vector<float> partials;       // every unit's chunk partials, reused by every layer
   std::vector<float> merge_scratch;  // head_dim floats
@@ -123,7 +132,8 @@ struct AttentionRows {
 };
 AttentionPlan plan_attention(int64_t num_tokens, int64_t num_heads, const at::Tensor& key_cache,
                              const at::Tensor& slot_mapping, const std::vector<int64_t>& query_start_locs,
-                             const std::vector<int64_t>& context_lens, const std::vector<at::Tensor>& block_tables);
+                             const std::vector<int64_t>& context_lens, const std::vector<at::Tensor>& block_tables,
+                             bool batch_invariant);
 // Writes the rows' K/V into the caches and the attention of every query row into `out`
 // ([num_tokens, num_heads, head_dim] contiguous).
 void attend_planned(AttentionPlan& plan, at::ScalarType dtype, const AttentionRows& rows, void* key_cache,
@@ -132,6 +142,6 @@ at::Tensor paged_attention(const at::Tensor& query, const at::Tensor& key, const
                            at::Tensor key_cache, at::Tensor value_cache, const at::Tensor& slot_mapping,
                            const std::vector<int64_t>& query_start_locs,
                            const std::vector<int64_t>& context_lens,
-                           const std::vector<at::Tensor>& block_tables, double scale);
+                           const std::vector<at::Tensor>& block_tables, double scale, bool batch_invariant);
 
 }  // namespace specdec_cpu

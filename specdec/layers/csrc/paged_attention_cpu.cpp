@@ -35,7 +35,10 @@
 namespace specdec_cpu {
 namespace {
 
-// Query segments up to this length use the kernel below; longer ones use SDPA.
+// Query segments up to this length are planned chunk by chunk (every query row of a chunk in
+// one unit, the chunks merged after); longer ones (a prefill chunk) in pieces of this many
+// tokens, each piece's rows over all its chunks in one unit, or by SDPA when the plan is not
+// batch-invariant.
 constexpr int64_t kMaxKernelQueryLen = 32;
 // Below this many (query row x cached row) products a step runs on one thread: forking
 // costs more than it saves.
@@ -388,30 +391,77 @@ void attend_chunk(const T* query, int64_t query_token_stride, int64_t query_head
   }
 }
 
-// A query row's output from its chunks' partials, merged in chunk order (each chunk rescaled
-// to the running max), then normalised and rounded to T.
+// One chunk's partial (see partial_width) merged into a row's running [max, total, sums]:
+// rescaled to the running max (a chunk the row sees none of is skipped). Not inlined, so the
+// decode path (merge_partials) and a long segment's online merge run the very same
+// instructions: a row's bits then do not depend on which of the two served it.
+__attribute__((noinline)) void merge_chunk(const float* part, int64_t head_dim, float& max_score, float& total,
+                                           float* accum) {
+  if (part[1] == 0.f) return;  // the row sees none of this chunk
+  if (total == 0.f) {
+    max_score = part[0];
+    total = part[1];
+    std::memcpy(accum, part + 2, head_dim * sizeof(float));
+    return;
+  }
+  const float new_max = std::max(max_score, part[0]);
+  const float old_scale = exp_clamped(max_score - new_max), part_scale = exp_clamped(part[0] - new_max);
+  total = total * old_scale + part[1] * part_scale;
+#pragma omp simd
+  for (int64_t d = 0; d < head_dim; ++d) accum[d] = accum[d] * old_scale + part[2 + d] * part_scale;
+  max_score = new_max;
+}
+
+// A row's merged sums normalised and rounded to T.
+template <typename T>
+__attribute__((noinline)) void finish_row(const float* accum, float total, int64_t head_dim, T* out) {
+  const float inverse = 1.f / total;
+  for (int64_t d = 0; d < head_dim; ++d) out[d] = from_float<T>(accum[d] * inverse);
+}
+
+// A query row's output from its chunks' partials, merged in chunk order, then normalised and
+// rounded to T.
 template <typename T>
 void merge_partials(const float* partials, int64_t num_chunks, int64_t chunk_stride, int64_t head_dim,
                     float* accum, T* out) {  // accum: head_dim floats of scratch
   float max_score = 0.f, total = 0.f;
+  for (int64_t c = 0; c < num_chunks; ++c) merge_chunk(partials + c * chunk_stride, head_dim, max_score, total, accum);
+  finish_row(accum, total, head_dim, out);
+}
+
+// A piece of a long segment (piece_len query tokens whose last sees context_len positions),
+// the `group` query heads of KV head `kv_head`: every chunk the piece sees, in order, by
+// attend_chunk, each row's partial merged into its running sums as it comes (merge_chunk), so
+// the memory is one chunk's partials whatever the context; then each row normalised into
+// `out` (the piece's first token, [piece_len, num_heads, head_dim]). A row gets the bits a
+// decode of its token gets: the same chunk partials (attend_chunk's rows do not depend on
+// the other rows of the call), merged by the same instructions in the same order.
+template <typename T, int64_t kHeadDim>
+void attend_piece(const T* query, int64_t query_token_stride, int64_t query_head_stride, const T* key_cache,
+                  const T* value_cache, const int64_t* block_table, int64_t block_size, int64_t num_kv_heads,
+                  int64_t head_dim, int64_t num_heads, int64_t kv_head, int64_t piece_len, int64_t context_len,
+                  float scale, T* out) {
+  const int64_t group = num_heads / num_kv_heads, rows = piece_len * group, width = partial_width(head_dim);
+  thread_local std::vector<float> chunk_partials, sums, maxima, totals;
+  chunk_partials.resize(static_cast<size_t>(piece_len * num_heads * width));
+  sums.resize(static_cast<size_t>(rows * head_dim));
+  maxima.assign(static_cast<size_t>(rows), 0.f);
+  totals.assign(static_cast<size_t>(rows), 0.f);
+  const int64_t num_chunks = (context_len + kChunk - 1) / kChunk;
   for (int64_t c = 0; c < num_chunks; ++c) {
-    const float* part = partials + c * chunk_stride;
-    if (part[1] == 0.f) continue;  // the row sees none of this chunk
-    if (total == 0.f) {
-      max_score = part[0];
-      total = part[1];
-      std::memcpy(accum, part + 2, head_dim * sizeof(float));
-      continue;
+    attend_chunk<T, kHeadDim>(query, query_token_stride, query_head_stride, key_cache, value_cache, block_table,
+                              block_size, num_kv_heads, head_dim, num_heads, kv_head, piece_len, context_len,
+                              c * kChunk, scale, chunk_partials.data());
+    for (int64_t r = 0; r < rows; ++r) {
+      const int64_t head_row = (r / group) * num_heads + kv_head * group + r % group;
+      merge_chunk(chunk_partials.data() + head_row * width, head_dim, maxima[r], totals[r],
+                  sums.data() + r * head_dim);
     }
-    const float new_max = std::max(max_score, part[0]);
-    const float old_scale = exp_clamped(max_score - new_max), part_scale = exp_clamped(part[0] - new_max);
-    total = total * old_scale + part[1] * part_scale;
-#pragma omp simd
-    for (int64_t d = 0; d < head_dim; ++d) accum[d] = accum[d] * old_scale + part[2 + d] * part_scale;
-    max_score = new_max;
   }
-  const float inverse = 1.f / total;
-  for (int64_t d = 0; d < head_dim; ++d) out[d] = from_float<T>(accum[d] * inverse);
+  for (int64_t r = 0; r < rows; ++r) {
+    const int64_t head_row = (r / group) * num_heads + kv_head * group + r % group;
+    finish_row(sums.data() + r * head_dim, totals[r], head_dim, out + head_row * head_dim);
+  }
 }
 
 // Stores each token's K/V row at its slot (rows as in AttentionRows, the caches' dtype).
@@ -464,10 +514,12 @@ at::Tensor attend_long_segment(const at::Tensor& query, const at::Tensor& key, c
 
 AttentionPlan plan_attention(int64_t num_tokens, int64_t num_heads, const at::Tensor& key_cache,
                              const at::Tensor& slot_mapping, const std::vector<int64_t>& query_start_locs,
-                             const std::vector<int64_t>& context_lens, const std::vector<at::Tensor>& block_tables) {
+                             const std::vector<int64_t>& context_lens, const std::vector<at::Tensor>& block_tables,
+                             bool batch_invariant) {
   TORCH_CHECK(key_cache.dim() == 4 && key_cache.is_contiguous(),
               "the KV caches must be contiguous [blocks, block_size, KVH, D]");
   AttentionPlan plan;
+  plan.batch_invariant = batch_invariant;
   plan.num_tokens = num_tokens;
   plan.num_heads = num_heads;
   plan.num_kv_heads = key_cache.size(2);
@@ -505,7 +557,22 @@ AttentionPlan plan_attention(int64_t num_tokens, int64_t num_heads, const at::Te
     TORCH_CHECK(plan.tables[s].numel() * plan.block_size >= context_len, "sequence ", s,
                 "'s block table covers fewer than ", context_len, " tokens");
     if (query_len > kMaxKernelQueryLen) {
-      plan.has_long_segment = true;
+      if (!batch_invariant) {
+        plan.has_long_segment = true;
+        continue;
+      }
+      // Pieces in the order first, last, second, second to last, ...: a later piece sees
+      // more context, and parallel_for hands each thread a contiguous range of units.
+      const int64_t num_pieces = (query_len + kMaxKernelQueryLen - 1) / kMaxKernelQueryLen;
+      for (int64_t i = 0; i < num_pieces; ++i) {
+        const int64_t piece = i % 2 == 0 ? i / 2 : num_pieces - 1 - i / 2;
+        const int64_t piece_start = piece * kMaxKernelQueryLen;
+        const int64_t piece_len = std::min(kMaxKernelQueryLen, query_len - piece_start);
+        for (int64_t h = 0; h < plan.num_kv_heads; ++h) {
+          plan.units.push_back({s, h, AttentionPlan::kWholePiece, piece_start, piece_len});
+        }
+      }
+      plan.work += query_len * num_heads * context_len;
       continue;
     }
     const int64_t num_chunks = (context_len + kChunk - 1) / kChunk;
@@ -559,6 +626,22 @@ void attend_planned(AttentionPlan& plan, at::ScalarType dtype, const AttentionRo
         const AttentionPlan::Unit& unit = plan.units[u];
         const int64_t s = unit.seq;
         const int64_t start = plan.query_start_locs[s], query_len = plan.query_start_locs[s + 1] - start;
+        if (unit.chunk == AttentionPlan::kWholePiece) {
+          auto attend = [&](auto head_dim_constant) {
+            attend_piece<T, decltype(head_dim_constant)::value>(
+                query_data + (start + unit.piece_start) * rows.query_token_stride, rows.query_token_stride,
+                rows.query_head_stride, key_cache_data, value_cache_data, plan.tables[s].data_ptr<int64_t>(),
+                plan.block_size, plan.num_kv_heads, head_dim, num_heads, unit.kv_head, unit.piece_len,
+                plan.context_lens[s] - query_len + unit.piece_start + unit.piece_len, static_cast<float>(scale),
+                out_data + (start + unit.piece_start) * num_heads * head_dim);
+          };
+          switch (head_dim) {
+            case 64: attend(std::integral_constant<int64_t, 64>{}); break;
+            case 128: attend(std::integral_constant<int64_t, 128>{}); break;
+            default: attend(std::integral_constant<int64_t, 0>{}); break;
+          }
+          continue;
+        }
         float* chunk_partials =
             plan.partials.data() + plan.partial_starts[s] + unit.chunk * query_len * num_heads * width;
         auto attend = [&](auto head_dim_constant) {
@@ -599,7 +682,7 @@ at::Tensor paged_attention(const at::Tensor& query, const at::Tensor& key, const
                            at::Tensor key_cache, at::Tensor value_cache, const at::Tensor& slot_mapping,
                            const std::vector<int64_t>& query_start_locs,
                            const std::vector<int64_t>& context_lens,
-                           const std::vector<at::Tensor>& block_tables, double scale) {
+                           const std::vector<at::Tensor>& block_tables, double scale, bool batch_invariant) {
   TORCH_CHECK(query.device().is_cpu() && key_cache.device().is_cpu(), "paged_attention_cpu runs on the CPU");
   TORCH_CHECK(query.dim() == 3 && key.dim() == 3 && value.dim() == 3 && key_cache.dim() == 4,
               "expected query [T, H, D], key/value [T, KVH, D], caches [blocks, block_size, KVH, D]");
@@ -613,7 +696,8 @@ at::Tensor paged_attention(const at::Tensor& query, const at::Tensor& key, const
                   key.size(2) == head_dim && value.size(2) == head_dim,
               "head_dim or the number of KV heads does not fit the query");
   AttentionPlan plan =
-      plan_attention(num_tokens, num_heads, key_cache, slot_mapping, query_start_locs, context_lens, block_tables);
+      plan_attention(num_tokens, num_heads, key_cache, slot_mapping, query_start_locs, context_lens, block_tables,
+                     batch_invariant);
   // Rows with the last dim contiguous, in the caches' dtype.
   auto usable = [&](const at::Tensor& x) {
     const at::Tensor typed = x.to(key_cache.scalar_type());
