@@ -316,7 +316,7 @@ async def health(request: Request) -> Response:
     # Which verifier is down, starting (unreachable), draining (not_serving) or serving
     # another tokenizer (tokenizer_mismatch).
     body = {"status": "ok" if serving else "unavailable", "verifiers": verifier.statuses(),
-            "problems": verifier.problems()}
+            "problems": verifier.problems(), "deterministic": verifier.deterministic}
     return JSONResponse(body, status_code=200 if serving else 503)
 
 

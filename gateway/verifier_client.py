@@ -385,6 +385,14 @@ class VerifierClient:
                 if endpoint.status == TOKENIZER_MISMATCH]
 
     @property
+    def deterministic(self) -> bool:
+        """Whether every verifier that answered serves deterministically (false while none
+        has: nothing is known yet). One that does not makes the answers depend on which
+        verifier a request lands on."""
+        infos = [endpoint.info for endpoint in self._endpoints if endpoint.info is not None]
+        return bool(infos) and all(info.deterministic for info in infos)
+
+    @property
     def cached_info(self) -> specdec_pb2.VerifierInfo | None:
         for endpoint in self._endpoints:
             if endpoint.healthy and endpoint.info is not None:

@@ -97,7 +97,7 @@ class FakeVerifier(specdec_pb2_grpc.VerifierServicer):
         return specdec_pb2.VerifierInfo(
             model_name="tiny-model", max_model_len=MAX_MODEL_LEN, vocab_size=400,
             eos_token_ids=[self.eos_token_id], speculative_method="ngram",
-            num_speculative_tokens=NUM_SPECULATIVE_TOKENS, max_num_seqs=MAX_NUM_SEQS)
+            num_speculative_tokens=NUM_SPECULATIVE_TOKENS, max_num_seqs=MAX_NUM_SEQS, deterministic=True)
 
     async def Generate(self, request: specdec_pb2.GenerateRequest, context: Any):
         self.requests.append(request)

@@ -25,6 +25,7 @@ from specdec.models.packed_linear import pack_linears
 from tests.engine_driver import generate
 from tests.test_engine import PROMPTS, EngineHarness, greedy
 from tests.tiny_models import make_tiny_llama
+from verifier_svc.builder import VerifierConfig, build_engine
 
 pytestmark = pytest.mark.skipif(not linear_supports(torch.float32),
                                 reason="specdec's C++ linear is not built for this CPU")
@@ -307,3 +308,22 @@ def test_a_draft_model_drafts_through_the_stack(model_dir: Path) -> None:
     proposer = build_draft_model_method(config, ModelOptions(target_model=str(model_dir), dtype="float32",
                                                              device="cpu", num_blocks=16))()
     assert isinstance(proposer.forward, CpuDecoderStack)
+
+
+@pytest.mark.parametrize(("dtype", "env", "deterministic"), [
+    ("bfloat16", {}, True), ("float32", {}, True), ("bfloat16", {"VLLM_BATCH_INVARIANT": "0"}, False),
+    ("float32", {CPU_STACK_ENV: "0"}, False), ("float16", {}, False)])
+def test_the_verifier_says_whether_it_serves_deterministically(model_dir: Path, monkeypatch: pytest.MonkeyPatch,
+                                                               caplog: pytest.LogCaptureFixture, dtype: str,
+                                                               env: dict[str, str], deterministic: bool) -> None:
+    """Deterministic (GetInfo, and so the gateway's /health) where the stack and the LM head
+    run on the batch-invariant kernels in bf16 or fp32; elsewhere it says why, once, at start."""
+    if dtype == "bfloat16" and not linear_supports(torch.bfloat16):
+        pytest.skip("no C++ bf16 linear here")
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    with caplog.at_level("INFO", logger="verifier_svc.builder"):
+        _, served = build_engine(VerifierConfig(model=str(model_dir), device="cpu", dtype=dtype, max_model_len=64,
+                                                block_size=BLOCK_SIZE, num_gpu_blocks_override=32))
+    assert served.deterministic is deterministic
+    assert caplog.text.count("deterministic serving is off") == (0 if deterministic else 1)

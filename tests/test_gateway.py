@@ -244,6 +244,7 @@ def test_health_and_metrics(client, base_url, fake):
     health = httpx.get(f"{base_url}/health").json()
     assert health["status"] == "ok"
     assert list(health["verifiers"].values()) == ["serving"]
+    assert health["deterministic"] is True  # every verifier says it is
     client.chat.completions.create(model=SERVED_MODEL, messages=MESSAGES)
     text = httpx.get(f"{base_url}/metrics").text
     samples = {}

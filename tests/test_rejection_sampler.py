@@ -22,6 +22,7 @@ from specdec.engine.rejection_sampler import (
     needs_only_argmax,
     verify,
 )
+from specdec.engine.position_random import PositionRandom
 from specdec.engine.sampling_params import SamplingParams
 
 GREEDY = SamplingParams(temperature=0.0)
@@ -109,6 +110,48 @@ def test_a_steps_argmax_gives_verifys_greedy_answer(dtype: torch.dtype) -> None:
 
 
 # --------------------------------------------------------------- sampled, exact cases
+
+
+def _emit_in_steps(logits: Tensor, random: PositionRandom, steps: list[int], drafts: Callable[[int, int], list[int]],
+                   params: SamplingParams, first_position: int = 0) -> list[int]:
+    """A seeded request's tokens over `logits` (row p: output position p's target row) from
+    output position `first_position` on, verified in steps of steps[i] + 1 rows with the
+    drafts `drafts(position, k)` proposes."""
+    emitted: list[int] = []
+    for num_drafts in steps:
+        position = first_position + len(emitted)
+        if position >= logits.shape[0] - num_drafts:
+            break
+        draft = drafts(position, num_drafts)
+        emitted += verify(logits[position:position + num_drafts + 1], draft, [], params,
+                          random.starting_at(position))
+    return emitted
+
+
+def test_a_seeded_request_draws_per_position_whatever_the_steps() -> None:
+    """The random stream is per request and per output position: the same seed gives the same
+    tokens decoded one at a time and verified in windows of any size with any drafts (right,
+    wrong or none), so load, batching and speculation cannot change a seeded answer."""
+    generator = torch.Generator().manual_seed(3)
+    logits = torch.randn(64, 50, generator=generator) * 2  # [positions, vocab]
+    params = SamplingParams(temperature=1.0, seed=7)
+    random = PositionRandom(7)
+    plain = _emit_in_steps(logits, random, [0] * 64, lambda p, k: [], params)
+    assert len(set(plain)) > 5
+    # Drafts that are the plain tokens (accepted), others (rejected), and a mix.
+    right = lambda p, k: plain[p:p + k]  # noqa: E731
+    wrong = lambda p, k: [(t + 1) % 50 for t in plain[p:p + k]]  # noqa: E731
+    mixed = lambda p, k: plain[p:p + k // 2] + [(t + 1) % 50 for t in plain[p + k // 2:p + k]]  # noqa: E731
+    for steps in ([3] * 64, [1, 4, 0, 2] * 16, [7] * 64):
+        for drafts in (right, wrong, mixed):
+            emitted = _emit_in_steps(logits, random, steps, drafts, params)
+            assert emitted == plain[:len(emitted)] and len(emitted) >= 56
+    # Resumed at position 30 (a request retried with the tokens it already has): the same
+    # draws from there on, where one generator drawn in turn would start over.
+    resumed = _emit_in_steps(logits, PositionRandom(7), [2] * 34, right, params, first_position=30)
+    assert resumed == plain[30:30 + len(resumed)] and len(resumed) >= 30
+    assert _emit_in_steps(logits, PositionRandom(8), [0] * 64, lambda p, k: [], params) != plain
+
 
 
 def test_sampled_certain_accept_and_certain_reject() -> None:

@@ -19,6 +19,7 @@ from specdec.engine.block_manager import BlockManager
 from specdec.engine.kv_cache import KVCache
 from specdec.engine.scheduler import Scheduler
 from specdec.errors import ConfigError
+from specdec.layers.batch_invariance import deterministic_reason
 from specdec.models.compiled_forward import CompiledForward, linears_to_pack, warm_up
 from specdec.models.cpu_stack import CpuDecoderStack, make_cpu_stack
 from specdec.models.loader import load_model, load_model_config
@@ -27,7 +28,7 @@ from specdec.models.model_files import (
     resolve_model,
     tokenizer_fingerprint,
 )
-from specdec.models.packed_linear import choose_kernel, pack_linears
+from specdec.models.packed_linear import PackedLinear, choose_kernel, pack_linears
 from specdec.models.parallel import ParallelContext, check_tensor_parallel
 from specdec.rpc.tls import GrpcTlsConfig
 from verifier_svc.drafting.drafter_pool import DrafterPool
@@ -117,6 +118,7 @@ class ServedModel:
     speculative_method: str
     num_speculative_tokens: int
     tokenizer_fingerprint: str
+    deterministic: bool
 
 
 def build_engine(config: VerifierConfig) -> tuple[Engine, ServedModel]:
@@ -230,8 +232,26 @@ def build_engine(config: VerifierConfig) -> tuple[Engine, ServedModel]:
                          vocab_size=model_config.vocab_size, eos_token_ids=eos_token_ids,
                          speculative_method=spec.method if spec else "",
                          num_speculative_tokens=spec.num_speculative_tokens if spec else 0,
-                         tokenizer_fingerprint=fingerprint)
+                         tokenizer_fingerprint=fingerprint,
+                         deterministic=_deterministic(runner, dtype, config.tensor_parallel_size))
     return engine, served
+
+
+def _deterministic(runner: ModelRunner, dtype: torch.dtype, tensor_parallel_size: int) -> bool:
+    """Whether greedy answers are independent of load, cache and chunking here; says why not
+    once, at start."""
+    lm_head = runner.model.lm_head
+    reason = deterministic_reason(
+        forward_is_cpu_stack=isinstance(runner.forward, CpuDecoderStack),
+        lm_head_row_invariant=isinstance(lm_head, PackedLinear) and (lm_head.kernel == "cpu" or lm_head.own_int8),
+        dtype=dtype, tensor_parallel_size=tensor_parallel_size)
+    if reason is not None:
+        logger.warning("deterministic serving is off: %s; a greedy or seeded answer may change "
+                       "with the load, the prefix cache and the chunking (rounding forks at near-ties)",
+                       reason)
+        return False
+    logger.info("deterministic serving: every row is computed the same way whatever shares its step")
+    return True
 
 
 def _forward_name(forward: object) -> str:

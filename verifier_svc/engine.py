@@ -44,6 +44,7 @@ from specdec.engine.rejection_sampler import (
     needs_only_argmax,
     verify,
 )
+from specdec.engine.position_random import PositionRandom
 from specdec.engine.sampling_params import SamplingParams
 from specdec.engine.scheduler import ScheduledSequence, Scheduler
 from specdec.engine.sequence import FinishReason, Sequence, SpeculationCounters
@@ -187,9 +188,7 @@ class Engine:
         if num_speculative_tokens is None:
             num_speculative_tokens = self.num_speculative_tokens
         num_speculative_tokens = max(0, min(num_speculative_tokens, self.num_speculative_tokens))
-        generator = None
-        if params.seed is not None:
-            generator = torch.Generator().manual_seed(params.seed)
+        generator = None if params.seed is None else PositionRandom(params.seed)
         seq = Sequence(seq_id=next(self._seq_ids), request_id=request_id,
                        token_ids=list(prompt_token_ids), prompt_len=len(prompt_token_ids),
                        params=params, max_speculative_tokens=num_speculative_tokens,
@@ -456,7 +455,9 @@ class Engine:
                 new_token_ids = accept_greedy(step_argmax[first_row:end_row], draft.token_ids)
             else:
                 new_token_ids = verify(logits[first_row:end_row], draft.token_ids, seq.token_ids, seq.params,
-                                       seq.generator, draft.probs, prompt_len=seq.prompt_len,
+                                       None if seq.generator is None
+                                       else seq.generator.starting_at(seq.num_output_tokens),
+                                       draft.probs, prompt_len=seq.prompt_len,
                                        eos_token_ids=self.eos_token_ids)
             num_accepted = len(new_token_ids) - 1
             self._keep_hidden(seq, hidden, batch, index, item.num_query_tokens + num_accepted)

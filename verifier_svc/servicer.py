@@ -78,7 +78,7 @@ class VerifierServicer(specdec_pb2_grpc.VerifierServicer):
             speculative_method=served.speculative_method,
             num_speculative_tokens=served.num_speculative_tokens,
             tokenizer_fingerprint=served.tokenizer_fingerprint,
-            max_num_seqs=self.engine.config.max_num_seqs)
+            max_num_seqs=self.engine.config.max_num_seqs, deterministic=served.deterministic)
 
     async def Generate(self, request: specdec_pb2.GenerateRequest,
                        context: grpc.aio.ServicerContext,

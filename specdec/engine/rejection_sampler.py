@@ -20,7 +20,12 @@ import torch
 from torch import Tensor
 
 from specdec.engine.logits_processor import argmax_rows, process_logits
+from specdec.engine.position_random import ACCEPT, SAMPLE, PositionRandom
 from specdec.engine.sampling_params import SamplingParams
+
+# Where a step's draws come from: a seeded request's per-position generators, a generator
+# drawn in turn (a caller's own), or None for torch's default one.
+RandomSource = PositionRandom | torch.Generator | None
 
 
 def verify(
@@ -28,7 +33,7 @@ def verify(
     draft_token_ids: list[int],
     history_ids: list[int],
     params: SamplingParams,
-    generator: torch.Generator | None,
+    generator: RandomSource,
     draft_probs: Tensor | None = None,
     *,
     prompt_len: int | None = None,
@@ -42,8 +47,10 @@ def verify(
     history_ids: prompt + output so far (the repetition penalty's context before row 0).
     params: the request's sampling parameters; `target_probs` is what `process_logits` and a
         softmax make of target_logits.
-    generator: the request's seeded generator (on any device), or None for torch's default
-        one. All randomness comes from it: same seed and inputs, same tokens.
+    generator: a seeded request's `PositionRandom` (from the output position of row 0): row
+        i's draws come from (seed, that position + i) alone, so the same seed and logits give
+        the same tokens whatever drafts arrived or what else the step held; or a generator
+        (on any device) drawn from in turn; or None for torch's default one.
     draft_probs: [k, vocab], the drafter's distribution per position (probabilistic drafting);
         None means greedy drafts, i.e. one-hot draft_probs on each draft token.
     prompt_len, eos_token_ids: as `process_logits` takes them (presence/frequency penalties
@@ -117,7 +124,7 @@ def accept_greedy(target_argmax_ids: list[int], draft_token_ids: list[int]) -> l
 def _verify_sampled(
     target_probs: Tensor,
     draft_token_ids: list[int],
-    generator: torch.Generator | None,
+    generator: RandomSource,
     draft_probs: Tensor | None,
 ) -> list[int]:
     num_drafts = len(draft_token_ids)
@@ -125,7 +132,7 @@ def _verify_sampled(
         # Coupled form (see verify): one draw per position, kept while it equals the draft.
         output_ids: list[int] = []
         for position in range(num_drafts + 1):
-            token_id = _sample(target_probs[position], generator)
+            token_id = _sample(target_probs[position], generator, position)
             output_ids.append(token_id)
             if position == num_drafts or token_id != draft_token_ids[position]:
                 return output_ids
@@ -140,33 +147,39 @@ def _verify_sampled(
         )
         draft_probs = draft_probs.to(device=device, dtype=target_probs.dtype)
         draft_draft_probs = draft_probs[rows, draft_ids]  # [k]
-        uniforms = _uniforms(num_drafts, generator, device)  # [k]
+        uniforms = _uniforms(num_drafts, generator, device, first_row=0, purpose=ACCEPT)  # [k]
         # u < min(1, target/draft), written without dividing by a draft probability of 0.
         accepted = uniforms * draft_draft_probs.double() < target_draft_probs.double()  # [k]
         num_accepted = int(accepted.long().cumprod(dim=0).sum())
     if num_accepted == num_drafts:
-        bonus_id = _sample(target_probs[num_drafts], generator)
+        bonus_id = _sample(target_probs[num_drafts], generator, num_drafts)
         return list(draft_token_ids) + [bonus_id]
     target_row = target_probs[num_accepted]  # [vocab]
     residual = (target_row - draft_probs[num_accepted]).clamp_(min=0.0)
     # All zero only when target_row <= the draft row everywhere, i.e. the two are equal and
     # every draft is accepted; rounding could still land here, so fall back to target_row.
     residual = torch.where(residual.sum() > 0, residual, target_row)
-    recovered_id = _sample(residual, generator)
+    recovered_id = _sample(residual, generator, num_accepted)
     return list(draft_token_ids[:num_accepted]) + [recovered_id]
 
 
-def _uniforms(num_uniforms: int, generator: torch.Generator | None, device: torch.device) -> Tensor:
-    """[num_uniforms] float64 uniforms in [0, 1) on `device`, drawn from `generator`.
+def _uniforms(num_uniforms: int, generator: RandomSource, device: torch.device, first_row: int,
+              purpose: int = SAMPLE) -> Tensor:
+    """[num_uniforms] float64 uniforms in [0, 1) on `device` for rows first_row, first_row + 1,
+    ...: from each row's own generator (`PositionRandom`), or drawn from `generator` in turn.
 
     A request's generator may live on the CPU while the logits sit on an accelerator: draw
     where the generator lives, then move, so a seed gives the same draws on every device.
     """
+    if isinstance(generator, PositionRandom):
+        draws = [torch.rand(1, generator=generator.generator(first_row + i, purpose), dtype=torch.float64)
+                 for i in range(num_uniforms)]
+        return torch.cat(draws).to(device)
     source_device = generator.device if generator is not None else device
     return torch.rand(num_uniforms, generator=generator, device=source_device, dtype=torch.float64).to(device)
 
 
-def _sample(weights: Tensor, generator: torch.Generator | None) -> int:
+def _sample(weights: Tensor, generator: RandomSource, row: int) -> int:
     """One token id drawn with probability proportional to `weights` [vocab] (>= 0, sum > 0).
 
     Inverse CDF in float64: one uniform and a binary search. On CPU this is ~17x faster than
@@ -174,6 +187,6 @@ def _sample(weights: Tensor, generator: torch.Generator | None) -> int:
     sum equals its predecessor's, so the search stops at or before the predecessor.
     """
     cumulative = weights.double().cumsum(dim=0)  # [vocab]
-    uniform = _uniforms(1, generator, weights.device)  # [1]
+    uniform = _uniforms(1, generator, weights.device, first_row=row)  # [1]
     token_id = torch.searchsorted(cumulative, uniform * cumulative[-1], right=True)  # [1]
     return int(token_id.clamp_(max=weights.shape[0] - 1))

@@ -16,6 +16,7 @@ from typing import Any
 
 import torch
 
+from specdec.engine.position_random import PositionRandom
 from specdec.engine.sampling_params import SamplingParams
 
 
@@ -65,7 +66,8 @@ class Sequence:
     params: SamplingParams
     # Most draft tokens to verify per step for this request (0: no speculation).
     max_speculative_tokens: int
-    generator: torch.Generator | None = None
+    # A seeded request's random stream (per output position); None: torch's default one.
+    generator: PositionRandom | None = None
     status: SequenceStatus = SequenceStatus.WAITING
     finish_reason: FinishReason | None = None
     num_computed_tokens: int = 0
