@@ -6,9 +6,11 @@ import json
 from pathlib import Path
 
 import pytest
+import torch
 
 from specdec.__main__ import main
 from specdec.bench.concurrency import step_seconds, summarise
+from specdec.layers.cpu_extension import linear_supports
 from tests.tiny_models import make_tiny_llama
 from verifier_svc.engine import StepRecord
 
@@ -110,3 +112,20 @@ def test_bad_flags_are_refused(capsys: pytest.CaptureFixture[str]) -> None:
     with pytest.raises(SystemExit) as info:
         main(["bench", "concurrency", "--period", "0"])
     assert info.value.code == 2
+
+
+def test_batch_invariance_is_switched_against_sdpa(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """--compare batch-invariance: speculation off, the stack's prefill attention switched
+    between the kernel and SDPA, each step filed under the setting its forward ran with."""
+    if not linear_supports(torch.float32):
+        pytest.skip("the C++ decoder stack is not built for this CPU")
+    model = make_tiny_llama(tmp_path / "tiny")
+    out = tmp_path / "invariance.json"
+    assert main(["bench", "concurrency", "--model", str(model), "--dtype", "float32", "--compare",
+                 "batch-invariance", "--num-prompts", "6", "--max-concurrency", "3",
+                 "--max-tokens", "16", "--period", "0.005", "--ignore-eos", "--json", str(out)]) == 0
+    assert "batch-invariance switched" in capsys.readouterr().out
+    run = json.loads(out.read_text())["runs"][0]["all_steps"]
+    assert run["off"]["steps"] > 0 and run["on"]["steps"] > 0
+    assert run["off"]["tokens"] + run["on"]["tokens"] == 6 * 16
+    assert run["on"]["draft_slots"] == 0

@@ -54,3 +54,15 @@ def test_times_keep_three_significant_digits(value: float) -> None:
     text = significant(value)
     assert "e" not in text.lower() and float(text) > 0
     assert abs(float(text) - value) <= 0.005 * value
+
+
+def test_a_prefill_shape_and_the_sdpa_stack(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    if not linear_supports(torch.float32):
+        pytest.skip("the C++ decoder stack is not built for this CPU")
+    model = make_tiny_llama(tmp_path / "tiny")
+    names = ["fp32-stack", "fp32-stack-sdpa"]
+    assert main(["bench", "forward", "--model", str(model), "--paths", ",".join(names), "--repeats", "2",
+                 "--context-len", "40", "--prefill-len", "70", "--num-speculative-tokens", "3"]) == 0
+    rows = [line.split() for line in capsys.readouterr().out.splitlines() if line.split()[:1] in [[n] for n in names]]
+    assert sorted((row[0], int(row[1])) for row in rows) == sorted(
+        (name, tokens) for name in names for tokens in (1, 4, 70))

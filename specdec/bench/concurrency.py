@@ -30,12 +30,14 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import json
 import logging
 import math
 import random
 import statistics
 import time
+from collections.abc import Callable
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass
 from pathlib import Path
@@ -51,6 +53,8 @@ from specdec.cli import add_engine_args, add_logging_args, add_model_args, setup
 from specdec.config import SpeculativeConfig
 from specdec.engine.sampling_params import SamplingParams
 from specdec.errors import ConfigError
+from specdec.layers.batch_invariance import batch_invariant_requested
+from specdec.models.cpu_stack import CpuDecoderStack
 from specdec.models.model_files import load_tokenizer, resolve_model
 from verifier_svc.engine import Engine, StepRecord
 
@@ -203,11 +207,11 @@ def rate_fields(rate: Rate) -> dict[str, Any]:
 
 
 def format_summary(concurrency: int, num_requests: int, seconds: float, period_s: float,
-                   summary: dict[str, Any]) -> str:
+                   summary: dict[str, Any], switched: str = "speculation") -> str:
     def ratio(value: float | None) -> str:
         return "-" if value is None else f"{value:.3f}x"
 
-    lines = [f"concurrency {concurrency}: {num_requests} requests in {seconds:.1f} s, speculation "
+    lines = [f"concurrency {concurrency}: {num_requests} requests in {seconds:.1f} s, {switched} "
              f"switched every {period_s:g} s",
              f"  {'':16} {'off tok/s':>10} {'on tok/s':>10} {'on/off':>8}  steps off / on, draft tokens on"]
     for name, label in (("all_steps", "all steps"), ("decode_steps", "decode steps")):
@@ -258,6 +262,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--period", type=float, default=0.25,
                         help="seconds between switches of speculation (off first); short periods "
                              "cancel the machine's drift better (8-16 steps each at the default)")
+    parser.add_argument("--compare", choices=("speculation", "batch-invariance"), default="speculation",
+                        help="what the switch turns on and off: speculation, or (speculation off) the C++ "
+                             "stack's batch-invariant prefill attention against SDPA (VLLM_BATCH_INVARIANT)")
     parser.add_argument("--seed", type=int, default=0, help="for the bootstrap interval")
     parser.add_argument("--json", default=None, help="also write the figures here")
     add_logging_args(parser)
@@ -271,10 +278,25 @@ def _prompt_ids(request: BenchRequest, tokenizer: Any) -> list[int]:
     return tokenize_prompt(tokenizer, request.prompt)
 
 
-async def _switch(engine: Engine, period_s: float) -> None:
+async def _switch(engine: Engine, period_s: float, compare: str) -> None:
     while True:
-        engine.speculation_enabled = not engine.speculation_enabled
+        if compare == "speculation":
+            engine.speculation_enabled = not engine.speculation_enabled
+        else:
+            stack = engine.runner.forward
+            stack.batch_invariant = not stack.batch_invariant  # type: ignore[union-attr]
         await asyncio.sleep(period_s)
+
+
+def _recorder(engine: Engine, records: list[StepRecord], compare: str) -> Callable[[StepRecord], None]:
+    """The step listener: with --compare batch-invariance a step is filed under the stack's
+    setting (the forward runs on the loop's thread and no await follows it in the step, so
+    the setting when the step ends is the one its forward ran with), as "on" / "off"."""
+    if compare == "speculation":
+        return records.append
+    stack = engine.runner.forward
+    return lambda record: records.append(dataclasses.replace(
+        record, speculation_enabled=stack.batch_invariant))  # type: ignore[union-attr]
 
 
 async def _run(args: argparse.Namespace, levels: list[int],
@@ -295,6 +317,9 @@ async def _run(args: argparse.Namespace, levels: list[int],
     engine, drafter = await start_engine(args, spec, model_dir, max_num_seqs=max(levels))
     results = []
     try:
+        if args.compare == "batch-invariance" and not isinstance(engine.runner.forward, CpuDecoderStack):
+            raise ConfigError("--compare batch-invariance needs the C++ decoder stack (the CPU, bf16 or "
+                              "fp32, AVX-512)", param="compare")
         # The policy's cost fits and acceptance rates, the kernels' first calls.
         params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens, ignore_eos=args.ignore_eos)
         warm_up = SamplingParams(temperature=0.0, max_tokens=WARM_UP_TOKENS)
@@ -302,9 +327,11 @@ async def _run(args: argparse.Namespace, levels: list[int],
                         max(levels))
         for concurrency in levels:
             records: list[StepRecord] = []
-            engine.speculation_enabled = True  # the switch turns it off first
-            engine.step_listener = records.append
-            switch = asyncio.create_task(_switch(engine, args.period))
+            engine.speculation_enabled = args.compare == "speculation"  # the switch turns it off first
+            if args.compare == "batch-invariance":
+                engine.runner.forward.batch_invariant = True  # type: ignore[union-attr]
+            engine.step_listener = _recorder(engine, records, args.compare)
+            switch = asyncio.create_task(_switch(engine, args.period, args.compare))
             started = time.perf_counter()
             try:
                 await serve_all(engine, [ServeJob(ids, params) for ids in prompts], concurrency)
@@ -312,9 +339,12 @@ async def _run(args: argparse.Namespace, levels: list[int],
                 switch.cancel()
                 engine.step_listener = None
                 engine.speculation_enabled = True
+                if args.compare == "batch-invariance":
+                    engine.runner.forward.batch_invariant = batch_invariant_requested()  # type: ignore[union-attr]
             seconds = time.perf_counter() - started
             summary = summarise(records, args.seed)
-            print(format_summary(concurrency, len(prompts), seconds, args.period, summary), flush=True)
+            print(format_summary(concurrency, len(prompts), seconds, args.period, summary, args.compare),
+                  flush=True)
             results.append({"concurrency": concurrency, "num_requests": len(prompts),
                             "seconds": round(seconds, 3), **summary})
     finally:

@@ -1,7 +1,8 @@
 """`python -m specdec bench forward`: one verifier forward, per kernel path, side by side.
 
 Loads the model once per path (dtype x linear kernel), then times forwards over 1 and over
-1 + k tokens against a cached context, alternating the paths so they see the same machine
+1 + k tokens against a cached context (and with `--prefill-len N` a prompt's prefill of N
+tokens), alternating the paths so they see the same machine
 state; prints the median and the minimum per path, the weight-reading bound at each
 dtype, and with `--profile` the torch profiler's table for one path.
 
@@ -35,7 +36,8 @@ from specdec.models.packed_linear import pack_linears
 
 # name -> (dtype, packed kernel or None, forward: eager, compiled or the C++ stack). The
 # verifier's CPU default is bf16-stack (fp32-stack with --dtype float32) where specdec's
-# kernels build, bf16-compiled (oneDNN) where they do not.
+# kernels build, bf16-compiled (oneDNN) where they do not. *-stack-sdpa: the stack with a
+# prefill segment's attention by torch's SDPA (VLLM_BATCH_INVARIANT=0), for its cost.
 PATHS: dict[str, tuple[torch.dtype, str | None, str]] = {
     "fp32": (torch.float32, None, "eager"),
     "fp32-onednn": (torch.float32, "mkldnn", "eager"),
@@ -43,6 +45,7 @@ PATHS: dict[str, tuple[torch.dtype, str | None, str]] = {
     "fp32-cpu": (torch.float32, "cpu", "eager"),
     "fp32-cpu-compiled": (torch.float32, "cpu", "compiled"),
     "fp32-stack": (torch.float32, "cpu", "stack"),
+    "fp32-stack-sdpa": (torch.float32, "cpu", "stack-sdpa"),
     "fp32-int8-stack": (torch.float32, "int8", "stack"),
     "bf16": (torch.bfloat16, None, "eager"),
     "bf16-onednn": (torch.bfloat16, "mkldnn", "eager"),
@@ -50,6 +53,7 @@ PATHS: dict[str, tuple[torch.dtype, str | None, str]] = {
     "bf16-cpu": (torch.bfloat16, "cpu", "eager"),
     "bf16-cpu-compiled": (torch.bfloat16, "cpu", "compiled"),
     "bf16-stack": (torch.bfloat16, "cpu", "stack"),
+    "bf16-stack-sdpa": (torch.bfloat16, "cpu", "stack-sdpa"),
     "bf16-int8": (torch.bfloat16, "int8", "eager"),
     "bf16-int8-stack": (torch.bfloat16, "int8", "stack"),
 }
@@ -79,8 +83,9 @@ def _load(model_dir, name: str, num_blocks: int) -> Path:
     for cache in kv_cache.key_caches + kv_cache.value_caches:
         cache.zero_()
     forward = model
-    if kind == "stack":
+    if kind in ("stack", "stack-sdpa"):
         forward = CpuDecoderStack(model)
+        forward.batch_invariant = kind == "stack"
     if compiled:  # as the verifier builds it: warmed up in the last block, which no step uses
         forward = CompiledForward(model)
         warm_up(forward, kv_cache, block_ids=[num_blocks - 1])
@@ -88,6 +93,7 @@ def _load(model_dir, name: str, num_blocks: int) -> Path:
 
 
 def _forward(path: Path, num_tokens: int, context_len: int) -> float:
+    context_len = max(context_len, num_tokens)  # a prefill longer than the context: the whole prompt
     with torch.inference_mode(False):  # the step's inputs, made as the verifier's runner makes them
         positions = torch.arange(context_len - num_tokens, context_len)
         metadata = AttentionMetadata(slot_mapping=positions.clone(), query_start_locs=[0, num_tokens],
@@ -130,6 +136,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--num-speculative-tokens", type=int, default=4,
                         help="the second shape is 1 + k tokens")
     parser.add_argument("--context-len", type=int, default=200)
+    parser.add_argument("--prefill-len", type=int, default=0,
+                        help="also time a prefill of this many tokens (the tail of a context of "
+                             "max(--context-len, this))")
     parser.add_argument("--repeats", type=int, default=20)
     parser.add_argument("--threads", type=int, default=None)
     parser.add_argument("--memory-gbps", type=float, default=None,
@@ -145,8 +154,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.threads:
         torch.set_num_threads(args.threads)
     model_dir = resolve_model(args.model)
-    num_blocks = -(-args.context_len // BLOCK_SIZE) + 1
-    shapes = (1, 1 + args.num_speculative_tokens)
+    num_blocks = -(-max(args.context_len, args.prefill_len) // BLOCK_SIZE) + 1
+    shapes = (1, 1 + args.num_speculative_tokens) + ((args.prefill_len,) if args.prefill_len else ())
     with torch.inference_mode():
         paths = [_load(model_dir, name, num_blocks) for name in names]
         for path in paths:

@@ -139,8 +139,11 @@ class CpuDecoderStack:
         self._final_norm = model.model.norm.weight.detach()
         self._rotary = model.model.rotary_emb
         self._shape = (config.num_attention_heads, config.num_key_value_heads, config.head_dim,
-                       config.intermediate_size, float(config.rms_norm_eps), config.head_dim**-0.5,
-                       batch_invariant_requested())
+                       config.intermediate_size, float(config.rms_norm_eps), config.head_dim**-0.5)
+        # A prefill segment's attention by the kernel, every row as a decode computes it
+        # (specdec.layers.batch_invariance); False: by SDPA. Read at every call, so that a
+        # benchmark can switch it between steps.
+        self.batch_invariant = batch_invariant_requested()
 
     def __call__(
         self,
@@ -157,7 +160,7 @@ class CpuDecoderStack:
             input_ids, positions, self._embed, self._rotary.cos_cache, self._rotary.sin_cache,
             self._layer_tensors, self._final_norm, kv_cache.key_caches, kv_cache.value_caches,
             attn_metadata.slot_mapping, attn_metadata.query_start_locs, attn_metadata.context_lens,
-            attn_metadata.block_tables, list(aux_layer_ids), *self._shape)
+            attn_metadata.block_tables, list(aux_layer_ids), *self._shape, self.batch_invariant)
         if not aux_layer_ids:
             return outputs[0]
         return outputs[0], list(outputs[1:])
