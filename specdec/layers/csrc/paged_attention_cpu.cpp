@@ -8,8 +8,11 @@
 // the default model). Here a short query segment (a decode token or a verify window)
 // reads its K/V rows straight out of the blocks, in fp32 arithmetic whatever the cache's
 // dtype, and the query heads that share a KV head are done together so each cached row is
-// loaded once. A long segment (a prefill chunk) is dominated by its math, so it gathers its
-// context and calls torch's SDPA as the reference does. What no layer changes (slots, block
+// loaded once. A long segment (a prefill chunk) goes through the same kernel in pieces of 32
+// tokens, so that each of its rows is reduced over its keys exactly as a decode of that token
+// would be (batch invariance: a token's bits do not depend on whether its prefix was computed
+// in this call or read from the cache); with batch invariance off it gathers its context and
+// calls torch's SDPA as the reference does. What no layer changes (slots, block
 // tables, the units of work) is planned once a step (`plan_attention`) and each layer runs
 // on raw rows (`attend_planned`): the decoder stack plans once for all its layers;
 // `paged_attention`, the operator the other forwards call, is a plan and one layer.
