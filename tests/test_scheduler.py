@@ -130,3 +130,32 @@ def test_cancel_while_waiting() -> None:
     scheduler.schedule(no_drafts)
     scheduler.finish(waiting, FinishReason.ABORT)
     assert list(scheduler.waiting) == [] and waiting.finish_reason is FinishReason.ABORT
+
+
+def test_a_long_prefill_never_holds_up_decodes_or_a_short_request() -> None:
+    """Issue 44 item 9: counted in steps. While a long prompt prefills in chunks, a decode
+    gets a token every step, and a short request that arrives meanwhile starts at once."""
+    scheduler = make_scheduler(num_blocks=512, max_num_batched_tokens=32)
+    decoding = make_seq(0, 3)
+    scheduler.add(decoding)
+    finish_step(scheduler)
+    long_prompt = make_seq(1, 600)
+    scheduler.add(long_prompt)
+    finish_step(scheduler)  # the long prompt's first chunk
+    short = make_seq(2, 4)
+    scheduler.add(short)
+    steps = 0
+    while long_prompt.num_computed_tokens < long_prompt.prompt_len:
+        plan = scheduler.schedule(no_drafts)
+        ids = [item.seq.seq_id for item in plan.scheduled]
+        assert ids[0] == 0  # the decode, every step
+        if steps == 0:
+            assert ids == [0, 2, 1]  # the short request is admitted next step
+        assert plan.num_tokens <= 32
+        for item in plan.scheduled:
+            samples = item.samples
+            item.seq.num_computed_tokens += item.num_query_tokens
+            if samples:
+                item.seq.token_ids.append(7)
+        steps += 1
+    assert short.num_output_tokens == steps and decoding.num_output_tokens == steps + 2
