@@ -24,6 +24,9 @@ DEFAULT_PROMPT_LOOKUP = 5
 SUFFIX_DEFAULTS: dict[str, int | float] = {
     "suffix_decoding_max_tree_depth": 24,
     "suffix_decoding_max_cached_requests": 10000,
+    # specdec's own (vLLM bounds the global cache by requests only): the tokens it holds,
+    # lead-ins included. A trie costs about 1.5 KB per token at depth 24.
+    "suffix_decoding_max_cached_tokens": 1_000_000,
     "suffix_decoding_max_spec_factor": 1.0,
     "suffix_decoding_min_token_prob": 0.1,
 }
@@ -96,6 +99,7 @@ class SpeculativeConfig:
     # suffix only (None for other methods): vLLM's suffix_decoding_* fields, defaults filled in.
     suffix_decoding_max_tree_depth: int | None = None
     suffix_decoding_max_cached_requests: int | None = None
+    suffix_decoding_max_cached_tokens: int | None = None
     suffix_decoding_max_spec_factor: float | None = None
     suffix_decoding_min_token_prob: float | None = None
 
@@ -238,7 +242,8 @@ def _parse_suffix_fields(raw: dict[str, Any], method: str) -> dict[str, Any]:
         return {}
     values: dict[str, Any] = {}
     for name, minimum in (("suffix_decoding_max_tree_depth", 1),
-                          ("suffix_decoding_max_cached_requests", 0)):
+                          ("suffix_decoding_max_cached_requests", 0),
+                          ("suffix_decoding_max_cached_tokens", 0)):
         value = _require_int(raw, name, minimum)
         values[name] = SUFFIX_DEFAULTS[name] if value is None else value
     for name, low, high in (("suffix_decoding_max_spec_factor", 0.0, None),
