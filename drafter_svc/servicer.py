@@ -37,7 +37,7 @@ Bounds (a stream must not hold unbounded memory, whoever opened it):
   RESOURCE_EXHAUSTED (a verifier serves those sequences without drafts and retries later).
 
 Big messages do not stall the other streams: a message's updates are applied one sequence
-at a time, the event loop free between two that bring many tokens (a suffix trie over an
+at a time, the event loop free before each that brings many tokens (a suffix trie over an
 8,000-token prompt is ~60 ms of Python), so other streams' drafts keep their deadlines.
 """
 
@@ -85,8 +85,8 @@ DEFAULT_SEQ_IDLE_TIMEOUT_S = 300.0
 DEFAULT_MAX_TOKENS_PER_STREAM = 256 * 8192
 # One stream per verifier (and per replica name it dials): far above a real deployment's.
 DEFAULT_MAX_PROPOSE_STREAMS = 64
-# Updates bringing at least this many tokens give the event loop back after them.
-YIELD_AFTER_TOKENS = 512
+# Updates bringing at least this many tokens give the event loop back before them.
+YIELD_BEFORE_TOKENS = 512
 # Ids accepted when the method knows no vocabulary (ngram without a target directory):
 # what int32 holds, the token arrays' dtype.
 UNKNOWN_VOCAB_ID_LIMIT = 1 << 31
@@ -344,8 +344,8 @@ async def handle_propose_request_sliced(proposer: Proposer, request: specdec_pb2
 def _propose_steps(proposer: Proposer, request: specdec_pb2.ProposeRequest,
                    table: SequenceTable | None,
                    ) -> Generator[None, None, specdec_pb2.ProposeResponse]:
-    """handle_propose_request's work, pausing (yield) after each update that brought at
-    least YIELD_AFTER_TOKENS tokens; returns the response."""
+    """handle_propose_request's work, pausing (yield) before each update that brings at
+    least YIELD_BEFORE_TOKENS tokens; returns the response."""
     info = proposer.info
     _check_bounds(info, request, table)
     if request.finished_outputs and info.wants_finished_outputs:
@@ -378,7 +378,7 @@ def _propose_steps(proposer: Proposer, request: specdec_pb2.ProposeRequest,
     for update in request.sequences:
         seq_id = update.seq_id
         num_new = len(update.new_token_ids)
-        if num_new >= YIELD_AFTER_TOKENS:
+        if num_new >= YIELD_BEFORE_TOKENS:
             yield
         if update.context_len > max_len:
             # Held by no one: its tokens are dropped, it is never drafted for.
