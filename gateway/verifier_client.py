@@ -344,7 +344,7 @@ class VerifierClient:
         if err.code() == grpc.StatusCode.DEADLINE_EXCEEDED and endpoint.healthy:
             silent_s = time.monotonic() - endpoint.last_alive_s
             if silent_s < self._silent_down_s:
-                logger.info("verifier %s is slow to answer probes (busy); still up",
+                logger.debug("verifier %s is slow to answer probes (busy); still up",
                             endpoint.address)
                 return True
             logger.warning("verifier %s answered nothing for %.0f s", endpoint.address,
