@@ -313,10 +313,10 @@ async def health(request: Request) -> Response:
     checks costs the verifiers nothing. Names no address or path (it is unauthenticated)."""
     verifier = request.app.state.verifier
     serving = verifier.serving
-    # Which verifier is down, starting (unreachable), draining (not_serving) or serving
-    # another tokenizer (tokenizer_mismatch).
-    body = {"status": "ok" if serving else "unavailable", "verifiers": verifier.statuses(),
-            "problems": verifier.problems()}
+    # Which verifier is down or not started (unreachable), starting ("starting: <phase>"),
+    # draining (not_serving) or serving another tokenizer (tokenizer_mismatch).
+    status = "ok" if serving else "starting" if verifier.starting else "unavailable"
+    body = {"status": status, "verifiers": verifier.statuses(), "problems": verifier.problems()}
     return JSONResponse(body, status_code=200 if serving else 503)
 
 

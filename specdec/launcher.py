@@ -28,6 +28,7 @@ import urllib.request
 
 from specdec.cli import (
     ADDITIONAL_CONFIG_KEYS,
+    DEFAULT_GATEWAY_PORT,
     add_engine_args,
     add_logging_args,
     add_model_args,
@@ -70,7 +71,7 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
     add_engine_args(parser)
     add_speculative_args(parser)
     parser.add_argument("--host", default="127.0.0.1", help="gateway host")
-    parser.add_argument("--port", type=int, default=8000, help="gateway (HTTP) port")
+    parser.add_argument("--port", type=int, default=DEFAULT_GATEWAY_PORT, help="gateway (HTTP) port")
     parser.add_argument("--api-key", default=None,
                         help="required Bearer key for /v1 routes. Kept for vLLM parity, but "
                              "argv is visible to every local user (ps): prefer --api-key-file or "
@@ -195,9 +196,23 @@ def _stop_all(children: list[tuple[str, subprocess.Popen[bytes]]], timeout_s: fl
             logger.warning("%s did not stop in %.0f s; killing it", name, timeout_s)
             proc.kill()
             proc.wait()
+        _kill_leftovers(proc.pid)
 
 
-def serve(args: argparse.Namespace) -> int:
+def _kill_leftovers(group_id: int) -> None:
+    """Kills what a stopped child left in its process group (each child leads its own):
+    a compiler of a kernel build it was stopped in, a worker it could not reap. A pid is
+    never reused while a group of that id has members, so this reaches only the child's."""
+    try:
+        os.killpg(group_id, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        pass  # nothing left
+
+
+def serve(args: argparse.Namespace, started: float | None = None) -> int:
+    """Runs the stack until SIGTERM or SIGINT. `started`: the command's start
+    (time.monotonic()), from which "ready in N s" counts; default now."""
+    started = time.monotonic() if started is None else started
     # Validate everything before starting anything.
     SpeculativeConfig.parse(args.speculative_config)
     parse_additional_config(args.additional_config, ADDITIONAL_CONFIG_KEYS)
@@ -229,7 +244,7 @@ def serve(args: argparse.Namespace) -> int:
             children.append((name, subprocess.Popen(command, env=environments[name],
                                                     start_new_session=True)))
         ready = False
-        started = time.monotonic()
+        children_started = time.monotonic()
         health_url = f"http://{args.host}:{args.port}/health"
         drafter_restarts = _RestartWithBackoff("drafter", environments["drafter"])
         while not stop_requested:
@@ -247,7 +262,7 @@ def serve(args: argparse.Namespace) -> int:
                     logger.info("specdec ready in %.1f s: http://%s:%d/v1 serving %r",
                                 time.monotonic() - started, args.host, args.port,
                                 args.served_model_name or args.model)
-                elif time.monotonic() - started > READY_TIMEOUT_S:
+                elif time.monotonic() - children_started > READY_TIMEOUT_S:
                     logger.error("the gateway did not become healthy in %.0f s", READY_TIMEOUT_S)
                     return 1
             time.sleep(0.5)

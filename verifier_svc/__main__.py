@@ -5,11 +5,14 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
+import os
 import sys
+from typing import NoReturn
 
 import torch
 
 from specdec.cli import (
+    DefaultsHelpFormatter,
     ADDITIONAL_CONFIG_KEYS,
     add_engine_args,
     add_logging_args,
@@ -30,12 +33,14 @@ from specdec.rpc.internal_auth import (
 from specdec.rpc.tls import add_grpc_tls_args, grpc_tls_from_args
 from verifier_svc.builder import VerifierConfig, compile_by_default
 from verifier_svc.server import start_verifier
+from verifier_svc.startup_phase import StartupPhase
 
 logger = logging.getLogger("verifier_svc")
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="python -m verifier_svc", description=__doc__)
+    parser = argparse.ArgumentParser(prog="python -m verifier_svc", description=__doc__,
+                                     formatter_class=DefaultsHelpFormatter)
     add_model_args(parser)
     add_engine_args(parser)
     add_speculative_args(parser)
@@ -82,10 +87,17 @@ def config_from_args(args: argparse.Namespace) -> VerifierConfig:
 
 
 async def serve(args: argparse.Namespace, config: VerifierConfig) -> int:
-    verifier = await start_verifier(config, args.host, args.port, args.metrics_port)
+    signalled = asyncio.ensure_future(wait_for_signal())
+    await asyncio.sleep(0)  # the handlers are installed: a stop while starting is heard
+    phase = StartupPhase()
+    starting = asyncio.ensure_future(start_verifier(config, args.host, args.port,
+                                                    args.metrics_port, phase))
+    await asyncio.wait({signalled, starting}, return_when=asyncio.FIRST_COMPLETED)
+    if not starting.done():
+        _exit_while_starting(phase)
+    verifier = starting.result()
     logger.info("verifier serving on %s:%d (%d start-up objects frozen)", args.host,
                 verifier.port, freeze_startup_heap())
-    signalled = asyncio.ensure_future(wait_for_signal())
     fatal = asyncio.ensure_future(verifier.wait_for_fatal_error())
     await asyncio.wait({signalled, fatal}, return_when=asyncio.FIRST_COMPLETED)
     for task in (signalled, fatal):
@@ -99,6 +111,16 @@ async def serve(args: argparse.Namespace, config: VerifierConfig) -> int:
     await verifier.shutdown(args.shutdown_grace_s)
     logger.info("verifier stopped")
     return 0
+
+
+def _exit_while_starting(phase: StartupPhase) -> NoReturn:
+    """Ends the process at once: the engine is being built in a thread that cannot be
+    interrupted (a kernel compile, a weight load), which a normal exit would wait for,
+    and nothing is served yet, so nothing is lost. A kernel build's lock names this
+    process, so the next start takes it over."""
+    logger.info("stopped while starting (%s)", phase.name)
+    logging.shutdown()
+    os._exit(0)
 
 
 def main(argv: list[str] | None = None) -> int:
