@@ -12,6 +12,7 @@ from gateway.app import GatewayConfig, create_app
 from gateway.server import add_server_args, limits_from_args, uvicorn_config
 from gateway.tools import TOOL_CALL_PARSERS
 from gateway.verifier_client import VerifierClient
+from specdec.cli import DEFAULT_GATEWAY_PORT, DefaultsHelpFormatter
 from specdec.errors import SpecdecError
 from specdec.heap import freeze_startup_heap
 from specdec.rpc.internal_auth import (
@@ -26,6 +27,7 @@ logger = logging.getLogger("gateway")
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
+        formatter_class=DefaultsHelpFormatter,
         prog="python -m gateway",
         description="OpenAI-compatible HTTP gateway of specdec: chat template, validation, "
                     "SSE and stop strings in front of one or more verifiers.")
@@ -37,7 +39,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--verifier", action="append", required=True, metavar="HOST:PORT",
                         help="verifier gRPC address; repeat for several (round-robin)")
     parser.add_argument("--host", default="127.0.0.1")
-    parser.add_argument("--port", type=int, default=18080)
+    parser.add_argument("--port", type=int, default=DEFAULT_GATEWAY_PORT)
     parser.add_argument("--api-key", default=None,
                         help="require 'Authorization: Bearer KEY' on /v1/*. Kept for vLLM "
                              "parity, but argv is visible to every local user (ps): prefer "

@@ -10,6 +10,22 @@ from pathlib import Path
 from specdec.models.model_files import DEFAULT_MODEL
 
 ADDITIONAL_CONFIG_KEYS: tuple[str, ...] = ()
+# The gateway's HTTP port however it is started (`python -m specdec serve`, `python -m
+# gateway`, the images), and so the port of every client example and benchmark default.
+DEFAULT_GATEWAY_PORT = 18080
+
+
+class DefaultsHelpFormatter(argparse.RawDescriptionHelpFormatter):
+    """`--help` shows every option's default (every specdec command uses it), unless its
+    help already tells it in words or there is none to show (None, a plain switch); the
+    description keeps its own line breaks."""
+
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        text = action.help or ""
+        if (text == argparse.SUPPRESS or "default" in text.lower() or action.nargs == 0
+                or action.default in (None, argparse.SUPPRESS)):
+            return action.help
+        return f"{text} (default: %(default)s)".lstrip()
 
 
 def add_model_args(parser: argparse.ArgumentParser) -> None:

@@ -28,6 +28,7 @@ or these sources it logs why and keeps the plain-torch paths.
 from __future__ import annotations
 
 import argparse
+
 import contextlib
 import functools
 import hashlib
@@ -311,14 +312,18 @@ def _variants_named(spec: str) -> list[Variant]:
 
 
 def main(argv: list[str] | None = None) -> None:
+    # Not specdec.cli's formatter: the image's kernel stage holds this module alone.
     parser = argparse.ArgumentParser(prog="python -m specdec.layers.cpu_extension",
+                                     formatter_class=argparse.ArgumentDefaultsHelpFormatter,
                                      description="Compile the C++ CPU kernels ahead of time.")
     sub = parser.add_subparsers(dest="command", required=True)
-    build = sub.add_parser("prebuild", help=f"compile variants into DIR (then set {PREBUILT_ENV}=DIR)")
+    build = sub.add_parser("prebuild", formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+                           help=f"compile variants into DIR (then set {PREBUILT_ENV}=DIR)")
     build.add_argument("directory", type=Path)
     build.add_argument("--variants", default="all", help="all, native, or names separated by commas: "
                        + ", ".join(v.name for v in VARIANTS))
-    listing = sub.add_parser("list", help="the variants in DIR built from these sources (exit 1: none)")
+    listing = sub.add_parser("list", formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+                             help="the variants in DIR built from these sources (exit 1: none)")
     listing.add_argument("directory", type=Path)
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
