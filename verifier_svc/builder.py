@@ -179,6 +179,8 @@ def build_engine(config: VerifierConfig, enter_phase: Callable[[str], None] = la
                                  text_drafter=config.speculative_config is None
                                  or config.speculative_config.method not in MODEL_METHODS,
                                  disable_by_batch_size=config.speculative_config.disable_by_batch_size
+                                 if config.speculative_config is not None else None,
+                                 draft_caps=config.speculative_config.draft_caps
                                  if config.speculative_config is not None else None)
     if num_blocks * config.block_size < max_model_len:
         raise ConfigError(f"the KV cache holds {num_blocks * config.block_size} tokens, less "
