@@ -25,6 +25,7 @@ import subprocess
 import sys
 import time
 import urllib.request
+from collections.abc import Callable
 
 from specdec.cli import (
     ADDITIONAL_CONFIG_KEYS,
@@ -238,6 +239,12 @@ def serve(args: argparse.Namespace, started: float | None = None) -> int:
     environments = _child_environments(api_key, generate_token())
     try:
         for name, command in _child_commands(args, model_path):
+            if name == "gateway":
+                # Once the verifier listens, so that the gateway's /health tells its start-up
+                # phase from the first answer, never "unreachable" on a normal start.
+                verifier = children[-1][1]
+                _wait_until_listening(int(verifier.args[verifier.args.index("--port") + 1]),
+                                      verifier, lambda: stop_requested)
             logger.info("starting %s: %s", name, " ".join(command))
             # Own process group: a terminal's Ctrl-C reaches the launcher, which stops
             # the children in order.
@@ -270,6 +277,18 @@ def serve(args: argparse.Namespace, started: float | None = None) -> int:
         return 0
     finally:
         _stop_all(children, args.shutdown_grace_s + STOP_MARGIN_S)
+
+
+def _wait_until_listening(port: int, proc: subprocess.Popen[bytes],
+                          stopped: Callable[[], bool]) -> None:
+    """Returns once 127.0.0.1:`port` accepts a connection, `proc` has exited (the main
+    loop reports it) or a stop was asked for."""
+    while proc.poll() is None and not stopped():
+        with socket.socket() as sock:
+            sock.settimeout(1.0)
+            if sock.connect_ex(("127.0.0.1", port)) == 0:
+                return
+        time.sleep(0.1)
 
 
 def _healthy(url: str) -> bool:
