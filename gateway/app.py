@@ -45,6 +45,7 @@ from gateway.errors import (
 )
 from gateway.generation import build_generate_request, choice_requests
 from gateway.logprobs import TokenTexts
+from gateway.spec_decode_metrics import check_mode as check_spec_decode_metrics_mode
 from gateway.metrics import GatewayMetrics, RequestCountMiddleware
 from gateway.protocol import (
     SamplingOptions,
@@ -102,8 +103,11 @@ class GatewayConfig:
     # vLLM's flags: tool_choice "auto" needs both (and a chat template that renders tools).
     enable_auto_tool_choice: bool = False
     tool_call_parser: str | None = None
+    # vLLM's per-request speculative metrics in responses (gateway.spec_decode_metrics).
+    per_request_spec_decode_metrics: str = "none"
 
     def __post_init__(self) -> None:
+        check_spec_decode_metrics_mode(self.per_request_spec_decode_metrics)
         if not self.model:
             raise ConfigError("--model must not be empty", param="model")
         if self.tool_call_parser is not None and self.tool_call_parser not in TOOL_CALL_PARSERS:
@@ -246,7 +250,9 @@ async def _generate(request: Request, prompt_token_ids: list[int], sampling: Sam
     output = responses.Output(responses.new_id("chatcmpl" if chat else "cmpl"), responses.now(),
                               state.config.model_name, chat,
                               state.token_texts if sampling.logprobs is not None else None,
-                              tool_output)
+                              tool_output,
+                              spec_decode_metrics=state.config.per_request_spec_decode_metrics,
+                              num_speculative_tokens=info.num_speculative_tokens)
 
     def observe() -> None:
         for choice in choices:

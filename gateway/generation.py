@@ -212,7 +212,7 @@ def speculation_usage(stats: specdec_pb2.SpeculationStats | None) -> dict:
     }
 
 
-def _sum_speculation(results: list[GenerationResult]) -> specdec_pb2.SpeculationStats | None:
+def sum_speculation(results: list[GenerationResult]) -> specdec_pb2.SpeculationStats | None:
     stats = [result.speculation for result in results if result.speculation is not None]
     if len(stats) <= 1:
         return stats[0] if stats else None
@@ -245,5 +245,5 @@ def usage(results: GenerationResult | list[GenerationResult]) -> dict:
         "total_tokens": num_prompt_tokens + num_completion_tokens,
         "prompt_tokens_details": {
             "cached_tokens": min(result.num_cached_tokens for result in results)},
-        "speculation": speculation_usage(_sum_speculation(results)),
+        "speculation": speculation_usage(sum_speculation(results)),
     }

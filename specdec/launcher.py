@@ -34,6 +34,7 @@ from specdec.cli import (
     add_logging_args,
     add_model_args,
     add_shutdown_args,
+    add_spec_decode_metrics_arg,
     add_speculative_args,
     served_model_name,
 )
@@ -90,6 +91,7 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
     # checked here so that a bad name fails at once, not in the gateway child.
     parser.add_argument("--tool-call-parser", default=None, choices=TOOL_CALL_PARSER_NAMES,
                         help="passed to the gateway: how \"auto\" tool calls are parsed")
+    add_spec_decode_metrics_arg(parser)
     parser.add_argument("--verifier-port", type=int, default=0, help="0: a free port")
     parser.add_argument("--drafter-metrics-port", type=int, default=None,
                         help="serve the drafter's Prometheus metrics over HTTP on this port")
@@ -164,6 +166,7 @@ def _child_commands(args: argparse.Namespace, model_path: str) -> list[tuple[str
         gateway.append("--enable-auto-tool-choice")
     if args.tool_call_parser is not None:
         gateway += ["--tool-call-parser", args.tool_call_parser]
+    gateway += ["--per-request-spec-decode-metrics", args.per_request_spec_decode_metrics]
     commands.append(("gateway", gateway))
     # gRPC TLS: each child gets the flags of its sides (drafter: server; gateway: client).
     tls = grpc_tls_from_args(args)
