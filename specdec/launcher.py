@@ -52,6 +52,7 @@ from specdec.rpc.internal_auth import (
     load_api_key,
 )
 from specdec.rpc.tls import add_grpc_tls_args, grpc_tls_flags, grpc_tls_from_args
+from specdec.startup_health import PHASE_STARTING_SERVICES, StartupHealth
 
 TOOL_CALL_PARSER_NAMES = ("hermes",)
 
@@ -225,10 +226,17 @@ def serve(args: argparse.Namespace, started: float | None = None) -> int:
         logger.warning("--api-key on the command line is visible to every local user (ps); "
                        "prefer $SPECDEC_API_KEY or --api-key-file")
     api_key = load_api_key(args.api_key, args.api_key_file)
-    model_dir = resolve_model(args.model)
-    # The verifier starts the other tensor-parallel ranks itself; refuse a size the model's
-    # heads do not divide before any child starts.
-    check_tensor_parallel(load_model_config(model_dir), args.tensor_parallel_size)
+    # /health answers from the first instant; the gateway takes the address over.
+    startup_health = StartupHealth(args.host, args.port)
+    try:
+        model_dir = resolve_model(args.model, enter_phase=startup_health.enter)
+        # The verifier starts the other tensor-parallel ranks itself; refuse a size the
+        # model's heads do not divide before any child starts.
+        check_tensor_parallel(load_model_config(model_dir), args.tensor_parallel_size)
+    except BaseException:
+        startup_health.close()
+        raise
+    startup_health.enter(PHASE_STARTING_SERVICES)
     model_path = str(model_dir)
     stop_requested = False
 
@@ -248,6 +256,7 @@ def serve(args: argparse.Namespace, started: float | None = None) -> int:
                 verifier = children[-1][1]
                 _wait_until_listening(int(verifier.args[verifier.args.index("--port") + 1]),
                                       verifier, lambda: stop_requested)
+                startup_health.close()
             logger.info("starting %s: %s", name, " ".join(command))
             # Own process group: a terminal's Ctrl-C reaches the launcher, which stops
             # the children in order.
@@ -279,6 +288,7 @@ def serve(args: argparse.Namespace, started: float | None = None) -> int:
         logger.info("stopping")
         return 0
     finally:
+        startup_health.close()
         _stop_all(children, args.shutdown_grace_s + STOP_MARGIN_S)
 
 

@@ -26,6 +26,8 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from gateway.verifier_client import VerifierClient
+from specdec.models.model_files import PHASE_CONVERTING
+from specdec.startup_health import StartupHealth
 from specdec.v1 import specdec_pb2, specdec_pb2_grpc
 from tests.served_stack import ENV, ROOT, free_port
 from tests.stack_processes import MARK_ENV, new_mark, processes_marked
@@ -109,6 +111,22 @@ async def test_a_starting_verifier_tells_its_phase_and_refuses_requests(
             starting.cancel()
 
 
+def test_the_launchers_health_tells_its_phase_until_the_gateway_takes_over() -> None:
+    port = free_port()
+    health = StartupHealth("127.0.0.1", port)
+    try:
+        health.enter(PHASE_CONVERTING)
+        response = httpx.get(f"http://127.0.0.1:{port}/health", timeout=5)
+        assert response.status_code == 503
+        assert response.json() == {"status": "starting", "phase": PHASE_CONVERTING,
+                                   "verifiers": {}, "problems": []}
+    finally:
+        health.close()
+    with pytest.raises(httpx.ConnectError):
+        httpx.get(f"http://127.0.0.1:{port}/health", timeout=5)
+    StartupHealth("127.0.0.1", port).close()  # the address is free again
+
+
 def _health(port: int) -> dict | None:
     try:
         return httpx.get(f"http://127.0.0.1:{port}/health", timeout=2).json()
@@ -162,8 +180,10 @@ def test_the_default_stack_goes_through_starting_to_ok_without_a_warning(tmp_pat
     finally:
         launcher.send_signal(signal.SIGTERM)
         launcher.wait(timeout=60)
-    statuses = [body["verifiers"].get("verifier-0", "") for body in seen]
+    # The launcher's own answers (a phase, no verifier yet), then the gateway's.
+    statuses = [body["verifiers"].get("verifier-0", "") for body in seen if "phase" not in body]
     assert all(s == "serving" or s.startswith("starting: ") for s in statuses), statuses
+    assert all(body["status"] == "starting" for body in seen if "phase" in body)
     assert all(body["problems"] == [] for body in seen)
     start_log = log.read_text().split("specdec ready in")[0]
     assert not re.findall(r".*\bWARNING\b.*", start_log), re.findall(r".*\bWARNING\b.*", start_log)

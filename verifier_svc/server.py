@@ -71,8 +71,8 @@ async def start_verifier(config: VerifierConfig, host: str = "127.0.0.1", port: 
                          metrics_port: int | None = None,
                          phase: StartupPhase | None = None) -> RunningVerifier:
     """Serves gRPC at once (health NOT_SERVING, `GetInfo` telling `phase`: see
-    verifier_svc.starting_servicer), builds the engine off the event loop, then serves it; port 0
-    picks a free port (tests).
+    verifier_svc.starting_servicer), builds the engine off the event loop, then serves it;
+    port 0 picks a free port (tests).
 
     With `metrics_port`, Prometheus metrics are served over HTTP at /metrics there.
     """
@@ -90,7 +90,7 @@ async def start_verifier(config: VerifierConfig, host: str = "127.0.0.1", port: 
         await server.stop(0)
         raise
     try:
-        await _serve(engine, served, config, host, metrics_port, phase)
+        await _start_engine(engine, served, config, host, metrics_port, phase)
     except BaseException:
         engine.runner.close()  # no orphaned tensor-parallel workers
         await server.stop(0)
@@ -100,8 +100,9 @@ async def start_verifier(config: VerifierConfig, host: str = "127.0.0.1", port: 
     return RunningVerifier(server, engine, served, bound)
 
 
-async def _serve(engine: Engine, served: ServedModel, config: VerifierConfig, host: str,
-                 metrics_port: int | None, phase: StartupPhase) -> None:
+async def _start_engine(engine: Engine, served: ServedModel, config: VerifierConfig, host: str,
+                        metrics_port: int | None, phase: StartupPhase) -> None:
+    """Metrics, the engine's loop, and a drafter to wait for (when asked)."""
     if metrics_port is not None:
         engine.metrics = VerifierMetrics(engine, served.model_name)  # a name, never a path
         engine.metrics.serve(host, metrics_port)
