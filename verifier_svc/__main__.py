@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import faulthandler
 import logging
 import os
 import sys
@@ -32,10 +33,14 @@ from specdec.rpc.internal_auth import (
 )
 from specdec.rpc.tls import add_grpc_tls_args, grpc_tls_from_args
 from verifier_svc.builder import VerifierConfig, compile_by_default
-from verifier_svc.server import start_verifier
+from verifier_svc.server import RPC_FLUSH_S, start_verifier
 from verifier_svc.startup_phase import StartupPhase
 
 logger = logging.getLogger("verifier_svc")
+
+# Beyond the grace and the RPC flush, what a stop may take before the watchdog ends the
+# process; under the launcher's own margin (specdec.launcher.STOP_MARGIN_S).
+STOP_WATCHDOG_MARGIN_S = 2.0
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -108,7 +113,14 @@ async def serve(args: argparse.Namespace, config: VerifierConfig) -> int:
         logger.error("%s; stopping the verifier", fatal.result())
         await verifier.shutdown(0.0)
         return 1
+    # A stop that outlives its bound is a bug (issue 43 saw one, rarely, right after
+    # start-up, and it did not reproduce): the process then ends anyway, before the
+    # launcher's SIGKILL, with every thread's stack on stderr to find it by. faulthandler's
+    # own thread needs no GIL, so a thread stuck holding it cannot stop it.
+    stop_limit_s = args.shutdown_grace_s + RPC_FLUSH_S + STOP_WATCHDOG_MARGIN_S
+    faulthandler.dump_traceback_later(stop_limit_s, exit=True)
     await verifier.shutdown(args.shutdown_grace_s)
+    faulthandler.cancel_dump_traceback_later()
     logger.info("verifier stopped")
     return 0
 
