@@ -13,6 +13,7 @@ from gateway.server import add_server_args, limits_from_args, uvicorn_config
 from gateway.tools import TOOL_CALL_PARSERS
 from gateway.verifier_client import VerifierClient
 from specdec.errors import SpecdecError
+from specdec.grammar_checker import add_grammar_args, grammar_limits_from_args
 from specdec.heap import freeze_startup_heap
 from specdec.rpc.internal_auth import (
     add_internal_auth_args,
@@ -61,6 +62,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_grpc_tls_args(parser, server=False)
     add_internal_auth_args(parser, server=False)
     add_server_args(parser)
+    add_grammar_args(parser)
     return parser
 
 
@@ -85,7 +87,8 @@ def main(argv: list[str] | None = None) -> int:
                                max_model_len=args.max_model_len,
                                api_key=api_key_from_args(args), host=args.host, port=args.port,
                                enable_auto_tool_choice=args.enable_auto_tool_choice,
-                               tool_call_parser=args.tool_call_parser)
+                               tool_call_parser=args.tool_call_parser,
+                               grammar_limits=grammar_limits_from_args(args))
         verifier_client = VerifierClient(
             config.verifier_addresses, tls=grpc_tls_from_args(args),
             internal_token=load_internal_token(args.internal_token_file))

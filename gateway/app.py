@@ -7,6 +7,7 @@ tests inject small ones.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import dataclasses
 import functools
@@ -15,7 +16,7 @@ import json
 import logging
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from starlette.applications import Starlette
@@ -57,7 +58,7 @@ from gateway.tool_chat import ToolOutput, ToolSettings, plan_tools, template_mes
 from gateway.tools import TOOL_CALL_PARSERS, template_accepts_tools
 from gateway.verifier_client import VerifierClient
 from specdec.errors import ConfigError, ModelNotFoundError
-from specdec.grammar_spec import check_grammar
+from specdec.grammar_checker import GrammarChecker, GrammarLimits
 
 logger = logging.getLogger(__name__)
 
@@ -67,24 +68,6 @@ Handler = Callable[[Request], Awaitable[Response]]
 CLIENT_CLOSED_REQUEST = 499
 # An unknown model name is quoted back in the 404, at most this long.
 MAX_QUOTED_MODEL_CHARS = 256
-# Constraints up to this size that passed the grammar compiler are remembered: an agent
-# sends the same schema with every request. Only successes are kept (lru_cache keeps no
-# exceptions), and not the compiled text, so the cache holds at most ~4 MiB of keys.
-MAX_CACHED_GRAMMAR_CHARS = 16 * 1024
-
-
-@functools.lru_cache(maxsize=256)
-def _check_small_grammar(kind: str, value: str, param: str) -> None:
-    check_grammar(kind, value, param=param)
-
-
-def _check_grammar_text(kind: str, value: str, param: str) -> None:
-    if len(value) > MAX_CACHED_GRAMMAR_CHARS:
-        check_grammar(kind, value, param=param)
-    else:
-        _check_small_grammar(kind, value, param)
-
-
 @dataclass(frozen=True)
 class GatewayConfig:
     """Validated start-up configuration of one gateway."""
@@ -102,6 +85,8 @@ class GatewayConfig:
     # vLLM's flags: tool_choice "auto" needs both (and a chat template that renders tools).
     enable_auto_tool_choice: bool = False
     tool_call_parser: str | None = None
+    # What one structured-output constraint may cost (specdec.grammar_checker).
+    grammar_limits: GrammarLimits = field(default_factory=GrammarLimits)
 
     def __post_init__(self) -> None:
         if not self.model:
@@ -223,12 +208,25 @@ async def _sse(chunks: AsyncIterator[dict], choices: list[Choice],
         on_finish()
 
 
-async def _check_grammar(sampling: SamplingOptions) -> None:
+async def _check_grammar(request: Request, sampling: SamplingOptions) -> None:
     """A constraint the compiler rejects is a 400 naming its field, before anything is
-    queued; compiled in a worker thread (a large schema takes milliseconds)."""
+    queued; checked in the grammar checker's processes, under its time budget (never in
+    the thread pool chat templating uses), and abandoned when the client leaves."""
     grammar = sampling.grammar
-    if grammar is not None:
-        await run_in_threadpool(_check_grammar_text, grammar.kind, grammar.value, grammar.param)
+    if grammar is None:
+        return
+    check = asyncio.ensure_future(request.app.state.grammar_checker.check(
+        grammar.kind, grammar.value, param=grammar.param))
+    watch = asyncio.ensure_future(_wait_for_disconnect(request))
+    try:
+        await asyncio.wait({check, watch}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watch.cancel()
+        if not check.done():
+            check.cancel()  # kills its worker
+    if not check.done() or check.cancelled():
+        raise ClientDisconnect()
+    check.result()
 
 
 async def _generate(request: Request, prompt_token_ids: list[int], sampling: SamplingOptions,
@@ -275,7 +273,7 @@ async def chat_completions(request: Request) -> Response:
     sampling = chat.sampling
     if plan.grammar is not None:
         sampling = dataclasses.replace(sampling, grammar=plan.grammar)
-    await _check_grammar(sampling)
+    await _check_grammar(request, sampling)
     messages = template_messages(chat.messages, settings.template_accepts_tools)
     prompt_token_ids = await run_in_threadpool(render_chat_prompt, request.app.state.tokenizer,
                                                messages, plan.template_tools)
@@ -290,7 +288,7 @@ async def completions(request: Request) -> Response:
     started_at = time.monotonic()
     completion = parse_completion_request(await _read_json(request))
     _check_model(request, completion.model)
-    await _check_grammar(completion.sampling)
+    await _check_grammar(request, completion.sampling)
     prompt_token_ids = await run_in_threadpool(tokenize_prompt, request.app.state.tokenizer,
                                                completion.prompt)
     return await _generate(request, prompt_token_ids, completion.sampling, chat=False,
@@ -366,11 +364,13 @@ def create_app(config: GatewayConfig, tokenizer: Any,
         app.state.verifier = client
         app.state.metrics = GatewayMetrics(config.model_name)
         app.state.created = responses.now()
+        app.state.grammar_checker = GrammarChecker(config.grammar_limits)
         logger.info("gateway serving model %r (tokenizer %s) via verifiers %s",
                     config.model_name, config.model, ", ".join(client.addresses))
         try:
             yield
         finally:
+            await app.state.grammar_checker.close()
             await client.close()
 
     routes = [
