@@ -30,7 +30,7 @@ from starlette.routing import Route
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from gateway import responses
-from gateway.chat import render_chat_prompt, tokenize_prompt
+from gateway.chat import max_chars_per_token, render_chat_prompt, tokenize_prompt
 from gateway.choices import (
     Choice,
     close_choices,
@@ -275,8 +275,11 @@ async def chat_completions(request: Request) -> Response:
         sampling = dataclasses.replace(sampling, grammar=plan.grammar)
     await _check_grammar(request, sampling)
     messages = template_messages(chat.messages, settings.template_accepts_tools)
-    prompt_token_ids = await run_in_threadpool(render_chat_prompt, request.app.state.tokenizer,
-                                               messages, plan.template_tools)
+    state = request.app.state
+    max_model_len = state.config.max_model_len or (await state.verifier.get_info()).max_model_len
+    prompt_token_ids = await run_in_threadpool(functools.partial(
+        render_chat_prompt, state.tokenizer, messages, plan.template_tools,
+        max_model_len=max_model_len, chars_per_token=state.chars_per_token))
     return await _generate(request, prompt_token_ids, sampling, chat=True,
                            stream=chat.stream, include_usage=chat.include_usage,
                            started_at=started_at, prompt_param="messages",
@@ -361,6 +364,7 @@ def create_app(config: GatewayConfig, tokenizer: Any,
         app.state.config = config
         app.state.tokenizer = tokenizer
         app.state.token_texts = TokenTexts(tokenizer)
+        app.state.chars_per_token = await run_in_threadpool(max_chars_per_token, tokenizer)
         app.state.verifier = client
         app.state.metrics = GatewayMetrics(config.model_name)
         app.state.created = responses.now()

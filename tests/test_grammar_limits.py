@@ -156,3 +156,18 @@ def test_the_verifier_probes_a_grammar_before_admission(backend: GrammarBackend)
     assert "exceeds the grammar library's limits" in refused.value.message
     assert "(a{1000}){1000}" not in refused.value.message
     backend.compile("regex", "(a{10}){10}")
+
+
+@pytest.mark.parametrize("schema", [
+    {"$ref": "#/$defs/a", "$defs": {"a": {"$ref": "#/$defs/a"}}},
+    {"$ref": "#/$defs/a", "$defs": {"a": {"$ref": "#/$defs/b"}, "b": {"$ref": "#/$defs/a"}}},
+])
+def test_a_cyclic_ref_that_matches_nothing_is_refused(backend: GrammarBackend, schema) -> None:
+    """It used to give empty content with finish_reason stop (issue 44, item 9)."""
+    with pytest.raises(InvalidRequestError) as refused:
+        backend.compile("json_schema", json.dumps(schema), param="response_format.json_schema.schema")
+    assert refused.value.param == "response_format.json_schema.schema"
+    assert "matches no text at all" in refused.value.message
+    # Recursion with a way out is a grammar like any other.
+    backend.compile("json_schema", json.dumps(
+        {"type": "object", "properties": {"child": {"$ref": "#"}}}))

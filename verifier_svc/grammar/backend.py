@@ -33,6 +33,9 @@ from verifier_svc.grammar.matcher import GrammarLimitError, GrammarState, alloca
 logger = logging.getLogger(__name__)
 
 DEFAULT_CACHE_SIZE = 512
+# llguidance's error for a grammar with no way to go on (from its start: one that matches
+# nothing, e.g. a schema whose $ref cycle has no base case).
+_NO_OUTPUT_ERROR = "NoExtensionBias"
 DEFAULT_COMPILE_THREADS = 2
 
 
@@ -175,6 +178,10 @@ class GrammarBackend:
                 state.accept(first)
                 state.fill_next_mask(mask)
         except GrammarLimitError as error:
+            if error.detail.startswith(_NO_OUTPUT_ERROR):
+                raise InvalidRequestError(
+                    f"the {kind.replace('_', ' ')} matches no text at all (a $ref that only "
+                    "refers to itself?)") from None
             raise InvalidRequestError(f"the {kind.replace('_', ' ')} exceeds the grammar "
                                       f"library's limits: {error.detail}") from None
 
