@@ -3,8 +3,8 @@
     python -m specdec serve --model ... --port 8000 &
     python scripts/grammar-flood-bench.py --base-url http://127.0.0.1:8000 --model NAME
 
-Sends plain chat requests one at a time, first alone, then while `--flood` clients keep
-sending JSON Schemas with `--patterns` patternProperties each (distinct, so none is a cache
+Sends plain chat requests one at a time, in `--rounds` pairs of phases: alone, then while
+`--flood` clients keep sending JSON Schemas with `--patterns` patternProperties each (distinct, so none is a cache
 hit: each compiles until the server's --grammar-compile-timeout-s refuses it). Prints the
 median and worst plain latency of each phase and their ratio.
 """
@@ -57,21 +57,26 @@ def summary(name: str, latencies: list[float]) -> float:
 
 
 async def main(args: argparse.Namespace) -> None:
+    alone: list[float] = []
+    under: list[float] = []
+    counts: dict[int, int] = {}
+    serials = itertools.count()
     async with httpx.AsyncClient(base_url=args.base_url, timeout=600) as client:
         await plain_latencies(client, args.model, 2)  # warm
-        alone = summary("plain alone", await plain_latencies(client, args.model, args.num))
-        counts: dict[int, int] = {}
-        serials = itertools.count()
-        flooders = [asyncio.create_task(flood(client, args.model, args.patterns, serials, counts))
-                    for _ in range(args.flood)]
-        await asyncio.sleep(1.0)  # the flood's checks are running
-        under = summary(f"plain during a flood of {args.flood}",
-                        await plain_latencies(client, args.model, args.num))
-        for task in flooders:
-            task.cancel()
-        await asyncio.gather(*flooders, return_exceptions=True)
-        print(f"flood answers by status: {dict(sorted(counts.items()))}")
-        print(f"plain latency under the flood: {under / alone:.2f}x alone (medians)")
+        # Alternated, so that the machine's other load drifts into both phases alike.
+        for _ in range(args.rounds):
+            alone += await plain_latencies(client, args.model, args.num)
+            flooders = [asyncio.create_task(flood(client, args.model, args.patterns, serials,
+                                                  counts)) for _ in range(args.flood)]
+            await asyncio.sleep(1.0)  # the flood's checks are running
+            under += await plain_latencies(client, args.model, args.num)
+            for task in flooders:
+                task.cancel()
+            await asyncio.gather(*flooders, return_exceptions=True)
+    median_alone = summary("plain alone", alone)
+    median_under = summary(f"plain during a flood of {args.flood}", under)
+    print(f"flood answers by status: {dict(sorted(counts.items()))}")
+    print(f"plain latency under the flood: {median_under / median_alone:.2f}x alone (medians)")
 
 
 if __name__ == "__main__":
@@ -79,7 +84,8 @@ if __name__ == "__main__":
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--base-url", default="http://127.0.0.1:8000")
     parser.add_argument("--model", required=True)
-    parser.add_argument("--num", type=int, default=20, help="plain requests per phase")
+    parser.add_argument("--num", type=int, default=5, help="plain requests per phase")
+    parser.add_argument("--rounds", type=int, default=6, help="alone / flood phase pairs")
     parser.add_argument("--flood", type=int, default=16, help="concurrent flooding clients")
     parser.add_argument("--patterns", type=int, default=400)
     asyncio.run(main(parser.parse_args()))
