@@ -116,7 +116,7 @@ def build_generate_request(prompt_token_ids: list[int], sampling: SamplingOption
                                                         value=sampling.grammar.value))
     return specdec_pb2.GenerateRequest(
         request_id=uuid.uuid4().hex, prompt_token_ids=prompt_token_ids, sampling=params,
-        speculation=speculation)
+        speculation=speculation, cache_salt=sampling.cache_salt or "")
 
 
 def choice_requests(request: specdec_pb2.GenerateRequest,

@@ -7,6 +7,7 @@ import logging
 import os
 from pathlib import Path
 
+from specdec.config import DEFAULT_LONG_PREFILL_TOKEN_THRESHOLD
 from specdec.models.model_files import DEFAULT_MODEL
 
 ADDITIONAL_CONFIG_KEYS: tuple[str, ...] = ()
@@ -46,6 +47,11 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-num-seqs", type=int, default=256)
     parser.add_argument("--max-num-batched-tokens", type=int, default=2048,
                         help="tokens per engine step; longer prompts prefill in chunks")
+    parser.add_argument("--long-prefill-token-threshold", type=int,
+                        default=DEFAULT_LONG_PREFILL_TOKEN_THRESHOLD,
+                        help="the largest prefill chunk of a step that also decodes, so running "
+                             "decodes keep their pace beside a long prompt; 0: no cap "
+                             "(default %(default)s)")
     parser.add_argument("--gpu-memory-utilization", type=float, default=0.9,
                         help="fraction of device memory (RAM on cpu) for weights, activations "
                              "and the KV cache")

@@ -24,6 +24,9 @@ DEFAULT_PROMPT_LOOKUP = 5
 SUFFIX_DEFAULTS: dict[str, int | float] = {
     "suffix_decoding_max_tree_depth": 24,
     "suffix_decoding_max_cached_requests": 10000,
+    # specdec's own (vLLM bounds the global cache by requests only): the tokens it holds,
+    # lead-ins included. A trie costs about 1.5 KB per token at depth 24.
+    "suffix_decoding_max_cached_tokens": 1_000_000,
     "suffix_decoding_max_spec_factor": 1.0,
     "suffix_decoding_min_token_prob": 0.1,
 }
@@ -96,6 +99,7 @@ class SpeculativeConfig:
     # suffix only (None for other methods): vLLM's suffix_decoding_* fields, defaults filled in.
     suffix_decoding_max_tree_depth: int | None = None
     suffix_decoding_max_cached_requests: int | None = None
+    suffix_decoding_max_cached_tokens: int | None = None
     suffix_decoding_max_spec_factor: float | None = None
     suffix_decoding_min_token_prob: float | None = None
 
@@ -238,7 +242,8 @@ def _parse_suffix_fields(raw: dict[str, Any], method: str) -> dict[str, Any]:
         return {}
     values: dict[str, Any] = {}
     for name, minimum in (("suffix_decoding_max_tree_depth", 1),
-                          ("suffix_decoding_max_cached_requests", 0)):
+                          ("suffix_decoding_max_cached_requests", 0),
+                          ("suffix_decoding_max_cached_tokens", 0)):
         value = _require_int(raw, name, minimum)
         values[name] = SUFFIX_DEFAULTS[name] if value is None else value
     for name, low, high in (("suffix_decoding_max_spec_factor", 0.0, None),
@@ -307,6 +312,11 @@ LOGPROBS_MODES = ("raw_logprobs", "processed_logprobs")
 DEFAULT_WAITING_PER_SEQ = 4
 
 
+# vLLM's --long-prefill-token-threshold, here the largest prefill chunk of a step that also
+# decodes: about a few decode steps' worth of work on a CPU.
+DEFAULT_LONG_PREFILL_TOKEN_THRESHOLD = 512
+
+
 @dataclass(frozen=True)
 class EngineConfig:
     """The verifier engine's limits (vLLM's flag names)."""
@@ -314,6 +324,10 @@ class EngineConfig:
     max_model_len: int
     max_num_seqs: int = 256
     max_num_batched_tokens: int = 2048
+    # The largest prefill chunk in a step that also runs decodes (0: no cap): a decode's
+    # time between tokens stays a few decode steps beside a long prompt; a prompt prefilled
+    # alone still takes the whole budget.
+    long_prefill_token_threshold: int = DEFAULT_LONG_PREFILL_TOKEN_THRESHOLD
     block_size: int = 16
     num_kv_blocks: int = 0
     # Per-step deadline for drafter proposals; a late proposal means that sequence
@@ -357,6 +371,10 @@ class EngineConfig:
             value = getattr(self, name)
             if value < 1:
                 raise ConfigError(f"{name} must be >= 1, got {value}", param=name)
+        if self.long_prefill_token_threshold < 0:
+            raise ConfigError("long_prefill_token_threshold must be >= 0 (0: no cap), got "
+                              f"{self.long_prefill_token_threshold}",
+                              param="long_prefill_token_threshold")
         if self.max_waiting_requests is not None and self.max_waiting_requests < 0:
             raise ConfigError("max_waiting_requests must be >= 0 (0: no queue beyond "
                               f"max_num_seqs), got {self.max_waiting_requests}",

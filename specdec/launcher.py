@@ -121,6 +121,7 @@ def _child_commands(args: argparse.Namespace, model_path: str) -> list[tuple[str
                 "--port", str(verifier_port), "--dtype", args.dtype, "--device", args.device,
                 "--max-num-seqs", str(args.max_num_seqs),
                 "--max-num-batched-tokens", str(args.max_num_batched_tokens),
+                "--long-prefill-token-threshold", str(args.long_prefill_token_threshold),
                 "--gpu-memory-utilization", str(args.gpu_memory_utilization),
                 "--block-size", str(args.block_size),
                 "--tensor-parallel-size", str(args.tensor_parallel_size),

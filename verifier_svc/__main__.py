@@ -68,6 +68,7 @@ def config_from_args(args: argparse.Namespace) -> VerifierConfig:
         model=args.model, served_model_name=args.served_model_name, dtype=args.dtype,
         device=args.device, max_model_len=args.max_model_len,
         max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
+        long_prefill_token_threshold=args.long_prefill_token_threshold,
         block_size=args.block_size, gpu_memory_utilization=args.gpu_memory_utilization,
         num_gpu_blocks_override=args.num_gpu_blocks_override,
         kv_cache_memory_bytes=args.kv_cache_memory_bytes,

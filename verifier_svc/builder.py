@@ -13,7 +13,13 @@ from pathlib import Path
 import torch
 
 from specdec.cli import served_model_name
-from specdec.config import MODEL_METHODS, EngineConfig, SpeculativeConfig, default_draft_timeout_s
+from specdec.config import (
+    DEFAULT_LONG_PREFILL_TOKEN_THRESHOLD,
+    MODEL_METHODS,
+    EngineConfig,
+    SpeculativeConfig,
+    default_draft_timeout_s,
+)
 from specdec.device import device_memory_bytes, resolve_device, resolve_dtype
 from specdec.engine.block_manager import BlockManager
 from specdec.engine.kv_cache import KVCache
@@ -58,6 +64,7 @@ class VerifierConfig:
     max_model_len: int | None = None
     max_num_seqs: int = 256
     max_num_batched_tokens: int = 2048
+    long_prefill_token_threshold: int = DEFAULT_LONG_PREFILL_TOKEN_THRESHOLD
     block_size: int = 16
     gpu_memory_utilization: float = 0.9
     num_gpu_blocks_override: int | None = None
@@ -155,6 +162,7 @@ def build_engine(config: VerifierConfig) -> tuple[Engine, ServedModel]:
                      only=linears_to_pack(linear_kernel) if config.compile else None)
     engine_config = EngineConfig(max_model_len=max_model_len, max_num_seqs=config.max_num_seqs,
                                  max_num_batched_tokens=config.max_num_batched_tokens,
+                                 long_prefill_token_threshold=config.long_prefill_token_threshold,
                                  block_size=config.block_size, num_kv_blocks=num_blocks,
                                  draft_timeout_s=config.draft_timeout_s
                                  or default_draft_timeout_s(config.speculative_config),

@@ -177,7 +177,7 @@ class Engine:
 
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                     num_speculative_tokens: int | None = None,
-                    grammar: CompiledGrammar | None = None,
+                    grammar: CompiledGrammar | None = None, cache_salt: str = "",
                     ) -> tuple[int, asyncio.Queue[RequestOutput | SpecdecError]]:
         """Queues a request; returns its sequence id and the queue its outputs arrive on.
 
@@ -197,7 +197,7 @@ class Engine:
         seq = Sequence(seq_id=next(self._seq_ids), request_id=request_id,
                        token_ids=list(prompt_token_ids), prompt_len=len(prompt_token_ids),
                        params=params, max_speculative_tokens=num_speculative_tokens,
-                       generator=generator)
+                       generator=generator, cache_salt=cache_salt)
         # A drafter that needs the target's hidden states needs them for the whole context,
         # which a prefix-cache hit would skip computing.
         seq.may_reuse_prefix = not (num_speculative_tokens and self.hidden_layer_ids)

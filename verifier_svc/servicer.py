@@ -94,7 +94,7 @@ class VerifierServicer(specdec_pb2_grpc.VerifierServicer):
                 grammar = await self.engine.compile_grammar(request.sampling.grammar.kind,
                                                             request.sampling.grammar.value)
             seq_id, queue = self.engine.add_request(request_id, prompt, params, num_spec,
-                                                    grammar)
+                                                    grammar, request.cache_salt)
         except SpecdecError as exc:
             await context.abort(status_for(exc), error_details(exc))
             return

@@ -74,6 +74,8 @@ class Sequence:
     # token_ids so far, and how many leading blocks of block_table are registered.
     block_hashes: list[bytes] = field(default_factory=list)
     num_registered_blocks: int = 0
+    # vLLM's cache_salt: prefix-cache blocks are shared only between equal salts.
+    cache_salt: str = ""
     # Prompt tokens whose KV came from the prefix cache at the sequence's first admission.
     num_cached_tokens: int = 0
     # Whether a prefix-cache hit may skip the prefix's forward (not when a drafter needs

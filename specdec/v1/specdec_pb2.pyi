@@ -76,16 +76,18 @@ class SpeculationOverride(_message.Message):
     def __init__(self, enabled: _Optional[bool] = ..., num_speculative_tokens: _Optional[int] = ...) -> None: ...
 
 class GenerateRequest(_message.Message):
-    __slots__ = ("request_id", "prompt_token_ids", "sampling", "speculation")
+    __slots__ = ("request_id", "prompt_token_ids", "sampling", "speculation", "cache_salt")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
     SPECULATION_FIELD_NUMBER: _ClassVar[int]
+    CACHE_SALT_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
     sampling: SamplingParams
     speculation: SpeculationOverride
-    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., speculation: _Optional[_Union[SpeculationOverride, _Mapping]] = ...) -> None: ...
+    cache_salt: str
+    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., speculation: _Optional[_Union[SpeculationOverride, _Mapping]] = ..., cache_salt: _Optional[str] = ...) -> None: ...
 
 class Usage(_message.Message):
     __slots__ = ("prompt_tokens", "completion_tokens", "cached_tokens")
