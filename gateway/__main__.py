@@ -14,6 +14,7 @@ from gateway.tools import TOOL_CALL_PARSERS
 from gateway.verifier_client import VerifierClient
 from specdec.cli import DEFAULT_GATEWAY_PORT, DefaultsHelpFormatter, add_spec_decode_metrics_arg
 from specdec.errors import SpecdecError
+from specdec.grammar_checker import add_grammar_args, grammar_limits_from_args
 from specdec.heap import freeze_startup_heap
 from specdec.rpc.internal_auth import (
     add_internal_auth_args,
@@ -64,6 +65,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_grpc_tls_args(parser, server=False)
     add_internal_auth_args(parser, server=False)
     add_server_args(parser)
+    add_grammar_args(parser)
     return parser
 
 
@@ -89,7 +91,8 @@ def main(argv: list[str] | None = None) -> int:
                                api_key=api_key_from_args(args), host=args.host, port=args.port,
                                enable_auto_tool_choice=args.enable_auto_tool_choice,
                                tool_call_parser=args.tool_call_parser,
-                               per_request_spec_decode_metrics=args.per_request_spec_decode_metrics)
+                               per_request_spec_decode_metrics=args.per_request_spec_decode_metrics,
+                               grammar_limits=grammar_limits_from_args(args))
         verifier_client = VerifierClient(
             config.verifier_addresses, tls=grpc_tls_from_args(args),
             internal_token=load_internal_token(args.internal_token_file))

@@ -39,6 +39,7 @@ from specdec.cli import (
     served_model_name,
 )
 from specdec.config import SpeculativeConfig, parse_additional_config
+from specdec.grammar_checker import add_grammar_args, grammar_flags, grammar_limits_from_args
 
 from specdec.models.loader import load_model_config
 from specdec.models.model_files import resolve_model
@@ -103,6 +104,7 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
     add_shutdown_args(parser)
     add_logging_args(parser)
     add_grpc_tls_args(parser)
+    add_grammar_args(parser)
 
 
 def _free_port() -> int:
@@ -160,10 +162,12 @@ def _child_commands(args: argparse.Namespace, model_path: str) -> list[tuple[str
         verifier += ["--speculative-config", spec.to_json(),
                      "--drafter", f"127.0.0.1:{drafter_port}",
                      "--drafter-wait-s", str(DRAFTER_WAIT_S)]
+    grammar = grammar_flags(grammar_limits_from_args(args))
+    verifier += grammar
     commands.append(("verifier", verifier))
     gateway = [python, "-m", "gateway", "--model", model_path, "--served-model-name", served_name,
                "--verifier", f"127.0.0.1:{verifier_port}", "--host", args.host,
-               "--port", str(args.port), *common]
+               "--port", str(args.port), *grammar, *common]
     if args.enable_auto_tool_choice:
         gateway.append("--enable-auto-tool-choice")
     if args.tool_call_parser is not None:

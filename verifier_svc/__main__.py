@@ -24,6 +24,7 @@ from specdec.cli import (
 )
 from specdec.config import SpeculativeConfig, parse_additional_config
 from specdec.errors import ConfigError
+from specdec.grammar_checker import add_grammar_args, grammar_limits_from_args
 from specdec.heap import freeze_startup_heap
 from specdec.rpc.grpc_server import wait_for_signal
 from specdec.rpc.internal_auth import (
@@ -63,6 +64,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_logging_args(parser)
     add_grpc_tls_args(parser)
     add_internal_auth_args(parser)
+    add_grammar_args(parser)
     return parser
 
 
@@ -89,6 +91,7 @@ def config_from_args(args: argparse.Namespace) -> VerifierConfig:
         grpc_tls=tls, internal_token=internal_token, enable_reflection=args.enable_reflection,
         max_waiting_requests=args.max_waiting_requests, request_timeout_s=args.request_timeout_s,
         drafter_targets=tuple(args.drafter), drafter_wait_s=args.drafter_wait_s,
+        grammar_limits=grammar_limits_from_args(args),
         draft_timeout_s=args.draft_timeout_ms / 1000 if args.draft_timeout_ms else None)
 
 

@@ -27,6 +27,7 @@ from specdec.engine.kv_cache import KVCache
 from specdec.engine.scheduler import Scheduler
 from specdec.layers import cpu_extension
 from specdec.errors import ConfigError
+from specdec.grammar_checker import GrammarLimits
 from specdec.models.compiled_forward import CompiledForward, linears_to_pack, warm_up
 from specdec.models.cpu_stack import CpuDecoderStack, make_cpu_stack
 from specdec.models.loader import load_model, load_model_config
@@ -103,6 +104,8 @@ class VerifierConfig:
     # Compile the forward (see specdec.models.compiled_forward); the command-line default
     # is `compile_by_default`.
     compile: bool = False
+    # What one structured-output constraint may cost (specdec.grammar_checker).
+    grammar_limits: GrammarLimits = field(default_factory=GrammarLimits)
 
     def __post_init__(self) -> None:
         if self.tensor_parallel_size < 1:
@@ -240,7 +243,7 @@ def build_engine(config: VerifierConfig, enter_phase: Callable[[str], None] = la
                     drafter_pool=pool,
                     grammars=GrammarService(functools.partial(
                         GrammarBackend, tokenizer, model_config.vocab_size,
-                        eos_token_ids=eos_token_ids)))
+                        eos_token_ids=eos_token_ids, limits=config.grammar_limits)))
     logger.info("verifier: model %s on %s in %s (%s), tensor parallel %d, max_model_len %d, %d KV "
                 "blocks of %d tokens (%d tokens), speculation %s", model_dir, device, dtype,
                 _forward_name(runner.forward), config.tensor_parallel_size, max_model_len,
