@@ -26,6 +26,7 @@ from drafter_svc.servicer import (
     DrafterServicer,
     StreamLimits,
 )
+from specdec.cli import DefaultsHelpFormatter
 from specdec.config import SpeculativeConfig
 from specdec.errors import ConfigError
 from specdec.heap import freeze_startup_heap
@@ -149,6 +150,7 @@ async def stop_drafter_server(server: GrpcServer, grace_s: float = 5.0) -> None:
 
 def build_arg_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
+        formatter_class=DefaultsHelpFormatter,
         prog="python -m drafter_svc",
         description="specdec drafter: proposes draft tokens to verifiers over gRPC.")
     parser.add_argument("--speculative-config", required=True,

@@ -7,6 +7,7 @@ tests inject small ones.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import dataclasses
 import functools
@@ -15,7 +16,7 @@ import json
 import logging
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from starlette.applications import Starlette
@@ -29,7 +30,7 @@ from starlette.routing import Route
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from gateway import responses
-from gateway.chat import render_chat_prompt, tokenize_prompt
+from gateway.chat import max_chars_per_token, render_chat_prompt, tokenize_prompt
 from gateway.choices import (
     Choice,
     close_choices,
@@ -45,6 +46,7 @@ from gateway.errors import (
 )
 from gateway.generation import build_generate_request, choice_requests
 from gateway.logprobs import TokenTexts
+from gateway.spec_decode_metrics import check_mode as check_spec_decode_metrics_mode
 from gateway.metrics import GatewayMetrics, RequestCountMiddleware
 from gateway.protocol import (
     SamplingOptions,
@@ -57,7 +59,7 @@ from gateway.tool_chat import ToolOutput, ToolSettings, plan_tools, template_mes
 from gateway.tools import TOOL_CALL_PARSERS, template_accepts_tools
 from gateway.verifier_client import VerifierClient
 from specdec.errors import ConfigError, ModelNotFoundError
-from specdec.grammar_spec import check_grammar
+from specdec.grammar_checker import GrammarChecker, GrammarLimits
 
 logger = logging.getLogger(__name__)
 
@@ -67,24 +69,6 @@ Handler = Callable[[Request], Awaitable[Response]]
 CLIENT_CLOSED_REQUEST = 499
 # An unknown model name is quoted back in the 404, at most this long.
 MAX_QUOTED_MODEL_CHARS = 256
-# Constraints up to this size that passed the grammar compiler are remembered: an agent
-# sends the same schema with every request. Only successes are kept (lru_cache keeps no
-# exceptions), and not the compiled text, so the cache holds at most ~4 MiB of keys.
-MAX_CACHED_GRAMMAR_CHARS = 16 * 1024
-
-
-@functools.lru_cache(maxsize=256)
-def _check_small_grammar(kind: str, value: str, param: str) -> None:
-    check_grammar(kind, value, param=param)
-
-
-def _check_grammar_text(kind: str, value: str, param: str) -> None:
-    if len(value) > MAX_CACHED_GRAMMAR_CHARS:
-        check_grammar(kind, value, param=param)
-    else:
-        _check_small_grammar(kind, value, param)
-
-
 @dataclass(frozen=True)
 class GatewayConfig:
     """Validated start-up configuration of one gateway."""
@@ -102,8 +86,13 @@ class GatewayConfig:
     # vLLM's flags: tool_choice "auto" needs both (and a chat template that renders tools).
     enable_auto_tool_choice: bool = False
     tool_call_parser: str | None = None
+    # vLLM's per-request speculative metrics in responses (gateway.spec_decode_metrics).
+    per_request_spec_decode_metrics: str = "none"
+    # What one structured-output constraint may cost (specdec.grammar_checker).
+    grammar_limits: GrammarLimits = field(default_factory=GrammarLimits)
 
     def __post_init__(self) -> None:
+        check_spec_decode_metrics_mode(self.per_request_spec_decode_metrics)
         if not self.model:
             raise ConfigError("--model must not be empty", param="model")
         if self.tool_call_parser is not None and self.tool_call_parser not in TOOL_CALL_PARSERS:
@@ -223,12 +212,25 @@ async def _sse(chunks: AsyncIterator[dict], choices: list[Choice],
         on_finish()
 
 
-async def _check_grammar(sampling: SamplingOptions) -> None:
+async def _check_grammar(request: Request, sampling: SamplingOptions) -> None:
     """A constraint the compiler rejects is a 400 naming its field, before anything is
-    queued; compiled in a worker thread (a large schema takes milliseconds)."""
+    queued; checked in the grammar checker's processes, under its time budget (never in
+    the thread pool chat templating uses), and abandoned when the client leaves."""
     grammar = sampling.grammar
-    if grammar is not None:
-        await run_in_threadpool(_check_grammar_text, grammar.kind, grammar.value, grammar.param)
+    if grammar is None:
+        return
+    check = asyncio.ensure_future(request.app.state.grammar_checker.check(
+        grammar.kind, grammar.value, param=grammar.param))
+    watch = asyncio.ensure_future(_wait_for_disconnect(request))
+    try:
+        await asyncio.wait({check, watch}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watch.cancel()
+        if not check.done():
+            check.cancel()  # kills its worker
+    if not check.done() or check.cancelled():
+        raise ClientDisconnect()
+    check.result()
 
 
 async def _generate(request: Request, prompt_token_ids: list[int], sampling: SamplingOptions,
@@ -246,7 +248,9 @@ async def _generate(request: Request, prompt_token_ids: list[int], sampling: Sam
     output = responses.Output(responses.new_id("chatcmpl" if chat else "cmpl"), responses.now(),
                               state.config.model_name, chat,
                               state.token_texts if sampling.logprobs is not None else None,
-                              tool_output)
+                              tool_output,
+                              spec_decode_metrics=state.config.per_request_spec_decode_metrics,
+                              num_speculative_tokens=info.num_speculative_tokens)
 
     def observe() -> None:
         for choice in choices:
@@ -275,10 +279,13 @@ async def chat_completions(request: Request) -> Response:
     sampling = chat.sampling
     if plan.grammar is not None:
         sampling = dataclasses.replace(sampling, grammar=plan.grammar)
-    await _check_grammar(sampling)
+    await _check_grammar(request, sampling)
     messages = template_messages(chat.messages, settings.template_accepts_tools)
-    prompt_token_ids = await run_in_threadpool(render_chat_prompt, request.app.state.tokenizer,
-                                               messages, plan.template_tools)
+    state = request.app.state
+    max_model_len = state.config.max_model_len or (await state.verifier.get_info()).max_model_len
+    prompt_token_ids = await run_in_threadpool(functools.partial(
+        render_chat_prompt, state.tokenizer, messages, plan.template_tools,
+        max_model_len=max_model_len, chars_per_token=state.chars_per_token))
     return await _generate(request, prompt_token_ids, sampling, chat=True,
                            stream=chat.stream, include_usage=chat.include_usage,
                            started_at=started_at, prompt_param="messages",
@@ -290,7 +297,7 @@ async def completions(request: Request) -> Response:
     started_at = time.monotonic()
     completion = parse_completion_request(await _read_json(request))
     _check_model(request, completion.model)
-    await _check_grammar(completion.sampling)
+    await _check_grammar(request, completion.sampling)
     prompt_token_ids = await run_in_threadpool(tokenize_prompt, request.app.state.tokenizer,
                                                completion.prompt)
     return await _generate(request, prompt_token_ids, completion.sampling, chat=False,
@@ -313,10 +320,11 @@ async def health(request: Request) -> Response:
     checks costs the verifiers nothing. Names no address or path (it is unauthenticated)."""
     verifier = request.app.state.verifier
     serving = verifier.serving
-    # Which verifier is down, starting (unreachable), draining (not_serving) or serving
-    # another tokenizer (tokenizer_mismatch).
-    body = {"status": "ok" if serving else "unavailable", "verifiers": verifier.statuses(),
-            "problems": verifier.problems(), "deterministic": verifier.deterministic}
+    # Which verifier is down or not started (unreachable), starting ("starting: <phase>"),
+    # draining (not_serving) or serving another tokenizer (tokenizer_mismatch).
+    status = "ok" if serving else "starting" if verifier.starting else "unavailable"
+    body = {"status": status, "verifiers": verifier.statuses(), "problems": verifier.problems(),
+            "deterministic": verifier.deterministic}
     return JSONResponse(body, status_code=200 if serving else 503)
 
 
@@ -363,14 +371,17 @@ def create_app(config: GatewayConfig, tokenizer: Any,
         app.state.config = config
         app.state.tokenizer = tokenizer
         app.state.token_texts = TokenTexts(tokenizer)
+        app.state.chars_per_token = await run_in_threadpool(max_chars_per_token, tokenizer)
         app.state.verifier = client
         app.state.metrics = GatewayMetrics(config.model_name)
         app.state.created = responses.now()
+        app.state.grammar_checker = GrammarChecker(config.grammar_limits)
         logger.info("gateway serving model %r (tokenizer %s) via verifiers %s",
                     config.model_name, config.model, ", ".join(client.addresses))
         try:
             yield
         finally:
+            await app.state.grammar_checker.close()
             await client.close()
 
     routes = [

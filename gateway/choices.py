@@ -10,7 +10,6 @@ stop strings and is cancelled alone when its stop string appears.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -67,7 +66,10 @@ async def open_choices(verifier: VerifierClient, requests: list[specdec_pb2.Gene
 
 
 async def close_choices(choices: list[Choice]) -> None:
-    """Ends every choice's generator, which cancels its verifier call if it still runs."""
+    """Ends every choice's generator, which cancels its verifier call if it still runs.
+
+    No generator may be running in a task then: cancel and await the tasks that iterate
+    them first (an `aclose` of a running generator raises instead of closing it)."""
     for choice in choices:
         await choice.deltas.aclose()
 
@@ -86,28 +88,30 @@ async def collect_choice(choice: Choice) -> CollectedChoice:
 async def collect_until_disconnect(choices: list[Choice],
                                    disconnected: Callable[[], Awaitable[None]],
                                    ) -> list[CollectedChoice] | None:
-    """Every choice collected; None (and every call cancelled) if the client left first."""
-    collect_task = asyncio.ensure_future(
-        asyncio.gather(*(collect_choice(choice) for choice in choices)))
+    """Every choice collected; None (and every call cancelled) if the client left first.
+
+    The first choice that fails ends the request with its own error: the other choices'
+    tasks are cancelled and awaited (their verifier calls cancelled) before it is raised."""
+    tasks = [asyncio.ensure_future(collect_choice(choice)) for choice in choices]
     watch_task = asyncio.ensure_future(disconnected())
     try:
-        await asyncio.wait({collect_task, watch_task}, return_when=asyncio.FIRST_COMPLETED)
-    except BaseException:
-        collect_task.cancel()
-        await close_choices(choices)
-        raise
+        pending: set[asyncio.Future[Any]] = set(tasks)
+        while pending:
+            done, _ = await asyncio.wait({*pending, watch_task},
+                                         return_when=asyncio.FIRST_COMPLETED)
+            if watch_task in done:
+                return None
+            pending -= done
+            failed = next((task for task in done if task.exception() is not None), None)
+            if failed is not None:
+                raise failed.exception()  # type: ignore[misc]
+        return [task.result() for task in tasks]
     finally:
         watch_task.cancel()
-    if collect_task.done():
-        try:
-            return collect_task.result()
-        finally:
-            await close_choices(choices)
-    collect_task.cancel()
-    with contextlib.suppress(asyncio.CancelledError):
-        await collect_task
-    await close_choices(choices)
-    return None
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, watch_task, return_exceptions=True)
+        await close_choices(choices)
 
 
 async def merged_deltas(choices: list[Choice]) -> AsyncIterator[tuple[Choice, TextDelta | None]]:

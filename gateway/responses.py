@@ -10,8 +10,9 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 
 from gateway.choices import Choice, CollectedChoice, merged_deltas
-from gateway.generation import GenerationResult, TextDelta, usage
+from gateway.generation import GenerationResult, TextDelta, sum_speculation, usage
 from gateway.logprobs import CompletionLogprobs, TokenTexts, chat_logprobs_content
+from gateway.spec_decode_metrics import metrics_body
 from gateway.tool_chat import ToolOutput
 
 
@@ -116,6 +117,17 @@ class Output:
     token_texts: TokenTexts | None  # None: no logprobs asked
     # Makes each choice's tool-call reader; None: the text is the content.
     tool_output: Callable[[], ToolOutput | None] | None = None
+    # --per-request-spec-decode-metrics, and the server's k (the histogram's length - 1).
+    spec_decode_metrics: str = "none"
+    num_speculative_tokens: int = 0
+
+    def with_metrics(self, body: dict, results: list[GenerationResult]) -> dict:
+        """`body` with vLLM's per-request `metrics` when asked for (gateway.spec_decode_metrics)."""
+        metrics = metrics_body(self.spec_decode_metrics, sum_speculation(results),
+                               self.num_speculative_tokens)
+        if metrics is not None:
+            body["metrics"] = metrics
+        return body
 
     def chat_logprobs(self, delta: TextDelta) -> dict | None:
         if self.token_texts is None:
@@ -150,8 +162,9 @@ async def chat_chunks(output: Output, choices: list[Choice],
         if fields or logprobs is not None:
             yield chunk(fields, None, include_usage, index=choice.index, logprobs=logprobs)
     if include_usage:
-        yield usage_chunk(output.response_id, output.created, output.model,
-                          "chat.completion.chunk", [c.result for c in choices])
+        results = [c.result for c in choices]
+        yield output.with_metrics(usage_chunk(output.response_id, output.created, output.model,
+                                              "chat.completion.chunk", results), results)
 
 
 async def completion_chunks(output: Output, choices: list[Choice],
@@ -168,8 +181,9 @@ async def completion_chunks(output: Output, choices: list[Choice],
                         if builders is not None else None)
             yield chunk(delta.text, None, include_usage, index=choice.index, logprobs=logprobs)
     if include_usage:
-        yield usage_chunk(output.response_id, output.created, output.model,
-                          "text_completion", [c.result for c in choices])
+        results = [c.result for c in choices]
+        yield output.with_metrics(usage_chunk(output.response_id, output.created, output.model,
+                                              "text_completion", results), results)
 
 
 def response_body(output: Output, collected: list[CollectedChoice]) -> dict:
@@ -189,5 +203,6 @@ def response_body(output: Output, collected: list[CollectedChoice]) -> dict:
                         if output.token_texts is not None else None)
             body.append(completion_choice(item.choice.index, item.text, logprobs, reason))
     build = chat_completion if output.chat else text_completion
-    return build(output.response_id, output.created, output.model, body,
-                 [item.choice.result for item in collected])
+    results = [item.choice.result for item in collected]
+    return output.with_metrics(build(output.response_id, output.created, output.model, body,
+                                     results), results)

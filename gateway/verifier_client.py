@@ -69,6 +69,8 @@ RETRYABLE_CODES = frozenset({
 # Retries of one request before its first token: once, as the load it can add is bounded.
 MAX_RETRIES = 1
 TOKENIZER_MISMATCH = "tokenizer_mismatch"
+# A verifier still starting: "starting: <its VerifierInfo.startup_phase>".
+STARTING = "starting"
 # How long the streams still open on an address gone from DNS may run before its channel
 # closes under them (a replica being replaced drains its own requests meanwhile).
 RETIRED_CLOSE_GRACE_S = 300.0
@@ -215,8 +217,11 @@ class VerifierClient:
         await self._resolve()
         await self.probe_all()
         if not any(e.healthy for e in self._endpoints):
-            logger.warning("no verifier usable at %s; requests get 503 until one is",
-                           ", ".join(self.addresses))
+            # The usual case when a whole stack starts at once: the verifier is still
+            # loading. Info, not a warning; a verifier that goes down later is warned of.
+            logger.info("no verifier serving yet at %s (%s); requests get 503 until one is",
+                        ", ".join(self.addresses),
+                        ", ".join(e.status for e in self._endpoints) or "none resolved")
         self._spawn(self._refresh_health())
         if any(target.resolvable for target in self._targets):
             self._spawn(self._resolve_periodically())
@@ -322,10 +327,16 @@ class VerifierClient:
             # A verifier without the health service: GetInfo alone decides.
             return await self._probe_info_only(endpoint)
         if not serving:
-            if endpoint.healthy:
-                logger.warning("verifier %s is not serving (shutting down)", endpoint.address)
+            if info.startup_phase:
+                status = f"{STARTING}: {info.startup_phase}"
+                if endpoint.status != status:
+                    logger.info("verifier %s is %s", endpoint.address, status)
+            else:
+                status = "not_serving"
+                if endpoint.healthy:
+                    logger.warning("verifier %s is not serving (shutting down)", endpoint.address)
             endpoint.healthy = False
-            endpoint.status = "not_serving"
+            endpoint.status = status
             return False
         return self._mark_up(endpoint, info)
 
@@ -401,6 +412,11 @@ class VerifierClient:
         """Whether some verifier can take requests, as last probed."""
         return any(endpoint.healthy for endpoint in self._endpoints)
 
+    @property
+    def starting(self) -> bool:
+        """Whether some verifier, as last probed, is still starting."""
+        return any(endpoint.status.startswith(STARTING) for endpoint in self._endpoints)
+
     def statuses(self) -> dict[str, str]:
         """Each verifier's replica name and its last known status (no address)."""
         return {endpoint.name: endpoint.status for endpoint in self._endpoints}
@@ -416,7 +432,8 @@ class VerifierClient:
         """Whether every verifier that answered serves deterministically (false while none
         has: nothing is known yet). One that does not makes the answers depend on which
         verifier a request lands on."""
-        infos = [endpoint.info for endpoint in self._endpoints if endpoint.info is not None]
+        infos = [endpoint.info for endpoint in self._endpoints
+                 if endpoint.info is not None and not endpoint.info.startup_phase]  # a starting one says nothing yet
         return bool(infos) and all(info.deterministic for info in infos)
 
     @property

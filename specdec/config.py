@@ -13,6 +13,8 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
+from specdec.draft_caps import FIELD as DRAFT_CAPS_FIELD
+from specdec.draft_caps import DraftCaps
 from specdec.errors import ConfigError
 
 logger = logging.getLogger(__name__)
@@ -56,6 +58,7 @@ _KNOWN_FIELDS = (
     "prompt_lookup_max",
     "speculative_token_map",
     "disable_by_batch_size",
+    DRAFT_CAPS_FIELD,
     *SUFFIX_DEFAULTS,
 )
 
@@ -96,6 +99,9 @@ class SpeculativeConfig:
     # vLLM's: a step whose batch holds more requests than this drafts nothing (no asks, no
     # probes), whatever the adaptive policy would do; None: no such limit.
     disable_by_batch_size: int | None = None
+    # vLLM's num_speculative_tokens_per_batch_size: k by batch size (a cap for the
+    # adaptive policy); None: num_speculative_tokens at every size.
+    draft_caps: DraftCaps | None = None
     # suffix only (None for other methods): vLLM's suffix_decoding_* fields, defaults filled in.
     suffix_decoding_max_tree_depth: int | None = None
     suffix_decoding_max_cached_requests: int | None = None
@@ -211,7 +217,7 @@ class SpeculativeConfig:
         return cls(method=method, num_speculative_tokens=num_tokens, model=model,
                    prompt_lookup_min=lookup_min, prompt_lookup_max=lookup_max,
                    speculative_token_map=token_map, disable_by_batch_size=disable_by_batch_size,
-                   **suffix)
+                   draft_caps=DraftCaps.parse(raw.get(DRAFT_CAPS_FIELD), num_tokens), **suffix)
 
     def to_json(self) -> str:
         """The config as `--speculative-config` JSON, to pass to child processes."""
@@ -229,6 +235,8 @@ class SpeculativeConfig:
             raw["speculative_token_map"] = self.speculative_token_map
         if self.disable_by_batch_size is not None:
             raw["disable_by_batch_size"] = self.disable_by_batch_size
+        if self.draft_caps is not None:
+            raw[DRAFT_CAPS_FIELD] = self.draft_caps.to_json()
         return json.dumps(raw)
 
 
@@ -346,6 +354,8 @@ class EngineConfig:
     # The speculative config's disable_by_batch_size: a step whose running batch holds more
     # requests than this drafts for none of them. None: no limit.
     disable_by_batch_size: int | None = None
+    # The speculative config's num_speculative_tokens_per_batch_size; None: no caps.
+    draft_caps: DraftCaps | None = None
     # Automatic prefix caching (vLLM v1's default): full blocks of verified tokens are kept
     # by content hash after their request ends and reused by any later request sharing
     # the prefix (specdec/engine/block_manager.py).

@@ -36,16 +36,20 @@ JSON_OPTIONS: dict[str, Any] = {
     "key_separator": ": ",
 }
 
-# A Lark grammar larger than this is refused before it reaches the compiler (the compiler
-# has its own limits on the compiled size; this bounds the text we parse and cache).
+# A constraint longer than this is refused before it reaches the compiler (the compiler
+# has its own limits on the compiled size; this bounds the text we parse and cache). The
+# servers' --max-grammar-chars.
 MAX_GRAMMAR_CHARS = 1 << 20
+# llguidance's parser allows at most this many items in one row (LLParserLimits'
+# max_items_in_row): a choice of more strings compiles, then fails at its first token.
+MAX_CHOICES = 2000
 MAX_ERROR_CHARS = 400
 _CARET_LINE = re.compile(r"^[\^~\s]+$")
 _SOURCE_LINE = re.compile(r"^\d+ \|")
 
 
 def grammar_text(kind: str, value: str, *, param: str = "grammar",
-                 whitespace_flexible: bool = False) -> str:
+                 whitespace_flexible: bool = False, max_chars: int = MAX_GRAMMAR_CHARS) -> str:
     """The llguidance grammar for a (kind, value); raises InvalidRequestError naming `param`.
 
     This checks the syntax that needs no tokenizer only as far as the translation goes;
@@ -53,9 +57,9 @@ def grammar_text(kind: str, value: str, *, param: str = "grammar",
     """
     import llguidance  # imported here: the drafter and CLI never need it
 
-    if len(value) > MAX_GRAMMAR_CHARS:
-        raise InvalidRequestError(f"the {kind} is longer than {MAX_GRAMMAR_CHARS} characters",
-                                  param=param)
+    if len(value) > max_chars:
+        raise InvalidRequestError(f"the {kind.replace('_', ' ')} is longer than {max_chars} "
+                                  "characters", param=param)
     options = dict(JSON_OPTIONS, whitespace_flexible=whitespace_flexible)
     if kind == "json_object":
         return llguidance.LLMatcher.grammar_from_json_schema({"type": "object"}, defaults=options)
@@ -81,6 +85,9 @@ def grammar_text(kind: str, value: str, *, param: str = "grammar",
                 or not all(isinstance(choice, str) and choice for choice in choices)):
             raise InvalidRequestError("the choice must be a non-empty array of non-empty strings",
                                       param=param)
+        if len(set(choices)) > MAX_CHOICES:
+            raise InvalidRequestError(f"the choice has {len(set(choices))} strings; at most "
+                                      f"{MAX_CHOICES}", param=param)
         # Lark string literals are JSON strings, so json.dumps escapes them exactly.
         alternatives = " | ".join(json.dumps(choice) for choice in dict.fromkeys(choices))
         return llguidance.LLMatcher.grammar_from_lark(f"start: {alternatives}\n")
@@ -99,17 +106,26 @@ def grammar_text(kind: str, value: str, *, param: str = "grammar",
 
 
 def check_grammar(kind: str, value: str, *, param: str = "grammar",
-                  tokenizer: Any | None = None) -> str:
+                  tokenizer: Any | None = None, max_chars: int = MAX_GRAMMAR_CHARS) -> str:
     """The grammar text, validated by llguidance (with `tokenizer`, an LLTokenizer, when
     given); raises InvalidRequestError saying why and naming `param`."""
     import llguidance
 
-    text = grammar_text(kind, value, param=param)
-    is_error, messages = llguidance.LLMatcher.validate_grammar_with_warnings(text, tokenizer)
+    text = grammar_text(kind, value, param=param, max_chars=max_chars)
+    is_error, messages = llguidance.LLMatcher.validate_grammar_with_warnings(
+        text, tokenizer, limits=parser_limits())
     if is_error:
         raise InvalidRequestError(f"invalid {kind.replace('_', ' ')}: {_one_line(messages)}",
                                   param=param)
     return text
+
+
+def parser_limits() -> Any:
+    """llguidance's limits, at their defaults but for errors that would quote the client's
+    grammar (they end up in logs)."""
+    import llguidance
+
+    return llguidance.LLParserLimits(verbose_errors=False)
 
 
 def _one_line(messages: list[str]) -> str:

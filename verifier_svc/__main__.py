@@ -4,12 +4,16 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import faulthandler
 import logging
+import os
 import sys
+from typing import NoReturn
 
 import torch
 
 from specdec.cli import (
+    DefaultsHelpFormatter,
     ADDITIONAL_CONFIG_KEYS,
     add_engine_args,
     add_logging_args,
@@ -20,6 +24,7 @@ from specdec.cli import (
 )
 from specdec.config import SpeculativeConfig, parse_additional_config
 from specdec.errors import ConfigError
+from specdec.grammar_checker import add_grammar_args, grammar_limits_from_args
 from specdec.heap import freeze_startup_heap
 from specdec.rpc.grpc_server import wait_for_signal
 from specdec.rpc.internal_auth import (
@@ -29,13 +34,19 @@ from specdec.rpc.internal_auth import (
 )
 from specdec.rpc.tls import add_grpc_tls_args, grpc_tls_from_args
 from verifier_svc.builder import VerifierConfig, compile_by_default
-from verifier_svc.server import start_verifier
+from verifier_svc.server import RPC_FLUSH_S, start_verifier
+from verifier_svc.startup_phase import StartupPhase
 
 logger = logging.getLogger("verifier_svc")
 
+# Beyond the grace and the RPC flush, what a stop may take before the watchdog ends the
+# process; under the launcher's own margin (specdec.launcher.STOP_MARGIN_S).
+STOP_WATCHDOG_MARGIN_S = 2.0
+
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="python -m verifier_svc", description=__doc__)
+    parser = argparse.ArgumentParser(prog="python -m verifier_svc", description=__doc__,
+                                     formatter_class=DefaultsHelpFormatter)
     add_model_args(parser)
     add_engine_args(parser)
     add_speculative_args(parser)
@@ -53,6 +64,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_logging_args(parser)
     add_grpc_tls_args(parser)
     add_internal_auth_args(parser)
+    add_grammar_args(parser)
     return parser
 
 
@@ -79,14 +91,22 @@ def config_from_args(args: argparse.Namespace) -> VerifierConfig:
         grpc_tls=tls, internal_token=internal_token, enable_reflection=args.enable_reflection,
         max_waiting_requests=args.max_waiting_requests, request_timeout_s=args.request_timeout_s,
         drafter_targets=tuple(args.drafter), drafter_wait_s=args.drafter_wait_s,
+        grammar_limits=grammar_limits_from_args(args),
         draft_timeout_s=args.draft_timeout_ms / 1000 if args.draft_timeout_ms else None)
 
 
 async def serve(args: argparse.Namespace, config: VerifierConfig) -> int:
-    verifier = await start_verifier(config, args.host, args.port, args.metrics_port)
+    signalled = asyncio.ensure_future(wait_for_signal())
+    await asyncio.sleep(0)  # the handlers are installed: a stop while starting is heard
+    phase = StartupPhase()
+    starting = asyncio.ensure_future(start_verifier(config, args.host, args.port,
+                                                    args.metrics_port, phase))
+    await asyncio.wait({signalled, starting}, return_when=asyncio.FIRST_COMPLETED)
+    if not starting.done():
+        _exit_while_starting(phase)
+    verifier = starting.result()
     logger.info("verifier serving on %s:%d (%d start-up objects frozen)", args.host,
                 verifier.port, freeze_startup_heap())
-    signalled = asyncio.ensure_future(wait_for_signal())
     fatal = asyncio.ensure_future(verifier.wait_for_fatal_error())
     await asyncio.wait({signalled, fatal}, return_when=asyncio.FIRST_COMPLETED)
     for task in (signalled, fatal):
@@ -97,9 +117,26 @@ async def serve(args: argparse.Namespace, config: VerifierConfig) -> int:
         logger.error("%s; stopping the verifier", fatal.result())
         await verifier.shutdown(0.0)
         return 1
+    # A stop that outlives its bound is a bug (issue 43 saw one, rarely, right after
+    # start-up, and it did not reproduce): the process then ends anyway, before the
+    # launcher's SIGKILL, with every thread's stack on stderr to find it by. faulthandler's
+    # own thread needs no GIL, so a thread stuck holding it cannot stop it.
+    stop_limit_s = args.shutdown_grace_s + RPC_FLUSH_S + STOP_WATCHDOG_MARGIN_S
+    faulthandler.dump_traceback_later(stop_limit_s, exit=True)
     await verifier.shutdown(args.shutdown_grace_s)
+    faulthandler.cancel_dump_traceback_later()
     logger.info("verifier stopped")
     return 0
+
+
+def _exit_while_starting(phase: StartupPhase) -> NoReturn:
+    """Ends the process at once: the engine is being built in a thread that cannot be
+    interrupted (a kernel compile, a weight load), which a normal exit would wait for,
+    and nothing is served yet, so nothing is lost. A kernel build's lock names this
+    process, so the next start takes it over."""
+    logger.info("stopped while starting (%s)", phase.name)
+    logging.shutdown()
+    os._exit(0)
 
 
 def main(argv: list[str] | None = None) -> int:

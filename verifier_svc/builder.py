@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
 import json
 import logging
 import os
@@ -24,7 +25,9 @@ from specdec.device import device_memory_bytes, resolve_device, resolve_dtype
 from specdec.engine.block_manager import BlockManager
 from specdec.engine.kv_cache import KVCache
 from specdec.engine.scheduler import Scheduler
+from specdec.layers import cpu_extension
 from specdec.errors import ConfigError
+from specdec.grammar_checker import GrammarLimits
 from specdec.layers.batch_invariance import deterministic_reason
 from specdec.models.compiled_forward import CompiledForward, linears_to_pack, warm_up
 from specdec.models.cpu_stack import CpuDecoderStack, make_cpu_stack
@@ -42,6 +45,11 @@ from verifier_svc.engine import Engine
 from verifier_svc.grammar.backend import GrammarBackend
 from verifier_svc.grammar.verification import GrammarService
 from verifier_svc.model_runner import ModelRunner
+from verifier_svc.startup_phase import (
+    PHASE_COMPILING_KERNELS,
+    PHASE_LOADING_WEIGHTS,
+    PHASE_WARMING_UP,
+)
 from verifier_svc.tp_worker import TensorParallelGroup, rank_device
 
 logger = logging.getLogger(__name__)
@@ -97,6 +105,8 @@ class VerifierConfig:
     # Compile the forward (see specdec.models.compiled_forward); the command-line default
     # is `compile_by_default`.
     compile: bool = False
+    # What one structured-output constraint may cost (specdec.grammar_checker).
+    grammar_limits: GrammarLimits = field(default_factory=GrammarLimits)
 
     def __post_init__(self) -> None:
         if self.tensor_parallel_size < 1:
@@ -128,10 +138,18 @@ class ServedModel:
     deterministic: bool
 
 
-def build_engine(config: VerifierConfig) -> tuple[Engine, ServedModel]:
+def build_engine(config: VerifierConfig, enter_phase: Callable[[str], None] = lambda name: None,
+                 ) -> tuple[Engine, ServedModel]:
+    """`enter_phase` is told each start-up phase as it begins (verifier_svc.startup_phase)."""
     device = resolve_device(config.device)
     dtype = resolve_dtype(config.dtype, device)
     model_dir = resolve_model(config.model)
+    if device.type == "cpu":
+        # First, so that a first start says it is compiling rather than loading weights.
+        if not cpu_extension.is_cached():
+            enter_phase(PHASE_COMPILING_KERNELS)
+        cpu_extension.load_extension()
+    enter_phase(PHASE_LOADING_WEIGHTS)
     parallel = None
     if config.tensor_parallel_size > 1:
         # Refuse a size the model's heads do not divide before anything is loaded or started.
@@ -149,6 +167,7 @@ def build_engine(config: VerifierConfig) -> tuple[Engine, ServedModel]:
                           f"max_position_embeddings ({model_config.max_position_embeddings})",
                           param="max_model_len")
     num_blocks = _num_kv_blocks(config, model, dtype, device, max_model_len)
+    enter_phase(PHASE_WARMING_UP)
     if config.compile and device.type not in ("cpu", "cuda"):
         raise ConfigError(f"a compiled forward runs on cpu or cuda, not {device.type}; set "
                           "compile=False (--enforce-eager)", param="compile")
@@ -173,6 +192,8 @@ def build_engine(config: VerifierConfig) -> tuple[Engine, ServedModel]:
                                  text_drafter=config.speculative_config is None
                                  or config.speculative_config.method not in MODEL_METHODS,
                                  disable_by_batch_size=config.speculative_config.disable_by_batch_size
+                                 if config.speculative_config is not None else None,
+                                 draft_caps=config.speculative_config.draft_caps
                                  if config.speculative_config is not None else None)
     if num_blocks * config.block_size < max_model_len:
         raise ConfigError(f"the KV cache holds {num_blocks * config.block_size} tokens, less "
@@ -224,7 +245,7 @@ def build_engine(config: VerifierConfig) -> tuple[Engine, ServedModel]:
                     drafter_pool=pool,
                     grammars=GrammarService(functools.partial(
                         GrammarBackend, tokenizer, model_config.vocab_size,
-                        eos_token_ids=eos_token_ids)))
+                        eos_token_ids=eos_token_ids, limits=config.grammar_limits)))
     logger.info("verifier: model %s on %s in %s (%s), tensor parallel %d, max_model_len %d, %d KV "
                 "blocks of %d tokens (%d tokens), speculation %s", model_dir, device, dtype,
                 _forward_name(runner.forward), config.tensor_parallel_size, max_model_len,

@@ -17,8 +17,10 @@ inputs are built.
 
 Request lifecycle: at most `max_num_seqs + max_waiting_requests` requests are in flight;
 one more is refused with `OverloadedError`. A request ends by finishing, by `abort` (its
-client went away or timed out) or by failing: a step that raises fails only the sequences
-it ran, with a short `EngineError` (INTERNAL; the gateway answers 500), or every request in
+client went away or timed out) or by failing: what the step does for one sequence (its
+grammar, sampling, stop handling, logprobs) fails that sequence alone
+(`verifier_svc/sequence_faults.py`); a shared part of the step that raises fails only the
+sequences it ran, with a short `EngineError` (INTERNAL; the gateway answers 500), or every request in
 flight when it raised before the scheduler's plan said which sequences it runs. Either
 way the loop goes on serving new requests, and no block stays taken. On shutdown
 `stop_accepting`, `drain`, then `abort_all` for whatever outlived the grace period.
@@ -29,6 +31,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
+import re
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -64,6 +67,7 @@ from verifier_svc.requests import (
     check_admission,
     check_request,
 )
+from verifier_svc.sequence_faults import SequenceFaults
 from verifier_svc.speculation.candidate import Candidate
 from verifier_svc.speculation.policy import SpeculationPolicy
 
@@ -121,11 +125,13 @@ class Engine:
         self.policy = (SpeculationPolicy(self.num_speculative_tokens)
                        if config.adaptive_speculation and self.num_speculative_tokens else None)
         self.spec = SpeculationCounters()
+        self._logged_off_kinds: set[str] = set()  # see _note_policy_reasons
         self.num_steps = 0
         self._seq_ids = itertools.count()
         self._sequences: dict[int, Sequence] = {}
         self._queues: dict[int, asyncio.Queue[RequestOutput | SpecdecError]] = {}
         self._finished_for_drafter: list[int] = []
+        self.faults = SequenceFaults(self._fail)
         self._wakeup = asyncio.Event()
         self._accepting = True
         self._num_aborted = 0
@@ -161,7 +167,7 @@ class Engine:
         if self.drafter_pool is not None:
             await self.drafter_pool.close()
         if self.grammars is not None:
-            self.grammars.close()
+            await self.grammars.close()
 
     # ------------------------------------------------------------ requests
 
@@ -274,7 +280,9 @@ class Engine:
             for _ in range(STEP_YIELD_ITERATIONS):
                 await asyncio.sleep(0)
 
-    def _speculative_tokens_for(self, seq: Sequence) -> int:
+    def _speculative_tokens_for(self, seq: Sequence, batch_cap: int | None = None) -> int:
+        """The most draft tokens `seq` may verify this step; `batch_cap`: the step's
+        num_speculative_tokens_per_batch_size row."""
         if seq.max_speculative_tokens == 0 or self.drafter_pool is None or not self.speculation_enabled:
             return 0
         if self.drafter_pool.num_healthy() == 0:
@@ -284,6 +292,8 @@ class Engine:
         # Drafting past max_tokens or max_model_len would be thrown away.
         room = min(seq.params.max_tokens - seq.num_output_tokens - 1,
                    self.config.max_model_len - seq.num_tokens)
+        if batch_cap is not None:
+            room = min(room, batch_cap)
         return max(0, min(seq.max_speculative_tokens, room))
 
     @property
@@ -300,18 +310,22 @@ class Engine:
             # vLLM's disable_by_batch_size: so large a batch drafts nothing, not even the
             # policy's probes, and the drafter is not asked.
             return _no_draft
+        caps = self.config.draft_caps
+        batch_cap = (caps.cap(len(self.scheduler.running), self.num_speculative_tokens)
+                     if caps is not None else None)
         if self.policy is None:
-            return self._with_forced_drafts(self._speculative_tokens_for)
+            return self._with_forced_drafts(lambda seq: self._speculative_tokens_for(seq, batch_cap))
         candidates: list[Candidate] = []
         num_other_tokens = 0
         for seq in self.scheduler.running:
             if seq.num_uncomputed_tokens == 1:
-                candidates.append(Candidate(seq.seq_id, self._speculative_tokens_for(seq),
+                candidates.append(Candidate(seq.seq_id, self._speculative_tokens_for(seq, batch_cap),
                                             synced=seq.num_drafter_calls > 0))
             else:
                 num_other_tokens += seq.num_uncomputed_tokens
         num_other_tokens = min(num_other_tokens, self.config.max_num_batched_tokens)
         planned = self.policy.plan(candidates, num_other_tokens)
+        self._note_policy_reasons(candidates)
         if self.config.text_drafter:
             # Asked at all, a text drafter is asked for the cap: a long match costs it no
             # more, and the arrived draft's evidence decides what is verified.
@@ -319,6 +333,25 @@ class Engine:
             return self._with_forced_drafts(
                 lambda seq: caps[seq.seq_id] if planned.get(seq.seq_id, 0) > 0 else 0)
         return self._with_forced_drafts(lambda seq: planned.get(seq.seq_id, 0))
+
+    def _note_policy_reasons(self, candidates: list[Candidate]) -> None:
+        """Each sequence that could draft carries why the policy planned it none (its
+        usage says so; its last steps, with no room left to draft, keep it); the first
+        time the policy turns drafting off for a kind of reason, the log says why, once,
+        so that "off by choice" is not mistaken for "broken"."""
+        assert self.policy is not None
+        reasons = self.policy.off_reasons
+        could_draft = {candidate.seq_id for candidate in candidates if candidate.max_tokens > 0}
+        for seq in self.scheduler.running:
+            if seq.seq_id in could_draft:
+                seq.spec.policy = reasons.get(seq.seq_id, "")
+        reason = self.policy.step_off_reason
+        kind = re.sub(r"\d+(\.\d+)?", "#", reason)
+        if reason and kind not in self._logged_off_kinds:
+            self._logged_off_kinds.add(kind)
+            logger.info("speculation is configured but the adaptive policy is not drafting "
+                        "now: %s; each response's usage.speculation.policy says when this "
+                        "holds for it (--speculation-policy fixed always drafts)", reason)
 
     def _with_forced_drafts(self, plan: Callable[[Sequence], int]) -> Callable[[Sequence], int]:
         """`plan`, and for a sequence with a grammar the tokens it forces as its draft (as
@@ -329,7 +362,9 @@ class Engine:
             num_tokens = plan(seq)
             if seq.grammar is None or grammars is None:
                 return num_tokens
-            with Timer(grammars):
+            seq.forced_draft = []
+            # Inside the scheduler's plan: a failure is the sequence's, failed after it.
+            with Timer(grammars), self.faults.isolate(seq, defer=True):
                 seq.forced_draft = seq.grammar.forced_tokens(self._speculative_tokens_for(seq))
             return max(num_tokens, len(seq.forced_draft))
 
@@ -344,6 +379,8 @@ class Engine:
         scheduled: list[ScheduledSequence] | None = None
         try:
             scheduled = self.scheduler.schedule(self._plan_speculation()).scheduled
+            self.faults.flush()
+            scheduled = [item for item in scheduled if not item.seq.is_finished]
             if not scheduled:
                 return
             listener = self.step_listener
@@ -430,8 +467,10 @@ class Engine:
             scheduled = [item for item in scheduled if not item.seq.is_finished]
             if not scheduled:
                 return
-        inputs, step_drafts = self._build_inputs(scheduled, drafts, round_trip_s)
-        batch = self.runner.prepare(inputs)
+        scheduled, step_drafts = self._step_drafts(scheduled, drafts, round_trip_s)
+        if not scheduled:
+            return
+        batch = self.runner.prepare(self._build_inputs(scheduled, step_drafts))
         logits, hidden = self.runner.execute(batch, hidden_layer_ids)
         self.num_steps += 1
         self._mask_grammar_rows(scheduled, step_drafts, batch, logits)
@@ -442,55 +481,15 @@ class Engine:
         logprobs_jobs: list[tuple[Sequence, LogprobsJob]] = []
         for index, item in enumerate(scheduled):
             seq = item.seq
-            if seq.is_finished:  # aborted while the forward ran
+            if seq.is_finished:  # aborted while the forward ran, or failed in its masking
                 continue
-            if not item.samples:
-                self._keep_hidden(seq, hidden, batch, index, item.num_query_tokens)
-                seq.num_computed_tokens += item.num_query_tokens
-                self.scheduler.cache_computed_blocks(seq)
-                continue
-            draft = step_drafts[index]
-            first_row, end_row = batch.logit_offsets[index], batch.logit_offsets[index + 1]
-            if step_argmax is not None and needs_only_argmax(seq.params):
-                new_token_ids = accept_greedy(step_argmax[first_row:end_row], draft.token_ids)
-            else:
-                new_token_ids = verify(logits[first_row:end_row], draft.token_ids, seq.token_ids, seq.params,
-                                       None if seq.generator is None
-                                       else seq.generator.starting_at(seq.num_output_tokens),
-                                       draft.probs, prompt_len=seq.prompt_len,
-                                       eos_token_ids=self.eos_token_ids)
-            num_accepted = len(new_token_ids) - 1
-            self._keep_hidden(seq, hidden, batch, index, item.num_query_tokens + num_accepted)
-            seq.num_computed_tokens += item.num_query_tokens + num_accepted
-            if seq.grammar is not None and self.grammars is not None:
-                with Timer(self.grammars):
-                    advance(seq.grammar, new_token_ids, seq.request_id, self._end_ids(seq.params))
-            if draft.forced:
-                # The grammar's draft, not the drafter's: counted apart, and the drafter
-                # hears of no acceptance of its own.
-                seq.num_last_accepted = 0
-                seq.spec.num_forced_tokens += num_accepted
-                self.spec.num_forced_tokens += num_accepted
-            else:
-                seq.num_last_accepted = num_accepted
-                seq.spec.record(len(draft.token_ids), num_accepted)
-                self.spec.record(len(draft.token_ids), num_accepted)
-                if self.policy is not None:
-                    self.policy.record_draft(seq.seq_id, len(draft.token_ids), num_accepted,
-                                             item.num_speculative_tokens)
-                    if draft.confidence:
-                        self.policy.record_confidence(draft.confidence, num_accepted)
-            if seq.params.logprobs is None:
-                self._append_tokens(seq, new_token_ids)
-            else:  # appended below, with the step's logprobs computed in one pass (until then
-                # seq.token_ids is still the context before first_row: no copy needed)
-                logprobs_jobs.append((seq, LogprobsJob(first_row, new_token_ids, seq.token_ids,
-                                                       seq.params, seq.prompt_len)))
+            with self.faults.isolate(seq):
+                job = self._verify_one(item, index, step_drafts[index], batch, logits, hidden,
+                                       step_argmax)
+                if job is not None:
+                    logprobs_jobs.append((seq, job))
         if logprobs_jobs:
-            entries = step_logprobs(logits, [job for _, job in logprobs_jobs],
-                                    self.config.logprobs_mode, self.eos_token_ids)
-            for (seq, job), seq_entries in zip(logprobs_jobs, entries):
-                self._append_tokens(seq, job.emitted_ids, seq_entries)
+            self._append_with_logprobs(logits, logprobs_jobs)
         if self.policy is not None and all(item.num_query_tokens == 1 for item in scheduled):
             # What a verified token costs: inputs, forward, logits and the sampler, for
             # decode steps only (a prefill chunk's attention would skew the per-token cost).
@@ -499,18 +498,87 @@ class Engine:
                                        time.perf_counter() - verify_started)
         self._maybe_log_stats()
 
+    def _verify_one(self, item: ScheduledSequence, index: int, draft: Draft,
+                    batch: PreparedBatch, logits: torch.Tensor, hidden: torch.Tensor | None,
+                    step_argmax: torch.Tensor | None) -> LogprobsJob | None:
+        """Verifies one sequence's rows and appends its tokens; returns its logprobs job
+        instead of appending when the request asked for logprobs."""
+        seq = item.seq
+        if not item.samples:
+            self._keep_hidden(seq, hidden, batch, index, item.num_query_tokens)
+            seq.num_computed_tokens += item.num_query_tokens
+            self.scheduler.cache_computed_blocks(seq)
+            return None
+        first_row, end_row = batch.logit_offsets[index], batch.logit_offsets[index + 1]
+        if step_argmax is not None and needs_only_argmax(seq.params):
+            new_token_ids = accept_greedy(step_argmax[first_row:end_row], draft.token_ids)
+        else:
+            new_token_ids = verify(logits[first_row:end_row], draft.token_ids, seq.token_ids, seq.params,
+                                   None if seq.generator is None
+                                   else seq.generator.starting_at(seq.num_output_tokens),
+                                   draft.probs, prompt_len=seq.prompt_len,
+                                   eos_token_ids=self.eos_token_ids)
+        num_accepted = len(new_token_ids) - 1
+        self._keep_hidden(seq, hidden, batch, index, item.num_query_tokens + num_accepted)
+        seq.num_computed_tokens += item.num_query_tokens + num_accepted
+        if seq.grammar is not None and self.grammars is not None:
+            with Timer(self.grammars):
+                advance(seq.grammar, new_token_ids, seq.request_id, self._end_ids(seq.params))
+        if draft.forced:
+            # The grammar's draft, not the drafter's: counted apart, and the drafter
+            # hears of no acceptance of its own.
+            seq.num_last_accepted = 0
+            seq.spec.num_forced_tokens += num_accepted
+            self.spec.num_forced_tokens += num_accepted
+        else:
+            seq.num_last_accepted = num_accepted
+            seq.spec.record(len(draft.token_ids), num_accepted)
+            self.spec.record(len(draft.token_ids), num_accepted)
+            if self.policy is not None:
+                self.policy.record_draft(seq.seq_id, len(draft.token_ids), num_accepted,
+                                         item.num_speculative_tokens)
+                if draft.confidence:
+                    self.policy.record_confidence(draft.confidence, num_accepted)
+        if seq.params.logprobs is not None:
+            # Appended by the caller, with the step's logprobs computed in one pass (until
+            # then seq.token_ids is still the context before first_row: no copy needed).
+            return LogprobsJob(first_row, new_token_ids, seq.token_ids, seq.params,
+                               seq.prompt_len)
+        self._append_tokens(seq, new_token_ids)
+        return None
+
+    def _append_with_logprobs(self, logits: torch.Tensor,
+                              jobs: list[tuple[Sequence, LogprobsJob]]) -> None:
+        """Appends each job's tokens with their logprobs, computed in one pass; when that
+        pass raises, one job at a time, so that only the failing sequence fails."""
+        try:
+            entries = step_logprobs(logits, [job for _, job in jobs], self.config.logprobs_mode,
+                                    self.eos_token_ids)
+        except Exception:  # noqa: BLE001 - retried per sequence below, each isolated
+            entries = None
+        for position, (seq, job) in enumerate(jobs):
+            with self.faults.isolate(seq):
+                seq_entries = (entries[position] if entries is not None else
+                               step_logprobs(logits, [job], self.config.logprobs_mode,
+                                             self.eos_token_ids)[0])
+                self._append_tokens(seq, job.emitted_ids, seq_entries)
+
     def _mask_grammar_rows(self, scheduled: list[ScheduledSequence], step_drafts: list[Draft],
                            batch: PreparedBatch, logits: torch.Tensor) -> None:
         """Sets, in place, the logits the sequences' grammars forbid to -inf, at every row
         that verifies a token (before acceptance and the greedy argmax)."""
         if self.grammars is None:
             return
-        jobs = [(batch.logit_offsets[index], item.seq.grammar, step_drafts[index].token_ids)
-                for index, item in enumerate(scheduled)
-                if item.samples and item.seq.grammar is not None and not item.seq.is_finished]
-        if jobs:
-            with Timer(self.grammars):
-                mask_rows(logits, jobs, self.vocab_size)
+        constrained = [(index, item.seq) for index, item in enumerate(scheduled)
+                       if item.samples and item.seq.grammar is not None and not item.seq.is_finished]
+        if not constrained:
+            return
+        jobs = [(batch.logit_offsets[index], seq.grammar, step_drafts[index].token_ids)
+                for index, seq in constrained]
+        with Timer(self.grammars):
+            failures = mask_rows(logits, jobs, self.vocab_size)  # type: ignore[arg-type]
+        for job_index, exc in failures:
+            self.faults.fail(constrained[job_index][1], exc)
 
     def _start_capture(self, scheduled: list[ScheduledSequence]) -> None:
         """Gives hidden-state buffers to sequences whose first forward is this step.
@@ -592,9 +660,11 @@ class Engine:
         for _ in range(SYNC_YIELD_ITERATIONS):
             await asyncio.sleep(0)
 
-    def _build_inputs(self, scheduled: list[ScheduledSequence], drafts: dict[int, Draft],
-                      round_trip_s: float) -> tuple[list[StepInput], list[Draft]]:
-        inputs: list[StepInput] = []
+    def _step_drafts(self, scheduled: list[ScheduledSequence], drafts: dict[int, Draft],
+                     round_trip_s: float) -> tuple[list[ScheduledSequence], list[Draft]]:
+        """Each sequence's draft this step (forced, or the drafter's cut to its grammar and
+        the policy's evidence), beside the sequences still in the step: one whose grammar
+        failed on its draft is failed and left out."""
         step_drafts: list[Draft] = []
         for item in scheduled:
             seq = item.seq
@@ -607,18 +677,27 @@ class Engine:
                 if proposed is not None and proposed.token_ids:
                     draft = _truncate(proposed, item.num_speculative_tokens)
                     if seq.grammar is not None and self.grammars is not None:
-                        with Timer(self.grammars):
+                        with Timer(self.grammars), self.faults.isolate(seq):
                             draft = _truncate(draft, seq.grammar.valid_prefix_len(draft.token_ids))
             step_drafts.append(draft)
+        if any(item.seq.is_finished for item in scheduled):
+            kept = [(item, draft) for item, draft in zip(scheduled, step_drafts)
+                    if not item.seq.is_finished]
+            scheduled, step_drafts = [item for item, _ in kept], [draft for _, draft in kept]
         if self.policy is not None and self.config.text_drafter:
             self._cut_by_evidence(scheduled, step_drafts, round_trip_s)
+        return scheduled, step_drafts
+
+    def _build_inputs(self, scheduled: list[ScheduledSequence],
+                      step_drafts: list[Draft]) -> list[StepInput]:
+        inputs: list[StepInput] = []
         for item, draft in zip(scheduled, step_drafts):
             seq = item.seq
             start = seq.num_computed_tokens
             chunk = seq.token_ids[start:start + item.num_query_tokens]
             num_logit_rows = 1 + len(draft.token_ids) if item.samples else 0
             inputs.append(StepInput(chunk + draft.token_ids, start, seq.block_table, num_logit_rows))
-        return inputs, step_drafts
+        return inputs
 
     def _cut_by_evidence(self, scheduled: list[ScheduledSequence], step_drafts: list[Draft],
                          round_trip_s: float) -> None:

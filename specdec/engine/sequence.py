@@ -43,6 +43,9 @@ class SpeculationCounters:
     # Tokens a grammar forced (its only continuation), verified without a drafter; not
     # counted as drafts above.
     num_forced_tokens: int = 0
+    # Per request: why the speculation policy last planned no draft for it, with the
+    # figures it measured ("" while it drafts; see SpeculationPolicy.off_reasons).
+    policy: str = ""
 
     def record(self, num_draft_tokens: int, num_accepted_tokens: int) -> None:
         if num_draft_tokens == 0:

@@ -5,10 +5,15 @@ exception text. This interceptor makes the request deserializer return a marker
 instead of raising, and the wrapped handler answers INVALID_ARGUMENT naming the method;
 a bidi stream is ended at its first malformed message. Nothing else is touched, so one
 bad client never costs another request.
+
+A streaming handler is either an async generator (it yields its responses) or a coroutine
+that writes them with `context.write` (grpc_health's `Watch`); gRPC tells the two apart by
+the function's kind, so each is wrapped by a function of the same kind.
 """
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
@@ -58,30 +63,49 @@ class MalformedRequestInterceptor(grpc.aio.ServerInterceptor):
 
             return grpc.unary_unary_rpc_method_handler(unary_unary, deserialize, serialize)
         if handler.unary_stream is not None:
-            streaming = handler.unary_stream
-
-            async def unary_stream(request: Any, context: grpc.aio.ServicerContext,
-                                   ) -> AsyncIterator[Any]:
-                if isinstance(request, _Malformed):
-                    await _refuse(context, method, request)
-                async for response in streaming(request, context):
-                    yield response
-
-            return grpc.unary_stream_rpc_method_handler(unary_stream, deserialize, serialize)
+            return grpc.unary_stream_rpc_method_handler(
+                _checked_unary_stream(handler.unary_stream, method), deserialize, serialize)
         if handler.stream_stream is not None:
-            bidi = handler.stream_stream
-
-            async def checked(requests: AsyncIterator[Any], context: grpc.aio.ServicerContext,
-                              ) -> AsyncIterator[Any]:
-                async for request in requests:
-                    if isinstance(request, _Malformed):
-                        await _refuse(context, method, request)
-                    yield request
-
-            async def stream_stream(requests: AsyncIterator[Any],
-                                    context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
-                async for response in bidi(checked(requests, context), context):
-                    yield response
-
-            return grpc.stream_stream_rpc_method_handler(stream_stream, deserialize, serialize)
+            return grpc.stream_stream_rpc_method_handler(
+                _checked_stream_stream(handler.stream_stream, method), deserialize, serialize)
         return handler
+
+
+def _checked_unary_stream(streaming: Callable[..., Any], method: str) -> Callable[..., Any]:
+    if inspect.iscoroutinefunction(streaming):
+        async def writes(request: Any, context: grpc.aio.ServicerContext) -> None:
+            if isinstance(request, _Malformed):
+                await _refuse(context, method, request)
+            await streaming(request, context)
+
+        return writes
+
+    async def yields(request: Any, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
+        if isinstance(request, _Malformed):
+            await _refuse(context, method, request)
+        async for response in streaming(request, context):
+            yield response
+
+    return yields
+
+
+def _checked_stream_stream(bidi: Callable[..., Any], method: str) -> Callable[..., Any]:
+    async def checked(requests: AsyncIterator[Any], context: grpc.aio.ServicerContext,
+                      ) -> AsyncIterator[Any]:
+        async for request in requests:
+            if isinstance(request, _Malformed):
+                await _refuse(context, method, request)
+            yield request
+
+    if inspect.iscoroutinefunction(bidi):
+        async def writes(requests: AsyncIterator[Any], context: grpc.aio.ServicerContext) -> None:
+            await bidi(checked(requests, context), context)
+
+        return writes
+
+    async def yields(requests: AsyncIterator[Any], context: grpc.aio.ServicerContext,
+                     ) -> AsyncIterator[Any]:
+        async for response in bidi(checked(requests, context), context):
+            yield response
+
+    return yields

@@ -18,7 +18,23 @@ from typing import Any
 import numpy as np
 import torch
 
+from specdec.errors import InvalidRequestError
+
 logger = logging.getLogger(__name__)
+
+MAX_LIMIT_MESSAGE_CHARS = 300
+
+
+class GrammarLimitError(InvalidRequestError):
+    """The grammar went past the grammar library's limits (parser rows, lexer states, fuel)
+    while generating: llguidance's matcher is in its error state for good."""
+
+    def __init__(self, detail: str) -> None:
+        first_line = detail.strip().splitlines()[0] if detail.strip() else "unknown error"
+        # llguidance's error, on one line and short (it may quote the grammar).
+        self.detail = first_line[:MAX_LIMIT_MESSAGE_CHARS]
+        super().__init__("the grammar exceeded the grammar library's limits while generating: "
+                         f"{self.detail}", param="grammar")
 
 
 def allocate_bitmask(rows: int, vocab_size: int) -> torch.Tensor:
@@ -175,9 +191,11 @@ class GrammarState:
             return False
         # validate first: a rejected consume_token leaves the matcher in an error state forever.
         if self._matcher.validate_tokens([token_id]) != 1:
+            self._check_limits()
             return False
-        if not self._matcher.consume_token(token_id):  # cannot happen after validate_tokens
-            raise RuntimeError(f"grammar matcher failed on a validated token: {self._matcher.get_error()}")
+        if not self._matcher.consume_token(token_id):  # after validate_tokens: a limit only
+            self._check_limits()
+            raise RuntimeError("grammar matcher failed on a validated token")
         self.num_accepted += 1
         return True
 
@@ -199,7 +217,8 @@ class GrammarState:
             self._eos_accepted = False
             matcher_tokens -= 1
         if matcher_tokens and not self._matcher.rollback(matcher_tokens):
-            raise RuntimeError(f"grammar matcher rollback failed: {self._matcher.get_error()}")
+            self._check_limits()
+            raise RuntimeError("grammar matcher rollback failed")
         self.num_accepted -= num_tokens
 
     # -- drafts --------------------------------------------------------------------------
@@ -217,8 +236,11 @@ class GrammarState:
         # help: validate the tokens before the first EOS, then the EOS by hand.
         eos_at = next((i for i, t in enumerate(tokens) if t in self.eos_token_ids), None)
         if eos_at is None:
-            return self._matcher.validate_tokens(tokens) if tokens else 0
+            valid = self._matcher.validate_tokens(tokens) if tokens else 0
+            self._check_limits()
+            return valid
         valid = self._matcher.validate_tokens(tokens[:eos_at]) if eos_at else 0
+        self._check_limits()
         if valid < eos_at:
             return valid
         if not eos_at:
@@ -226,10 +248,12 @@ class GrammarState:
         # Whether EOS may follow needs the state after the tokens before it: step in, look,
         # step back.
         if not self._matcher.consume_tokens(tokens[:eos_at]):
-            raise RuntimeError(f"grammar matcher failed on validated tokens: {self._matcher.get_error()}")
+            self._check_limits()
+            raise RuntimeError("grammar matcher failed on validated tokens")
         accepting = self._matcher.is_accepting()
         if not self._matcher.rollback(eos_at):
-            raise RuntimeError(f"grammar matcher rollback failed: {self._matcher.get_error()}")
+            self._check_limits()
+            raise RuntimeError("grammar matcher rollback failed")
         return eos_at + 1 if accepting else eos_at
 
     def fill_next_mask(self, out: torch.Tensor, row: int = 0) -> None:
@@ -241,6 +265,7 @@ class GrammarState:
             self._eos_only(target)
             return
         self._matcher.unsafe_compute_mask_ptr(target.data_ptr(), target.numel() * target.element_size())
+        self._check_limits()
         self._clear_padding(target)
 
     def fill_masks(self, draft_ids: Sequence[int], out: torch.Tensor | None = None) -> torch.Tensor:
@@ -311,6 +336,11 @@ class GrammarState:
             return []
         return [t for t in self._matcher.compute_ff_tokens()[:max_tokens]
                 if 0 <= t < self.tokenizer_vocab_size]
+
+    def _check_limits(self) -> None:
+        """Raises GrammarLimitError when the matcher is in its error state (a limit hit)."""
+        if self._matcher.is_error():
+            raise GrammarLimitError(self._matcher.get_error())
 
     def _eos_only(self, row: torch.Tensor) -> None:
         row.zero_()

@@ -81,17 +81,20 @@ class GrammarService:
     def new_state(self, compiled: CompiledGrammar) -> GrammarState:
         return self._get_backend().new_state(compiled)
 
-    def close(self) -> None:
+    async def close(self) -> None:
         if self._backend is not None:
-            self._backend.close()
+            await self._backend.close()
 
 
 def mask_rows(logits: torch.Tensor, jobs: list[tuple[int, GrammarState, list[int]]],
-              vocab_size: int) -> None:
+              vocab_size: int) -> list[tuple[int, Exception]]:
     """Masks, in place, each job's rows of the step's logits: (first row, state, draft)
     covers rows first .. first + len(draft). One bitmask is filled for all of them; each run
     of adjacent rows is masked through a view of its slice, so constrained rows with plain
     rows between them (any order in the batch) never need a gather and a scatter.
+
+    Returns (job index, exception) for each job whose grammar raised filling its masks (a
+    limit hit): its rows are left unmasked, for the engine to fail that sequence alone.
 
     The step's logits come out of the forward as inference tensors; an in-place update of
     one is allowed only inside inference mode, so the masking runs there.
@@ -99,10 +102,16 @@ def mask_rows(logits: torch.Tensor, jobs: list[tuple[int, GrammarState, list[int
     num_rows = sum(len(draft) + 1 for _, _, draft in jobs)
     bitmask = allocate_bitmask(num_rows, vocab_size)
     runs: list[tuple[int, int, int]] = []  # (first logit row, first bitmask row, row count)
+    failures: list[tuple[int, Exception]] = []
     offset = 0
-    for first_row, state, draft in jobs:
+    for job_index, (first_row, state, draft) in enumerate(jobs):
         count = len(draft) + 1
-        state.fill_masks(draft, bitmask[offset:offset + count])
+        try:
+            state.fill_masks(draft, bitmask[offset:offset + count])
+        except Exception as exc:  # noqa: BLE001 - that sequence's failure, not the step's
+            failures.append((job_index, exc))
+            offset += count
+            continue
         if runs and runs[-1][0] + runs[-1][2] == first_row and runs[-1][1] + runs[-1][2] == offset:
             start, mask_start, length = runs[-1]
             runs[-1] = (start, mask_start, length + count)
@@ -112,6 +121,7 @@ def mask_rows(logits: torch.Tensor, jobs: list[tuple[int, GrammarState, list[int
     with torch.inference_mode():
         for first_row, mask_start, count in runs:
             apply_masks(logits[first_row:first_row + count], bitmask[mask_start:mask_start + count])
+    return failures
 
 
 def advance(state: GrammarState, token_ids: list[int], request_id: str,
