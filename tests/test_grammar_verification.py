@@ -95,6 +95,17 @@ def bias(tokenizer) -> dict[int, float]:
     return ids
 
 
+async def collect_tokens(queue: asyncio.Queue) -> list[int]:
+    """A request's tokens from its engine queue, up to its finish."""
+    tokens: list[int] = []
+    while True:
+        output = await queue.get()
+        assert not isinstance(output, Exception), output
+        tokens += output.token_ids
+        if output.finish_reason is not None:
+            return tokens
+
+
 async def run(model_dir: Path, spec: dict | None, requests: list[tuple[str, str, SamplingParams]],
               device: str = "cpu", propose=None) -> tuple[list[list[int]], Engine]:
     async with served_engine(model_dir, spec, device, max_model_len=256,
@@ -107,13 +118,7 @@ async def run(model_dir: Path, spec: dict | None, requests: list[tuple[str, str,
             compiled = await engine.compile_grammar(kind, value)
             prompt = [1] + list(range(100 + index, 130 + index))
             _, queue = engine.add_request(f"g{index}", prompt, params, grammar=compiled)
-            tokens: list[int] = []
-            while True:
-                output = await queue.get()
-                assert not isinstance(output, Exception), output
-                tokens += output.token_ids
-                if output.finish_reason is not None:
-                    return tokens
+            return await collect_tokens(queue)
 
         outputs = await asyncio.gather(*(one(i, kind, value, params)
                                          for i, (kind, value, params) in enumerate(requests)))
@@ -309,13 +314,7 @@ async def test_constrained_and_plain_requests_mixed_in_one_batch(model_dir, toke
             prompt = [1] + list(range(100 + index, 130 + index))
             _, queue = engine.add_request(f"m{index}", prompt,
                                           plain_params if constraint is None else params, grammar=grammar)
-            tokens: list[int] = []
-            while True:
-                output = await queue.get()
-                assert not isinstance(output, Exception), output
-                tokens += output.token_ids
-                if output.finish_reason is not None:
-                    return tokens
+            return await collect_tokens(queue)
 
         order: list[tuple[str, str] | None] = []
         for constraint in constrained:
