@@ -53,6 +53,7 @@ from gateway.protocol import (
     parse_completion_request,
     parse_json_body,
 )
+from gateway.request_options import OutputOptions, PromptOptions, truncate_prompt
 from gateway.tool_chat import ToolOutput, ToolSettings, plan_tools, template_messages
 from gateway.tools import TOOL_CALL_PARSERS, template_accepts_tools
 from gateway.verifier_client import VerifierClient
@@ -233,20 +234,27 @@ async def _check_grammar(sampling: SamplingOptions) -> None:
 
 async def _generate(request: Request, prompt_token_ids: list[int], sampling: SamplingOptions,
                     *, chat: bool, stream: bool, include_usage: bool, started_at: float,
-                    prompt_param: str,
+                    prompt_param: str, prompt_options: PromptOptions, output_options: OutputOptions,
+                    echo_text: Callable[[list[int]], str] | None = None,
                     tool_output: Callable[[], ToolOutput | None] | None = None) -> Response:
+    """`echo_text` gives the text every choice starts with, from the (truncated) prompt."""
     state = request.app.state
     info = await state.verifier.get_info()
     max_model_len = state.config.max_model_len or info.max_model_len
+    prompt_token_ids = truncate_prompt(prompt_token_ids, prompt_options, max_model_len)
     generate_request = build_generate_request(prompt_token_ids, sampling, info, max_model_len,
                                               prompt_param)
+    echoed = echo_text(prompt_token_ids) if echo_text is not None else ""
     choices = await open_choices(state.verifier, choice_requests(generate_request, sampling.n),
                                  state.tokenizer, prompt_token_ids, sampling.stop, started_at,
-                                 sampling.min_tokens)
-    output = responses.Output(responses.new_id("chatcmpl" if chat else "cmpl"), responses.now(),
-                              state.config.model_name, chat,
+                                 sampling.min_tokens, output_options)
+    prefix = "chatcmpl" if chat else "cmpl"
+    response_id = (f"{prefix}-{output_options.request_id}" if output_options.request_id
+                   else responses.new_id(prefix))
+    output = responses.Output(response_id, responses.now(), state.config.model_name, chat,
                               state.token_texts if sampling.logprobs is not None else None,
-                              tool_output)
+                              tool_output, echoed,
+                              prompt_token_ids if output_options.return_token_ids else None)
 
     def observe() -> None:
         for choice in choices:
@@ -278,10 +286,12 @@ async def chat_completions(request: Request) -> Response:
     await _check_grammar(sampling)
     messages = template_messages(chat.messages, settings.template_accepts_tools)
     prompt_token_ids = await run_in_threadpool(render_chat_prompt, request.app.state.tokenizer,
-                                               messages, plan.template_tools)
+                                               messages, plan.template_tools, chat.prompt)
     return await _generate(request, prompt_token_ids, sampling, chat=True,
                            stream=chat.stream, include_usage=chat.include_usage,
                            started_at=started_at, prompt_param="messages",
+                           prompt_options=chat.prompt, output_options=chat.output,
+                           echo_text=_chat_echo(chat.messages) if chat.output.echo else None,
                            tool_output=plan.new_output)
 
 
@@ -291,11 +301,34 @@ async def completions(request: Request) -> Response:
     completion = parse_completion_request(await _read_json(request))
     _check_model(request, completion.model)
     await _check_grammar(completion.sampling)
-    prompt_token_ids = await run_in_threadpool(tokenize_prompt, request.app.state.tokenizer,
-                                               completion.prompt)
+    tokenizer = request.app.state.tokenizer
+    prompt_token_ids = await run_in_threadpool(tokenize_prompt, tokenizer, completion.prompt,
+                                               completion.prompt_options.add_special_tokens)
+    echo_text = None
+    if completion.output.echo:
+        echo_text = functools.partial(_completion_echo, tokenizer, completion.prompt,
+                                      len(prompt_token_ids))
     return await _generate(request, prompt_token_ids, completion.sampling, chat=False,
                            stream=completion.stream, include_usage=completion.include_usage,
-                           started_at=started_at, prompt_param="prompt")
+                           started_at=started_at, prompt_param="prompt",
+                           prompt_options=completion.prompt_options,
+                           output_options=completion.output, echo_text=echo_text)
+
+
+def _chat_echo(messages: list[dict[str, Any]]) -> Callable[[list[int]], str]:
+    """vLLM's chat echo: the last message's content when it is the assistant's (the answer
+    continues it), else nothing."""
+    last = messages[-1]
+    text = last["content"] if last["role"] == "assistant" else ""
+    return lambda prompt_token_ids: text
+
+
+def _completion_echo(tokenizer: Any, prompt: str | list[int], num_prompt_tokens: int,
+                     prompt_token_ids: list[int]) -> str:
+    """The prompt as the client sent it, or decoded from its (truncated) ids."""
+    if isinstance(prompt, str) and len(prompt_token_ids) == num_prompt_tokens:
+        return prompt
+    return tokenizer.decode(prompt_token_ids, skip_special_tokens=True)
 
 
 @_openai_errors
