@@ -284,7 +284,8 @@ async def chat_completions(request: Request) -> Response:
     if plan.grammar is not None:
         sampling = dataclasses.replace(sampling, grammar=plan.grammar)
     await _check_grammar(sampling)
-    messages = template_messages(chat.messages, settings.template_accepts_tools)
+    messages = plan.prompt_messages(
+        template_messages(chat.messages, settings.template_accepts_tools))
     prompt_token_ids = await run_in_threadpool(render_chat_prompt, request.app.state.tokenizer,
                                                messages, plan.template_tools, chat.prompt)
     return await _generate(request, prompt_token_ids, sampling, chat=True,
