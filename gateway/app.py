@@ -225,7 +225,7 @@ async def _open_chat(request: Request, chat: ChatRequest,
     return await _open_generation(
         request, prompt_token_ids, sampling, chat=True, started_at=started_at,
         prompt_param="messages", prompt_options=chat.prompt, output_options=chat.output,
-        echo_text=_chat_echo(chat.messages) if chat.output.echo else None,
+        echo_text=functools.partial(_chat_echo, chat.messages) if chat.output.echo else None,
         tool_output=plan.new_output)
 
 
@@ -279,12 +279,11 @@ async def completions(request: Request) -> Response:
                          include_usage=completion.include_usage)
 
 
-def _chat_echo(messages: list[dict[str, Any]]) -> Callable[[list[int]], str]:
+def _chat_echo(messages: list[dict[str, Any]], prompt_token_ids: list[int]) -> str:
     """vLLM's chat echo: the last message's content when it is the assistant's (the answer
     continues it), else nothing."""
     last = messages[-1]
-    text = last["content"] if last["role"] == "assistant" else ""
-    return lambda prompt_token_ids: text
+    return last["content"] if last["role"] == "assistant" else ""
 
 
 def _completion_echo(tokenizer: Any, prompt: str | list[int], num_prompt_tokens: int,
