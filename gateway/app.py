@@ -221,10 +221,12 @@ async def _open_chat(request: Request, chat: ChatRequest,
     messages = plan.prompt_messages(
         template_messages(chat.messages, settings.template_accepts_tools))
     prompt_token_ids = await run_in_threadpool(render_chat_prompt, request.app.state.tokenizer,
-                                               messages, plan.template_tools, chat.prompt)
+                                               messages, plan.template_tools,
+                                               chat.prompt_options)
     return await _open_generation(
         request, prompt_token_ids, sampling, chat=True, started_at=started_at,
-        prompt_param="messages", prompt_options=chat.prompt, output_options=chat.output,
+        prompt_param="messages", prompt_options=chat.prompt_options,
+        output_options=chat.output,
         echo_text=functools.partial(_chat_echo, chat.messages) if chat.output.echo else None,
         tool_output=plan.new_output)
 

@@ -84,7 +84,7 @@ class ChatRequest:
     stream: bool
     include_usage: bool
     tools: ToolRequest = field(default_factory=ToolRequest)
-    prompt: PromptOptions = field(default_factory=PromptOptions)
+    prompt_options: PromptOptions = field(default_factory=PromptOptions)
     output: OutputOptions = field(default_factory=OutputOptions)
 
 
@@ -368,7 +368,7 @@ def parse_chat_request(body: dict[str, Any]) -> ChatRequest:
     return ChatRequest(model=model, messages=messages, sampling=sampling,
                        stream=stream, include_usage=_stream_options(body, stream),
                        tools=parse_tool_request(body),
-                       prompt=parse_prompt_options(body, chat=True),
+                       prompt_options=parse_prompt_options(body, chat=True),
                        output=parse_output_options(body, logprobs=sampling.logprobs is not None))
 
 

@@ -29,7 +29,8 @@ WEATHER = {"type": "function", "name": "get_weather", "description": "Weather in
            "parameters": {"type": "object", "properties": {"city": {"enum": ["Paris", "Oslo"]}},
                           "required": ["city"], "additionalProperties": False}}
 ARGUMENTS = '{"city": "Oslo"}'
-HERMES_TEXT = 'Checking. <tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
+HERMES_TEXT = ('Checking. <tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}'
+               "\n</tool_call>")
 
 
 @pytest.fixture(scope="module")
@@ -212,8 +213,8 @@ def test_models_retrieve(client):
 
 def test_tokenize_and_detokenize(base_url, tokenizer):
     text = "Hello world"
-    body = httpx.post(f"{base_url}/tokenize",
-                      json={"model": SERVED_MODEL, "prompt": text, "return_token_strs": True}).json()
+    body = httpx.post(f"{base_url}/tokenize", json={"model": SERVED_MODEL, "prompt": text,
+                                                    "return_token_strs": True}).json()
     ids = tokenizer.encode(text)
     assert body == {"count": len(ids), "max_model_len": 4096, "tokens": ids,
                     "token_strs": tokenizer.convert_ids_to_tokens(ids)}
