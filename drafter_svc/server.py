@@ -19,11 +19,14 @@ from drafter_svc.metrics import DrafterMetrics
 from drafter_svc.proposer import ModelOptions
 from drafter_svc.proposer_factory import proposer_factory
 from drafter_svc.servicer import (
+    DEFAULT_MAX_PROPOSE_STREAMS,
     DEFAULT_MAX_SEQS_PER_STREAM,
+    DEFAULT_MAX_TOKENS_PER_STREAM,
     DEFAULT_SEQ_IDLE_TIMEOUT_S,
     DrafterServicer,
     StreamLimits,
 )
+from specdec.cli import DefaultsHelpFormatter
 from specdec.config import SpeculativeConfig
 from specdec.errors import ConfigError
 from specdec.heap import freeze_startup_heap
@@ -147,6 +150,7 @@ async def stop_drafter_server(server: GrpcServer, grace_s: float = 5.0) -> None:
 
 def build_arg_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
+        formatter_class=DefaultsHelpFormatter,
         prog="python -m drafter_svc",
         description="specdec drafter: proposes draft tokens to verifiers over gRPC.")
     parser.add_argument("--speculative-config", required=True,
@@ -178,6 +182,14 @@ def build_arg_parser() -> argparse.ArgumentParser:
                         help="sequences one verifier stream may hold; a new one evicts the least "
                              "recently updated (at least the verifier's --max-num-seqs; default "
                              "%(default)s)")
+    parser.add_argument("--max-tokens-per-stream", type=int,
+                        default=DEFAULT_MAX_TOKENS_PER_STREAM,
+                        help="tokens one verifier stream may hold over all its sequences; a "
+                             "sequence that would pass it is not drafted for (default "
+                             "%(default)s)")
+    parser.add_argument("--max-propose-streams", type=int, default=DEFAULT_MAX_PROPOSE_STREAMS,
+                        help="Propose streams open at once; one more is refused with "
+                             "RESOURCE_EXHAUSTED (default %(default)s)")
     parser.add_argument("--seq-idle-timeout-s", type=float, default=DEFAULT_SEQ_IDLE_TIMEOUT_S,
                         help="evict the state of a sequence not updated for this long "
                              "(default %(default)s)")
@@ -222,7 +234,9 @@ def main(argv: list[str] | None = None) -> int:
                                max_model_len=args.max_model_len,
                                draft_sampling=args.draft_sampling, seed=args.seed)
         limits = StreamLimits(max_seqs_per_stream=args.max_seqs_per_stream,
-                              seq_idle_timeout_s=args.seq_idle_timeout_s)
+                              seq_idle_timeout_s=args.seq_idle_timeout_s,
+                              max_tokens_per_stream=args.max_tokens_per_stream,
+                              max_propose_streams=args.max_propose_streams)
         tls = grpc_tls_from_args(args)
         internal_token = load_internal_token(args.internal_token_file)
         check_server_token(internal_token, args.host, args.insecure_no_internal_token,

@@ -28,7 +28,17 @@ Bounds (a stream must not hold unbounded memory, whoever opened it):
   contexts than its verifier costs speed on those sequences, not the stream;
 - a stream holds at most --max-seqs-per-stream sequences: a new one evicts the least
   recently updated; a sequence not updated for --seq-idle-timeout-s is evicted too. An
-  evicted sequence's next incremental update is answered needs_resync, as after a restart.
+  evicted sequence's next incremental update is answered needs_resync, as after a restart;
+- a stream holds at most --max-tokens-per-stream tokens over all its sequences: a sequence
+  whose update would pass it is refused, not buffered: its state is dropped and it is
+  remembered without tokens, never drafted for (its incremental updates are skipped, not
+  answered needs_resync) until it finishes or a full context fits again;
+- at most --max-propose-streams streams are open at once; one more is refused with
+  RESOURCE_EXHAUSTED (a verifier serves those sequences without drafts and retries later).
+
+Big messages do not stall the other streams: a message's updates are applied one sequence
+at a time, the event loop free before each that brings many tokens (a suffix trie over an
+8,000-token prompt is ~60 ms of Python), so other streams' drafts keep their deadlines.
 """
 
 from __future__ import annotations
@@ -38,7 +48,7 @@ import logging
 import math
 import time
 from collections import OrderedDict
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Generator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, cast
 
@@ -51,7 +61,7 @@ from drafter_svc.proposer import (
     Proposer,
     ProposerInfo,
 )
-from specdec.errors import ConfigError, InvalidRequestError, SpecdecError
+from specdec.errors import ConfigError, InvalidRequestError, OverloadedError, SpecdecError
 from specdec.rpc.grpc_status import error_details, status_for
 from specdec.v1 import specdec_pb2, specdec_pb2_grpc
 
@@ -71,6 +81,12 @@ _HIDDEN_STATE_DTYPES = ("float32", "bfloat16", "float16")
 DEFAULT_MAX_SEQS_PER_STREAM = 1024
 # A running sequence is updated every verifier step; one quiet this long was leaked.
 DEFAULT_SEQ_IDLE_TIMEOUT_S = 300.0
+# A verifier's default --max-num-seqs (256) at a context of 8,192 tokens each.
+DEFAULT_MAX_TOKENS_PER_STREAM = 256 * 8192
+# One stream per verifier (and per replica name it dials): far above a real deployment's.
+DEFAULT_MAX_PROPOSE_STREAMS = 64
+# Updates bringing at least this many tokens give the event loop back before them.
+YIELD_BEFORE_TOKENS = 512
 # Ids accepted when the method knows no vocabulary (ngram without a target directory):
 # what int32 holds, the token arrays' dtype.
 UNKNOWN_VOCAB_ID_LIMIT = 1 << 31
@@ -87,11 +103,14 @@ class StreamLimits:
 
     max_seqs_per_stream: int = DEFAULT_MAX_SEQS_PER_STREAM
     seq_idle_timeout_s: float = DEFAULT_SEQ_IDLE_TIMEOUT_S
+    max_tokens_per_stream: int = DEFAULT_MAX_TOKENS_PER_STREAM
+    max_propose_streams: int = DEFAULT_MAX_PROPOSE_STREAMS
 
     def __post_init__(self) -> None:
-        if self.max_seqs_per_stream < 1:
-            raise ConfigError(f"--max-seqs-per-stream must be >= 1, got {self.max_seqs_per_stream}",
-                              param="max_seqs_per_stream")
+        for name in ("max_seqs_per_stream", "max_tokens_per_stream", "max_propose_streams"):
+            if getattr(self, name) < 1:
+                flag = "--" + name.replace("_", "-")
+                raise ConfigError(f"{flag} must be >= 1, got {getattr(self, name)}", param=name)
         if not self.seq_idle_timeout_s > 0:
             raise ConfigError(f"--seq-idle-timeout-s must be > 0, got {self.seq_idle_timeout_s}",
                               param="seq_idle_timeout_s")
@@ -118,6 +137,8 @@ class SequenceTable:
         self._clock = clock
         self._last_seen: OrderedDict[int, float] = OrderedDict()
         self.too_long: set[int] = set()
+        # Refused for --max-tokens-per-stream: held without tokens, like too_long ones.
+        self.over_budget: set[int] = set()
         self.num_evicted = 0
         self._last_full_warning = float("-inf")
 
@@ -152,9 +173,15 @@ class SequenceTable:
         self.touch(seq_id)
         self.too_long.add(seq_id)
 
+    def mark_over_budget(self, seq_id: int) -> None:
+        self.proposer.remove_sequence(seq_id)
+        self.touch(seq_id)
+        self.over_budget.add(seq_id)
+
     def remove(self, seq_id: int) -> None:
         self._last_seen.pop(seq_id, None)
         self.too_long.discard(seq_id)
+        self.over_budget.discard(seq_id)
         self.proposer.remove_sequence(seq_id)
 
     def evict_idle(self) -> int:
@@ -208,6 +235,12 @@ class DrafterServicer(specdec_pb2_grpc.DrafterServicer):
     async def Propose(self, request_iterator: AsyncIterator[specdec_pb2.ProposeRequest],
                       context: grpc.aio.ServicerContext
                       ) -> AsyncIterator[specdec_pb2.ProposeResponse]:
+        if len(self.tables) >= self.limits.max_propose_streams:
+            exc = OverloadedError(f"this drafter serves {self.limits.max_propose_streams} "
+                                  "Propose streams, the most allowed (--max-propose-streams)")
+            logger.warning("Propose stream from %s refused: %s", context.peer(), exc.message)
+            await context.abort(status_for(exc), error_details(exc))
+            return
         proposer = self._proposer_factory()
         table = SequenceTable(proposer, self.limits, self._clock)
         self.tables.add(table)
@@ -222,7 +255,7 @@ class DrafterServicer(specdec_pb2_grpc.DrafterServicer):
             async for request in request_iterator:
                 started = time.perf_counter()
                 try:
-                    response = handle_propose_request(proposer, request, table)
+                    response = await handle_propose_request_sliced(proposer, request, table)
                 except SpecdecError as exc:
                     logger.warning("Propose stream from %s: %s", peer, exc.message)
                     await context.abort(status_for(exc), error_details(exc))
@@ -287,6 +320,32 @@ def handle_propose_request(proposer: Proposer, request: specdec_pb2.ProposeReque
 
     `table` (the stream's) bounds what the stream holds; without one only the checks apply.
     """
+    steps = _propose_steps(proposer, request, table)
+    while True:
+        try:
+            next(steps)
+        except StopIteration as done:
+            return done.value
+
+
+async def handle_propose_request_sliced(proposer: Proposer, request: specdec_pb2.ProposeRequest,
+                                        table: SequenceTable | None = None,
+                                        ) -> specdec_pb2.ProposeResponse:
+    """`handle_propose_request`, giving the event loop back between big updates."""
+    steps = _propose_steps(proposer, request, table)
+    while True:
+        try:
+            next(steps)
+        except StopIteration as done:
+            return done.value
+        await asyncio.sleep(0)
+
+
+def _propose_steps(proposer: Proposer, request: specdec_pb2.ProposeRequest,
+                   table: SequenceTable | None,
+                   ) -> Generator[None, None, specdec_pb2.ProposeResponse]:
+    """handle_propose_request's work, pausing (yield) before each update that brings at
+    least YIELD_BEFORE_TOKENS tokens; returns the response."""
     info = proposer.info
     _check_bounds(info, request, table)
     if request.finished_outputs and info.wants_finished_outputs:
@@ -312,9 +371,15 @@ def handle_propose_request(proposer: Proposer, request: specdec_pb2.ProposeReque
     propose_seq_ids: list[int] = []
     propose_counts: list[int] = []
     num_too_long = 0
+    num_over_budget = 0
+    # Tokens the stream holds, kept up to date below (a sum over its sequences, once; a
+    # sequence evicted to make room is not subtracted, which errs on the safe side).
+    num_held = table.num_tokens() if table is not None else 0
     for update in request.sequences:
         seq_id = update.seq_id
         num_new = len(update.new_token_ids)
+        if num_new >= YIELD_BEFORE_TOKENS:
+            yield
         if update.context_len > max_len:
             # Held by no one: its tokens are dropped, it is never drafted for.
             if table is None:
@@ -323,10 +388,23 @@ def handle_propose_request(proposer: Proposer, request: specdec_pb2.ProposeReque
                 table.touch(seq_id)
                 continue
             else:
+                num_held -= proposer.context_len(seq_id) or 0
                 table.mark_too_long(seq_id)
             num_too_long += 1
             continue
         known_len = proposer.context_len(seq_id)
+        if table is not None:
+            if seq_id in table.over_budget and update.context_len != num_new:
+                table.touch(seq_id)  # refused; only a full context is tried again
+                continue
+            num_after = num_held - (known_len or 0) + update.context_len
+            if num_after > table.limits.max_tokens_per_stream:
+                table.mark_over_budget(seq_id)
+                num_held -= known_len or 0
+                num_over_budget += 1
+                continue
+            table.over_budget.discard(seq_id)
+            num_held = num_after
         if update.context_len == num_new:
             hidden_states = _decode_hidden_states(info, update, 0)
             if table is not None:
@@ -343,6 +421,7 @@ def handle_propose_request(proposer: Proposer, request: specdec_pb2.ProposeReque
         else:
             if table is not None:
                 table.remove(seq_id)
+                num_held -= update.context_len  # counted above as if it were held
             else:
                 proposer.remove_sequence(seq_id)
             response.drafts.add(seq_id=seq_id, needs_resync=True)
@@ -355,6 +434,11 @@ def handle_propose_request(proposer: Proposer, request: specdec_pb2.ProposeReque
         logger.warning("step %d: %d sequences longer than this drafter's max-model-len %d are "
                        "not drafted for (raise --max-model-len to the verifier's)",
                        request.step_id, num_too_long, max_len)
+    if num_over_budget:
+        assert table is not None
+        logger.warning("step %d: %d sequences refused: the stream would hold more than "
+                       "--max-tokens-per-stream %d tokens; they are not drafted for",
+                       request.step_id, num_over_budget, table.limits.max_tokens_per_stream)
 
     if propose_seq_ids:
         for seq_id, proposal in zip(propose_seq_ids,

@@ -8,8 +8,9 @@ Two tries (drafter_svc/suffix_tree.py), as in the reference:
 - one server-wide global trie over the outputs of finished sequences (each behind its
   prompt's lead-in, below), shared by every Propose stream of this drafter, so the next
   request drafts from the previous ones' answers. It holds at most
-  `suffix_decoding_max_cached_requests` outputs, the oldest dropped first (FIFO); 0
-  disables it.
+  `suffix_decoding_max_cached_requests` outputs and `suffix_decoding_max_cached_tokens`
+  tokens (lead-ins included), the oldest dropped first (FIFO); 0 disables it. An output
+  longer than the token bound on its own is not held.
 
 How an output enters the global trie, exactly once:
 - the verifier sends every finished output to every replica of this drafter
@@ -74,11 +75,14 @@ logger = logging.getLogger(__name__)
 
 
 class GlobalSuffixCache:
-    """The server-wide trie over finished outputs, FIFO-bounded by request count."""
+    """The server-wide trie over finished outputs, FIFO-bounded by request and token count."""
 
-    def __init__(self, max_depth: int, max_cached_requests: int) -> None:
+    def __init__(self, max_depth: int, max_cached_requests: int,
+                 max_cached_tokens: int = 1 << 62) -> None:
         self.tree = SuffixTree(max_depth)
         self.max_cached_requests = max_cached_requests
+        self.max_cached_tokens = max_cached_tokens
+        self.num_tokens = 0  # held, lead-ins included
         # Keyed by output id (the verifier's, >= 0) or, for locally published outputs, by a
         # negative counter: a key already held is not inserted again. Each value: the tokens
         # inserted (lead-in and output) and how many of them are the lead-in.
@@ -90,7 +94,7 @@ class GlobalSuffixCache:
 
     @property
     def enabled(self) -> bool:
-        return self.max_cached_requests > 0
+        return self.max_cached_requests > 0 and self.max_cached_tokens > 0
 
     def __len__(self) -> int:
         return len(self._outputs)
@@ -111,11 +115,16 @@ class GlobalSuffixCache:
         elif output_id in self._outputs:
             return  # replayed: held already
         tokens = [int(token) for token in (*lead_in, *output)]
+        if len(tokens) > self.max_cached_tokens:
+            return  # would evict everything and still not fit
         self.tree.insert(tokens)
         self._outputs[output_id] = (tokens, len(lead_in))
-        while len(self._outputs) > self.max_cached_requests:
+        self.num_tokens += len(tokens)
+        while (len(self._outputs) > self.max_cached_requests
+               or self.num_tokens > self.max_cached_tokens):
             _, (oldest, _) = self._outputs.popitem(last=False)
             self.tree.remove(oldest)
+            self.num_tokens -= len(oldest)
         self.version += 1
 
 
@@ -241,6 +250,7 @@ def build_suffix_method(config: SpeculativeConfig,
     cache (shared) and info."""
     assert config.suffix_decoding_max_tree_depth is not None
     assert config.suffix_decoding_max_cached_requests is not None
+    assert config.suffix_decoding_max_cached_tokens is not None
     assert config.suffix_decoding_max_spec_factor is not None
     assert config.suffix_decoding_min_token_prob is not None
     vocab_size, target_len = (0, 0) if options is None else target_limits(options.target_model)
@@ -250,10 +260,11 @@ def build_suffix_method(config: SpeculativeConfig,
                           max_spec_factor=config.suffix_decoding_max_spec_factor,
                           min_token_prob=config.suffix_decoding_min_token_prob,
                           num_speculative_tokens=config.num_speculative_tokens)
-    cache = GlobalSuffixCache(params.max_tree_depth, config.suffix_decoding_max_cached_requests)
-    logger.info("suffix decoding: tree depth %d, up to %d cached outputs, spec factor %g, "
-                "min token prob %g", params.max_tree_depth, cache.max_cached_requests,
-                params.max_spec_factor, params.min_token_prob)
+    cache = GlobalSuffixCache(params.max_tree_depth, config.suffix_decoding_max_cached_requests,
+                              config.suffix_decoding_max_cached_tokens)
+    logger.info("suffix decoding: tree depth %d, up to %d cached outputs and %d tokens, spec "
+                "factor %g, min token prob %g", params.max_tree_depth,
+                cache.max_cached_requests, cache.max_cached_tokens, params.max_spec_factor, params.min_token_prob)
     return SuffixMethod(params, cache, ProposerInfo(
         method="suffix", max_num_speculative_tokens=config.num_speculative_tokens,
         vocab_size=vocab_size, max_model_len=max_model_len,

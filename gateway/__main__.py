@@ -12,6 +12,7 @@ from gateway.app import GatewayConfig, create_app
 from gateway.server import add_server_args, limits_from_args, uvicorn_config
 from gateway.tools import TOOL_CALL_PARSERS
 from gateway.verifier_client import VerifierClient
+from specdec.cli import DEFAULT_GATEWAY_PORT, DefaultsHelpFormatter, add_spec_decode_metrics_arg
 from specdec.errors import SpecdecError
 from specdec.heap import freeze_startup_heap
 from specdec.rpc.internal_auth import (
@@ -26,6 +27,7 @@ logger = logging.getLogger("gateway")
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
+        formatter_class=DefaultsHelpFormatter,
         prog="python -m gateway",
         description="OpenAI-compatible HTTP gateway of specdec: chat template, validation, "
                     "SSE and stop strings in front of one or more verifiers.")
@@ -37,7 +39,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--verifier", action="append", required=True, metavar="HOST:PORT",
                         help="verifier gRPC address; repeat for several (round-robin)")
     parser.add_argument("--host", default="127.0.0.1")
-    parser.add_argument("--port", type=int, default=18080)
+    parser.add_argument("--port", type=int, default=DEFAULT_GATEWAY_PORT)
     parser.add_argument("--api-key", default=None,
                         help="require 'Authorization: Bearer KEY' on /v1/*. Kept for vLLM "
                              "parity, but argv is visible to every local user (ps): prefer "
@@ -57,6 +59,7 @@ def build_parser() -> argparse.ArgumentParser:
                              "flag; hermes: <tool_call>{...}</tool_call> blocks)")
     parser.add_argument("--trust-remote-code", action="store_true",
                         help="accepted for vLLM compatibility")
+    add_spec_decode_metrics_arg(parser)
     parser.add_argument("--log-level", default="info", type=str.lower,
                         choices=["critical", "error", "warning", "info", "debug"])
     add_grpc_tls_args(parser, server=False)
@@ -86,7 +89,8 @@ def main(argv: list[str] | None = None) -> int:
                                max_model_len=args.max_model_len,
                                api_key=api_key_from_args(args), host=args.host, port=args.port,
                                enable_auto_tool_choice=args.enable_auto_tool_choice,
-                               tool_call_parser=args.tool_call_parser)
+                               tool_call_parser=args.tool_call_parser,
+                               per_request_spec_decode_metrics=args.per_request_spec_decode_metrics)
         verifier_client = VerifierClient(
             config.verifier_addresses, tls=grpc_tls_from_args(args),
             internal_token=load_internal_token(args.internal_token_file))

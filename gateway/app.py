@@ -43,6 +43,7 @@ from gateway.http_io import (
 )
 from gateway.generation import build_generate_request, choice_requests
 from gateway.logprobs import TokenTexts
+from gateway.spec_decode_metrics import check_mode as check_spec_decode_metrics_mode
 from gateway.metrics import GatewayMetrics, RequestCountMiddleware
 from gateway.protocol import (
     ChatRequest,
@@ -94,8 +95,11 @@ class GatewayConfig:
     # vLLM's flags: tool_choice "auto" needs both (and a chat template that renders tools).
     enable_auto_tool_choice: bool = False
     tool_call_parser: str | None = None
+    # vLLM's per-request speculative metrics in responses (gateway.spec_decode_metrics).
+    per_request_spec_decode_metrics: str = "none"
 
     def __post_init__(self) -> None:
+        check_spec_decode_metrics_mode(self.per_request_spec_decode_metrics)
         if not self.model:
             raise ConfigError("--model must not be empty", param="model")
         if self.tool_call_parser is not None and self.tool_call_parser not in TOOL_CALL_PARSERS:
@@ -176,8 +180,12 @@ async def _open_generation(request: Request, prompt_token_ids: list[int],
                    else responses.new_id(prefix))
     output = responses.Output(response_id, responses.now(), state.config.model_name, chat,
                               state.token_texts if sampling.logprobs is not None else None,
-                              tool_output, echoed,
-                              prompt_token_ids if output_options.return_token_ids else None)
+                              tool_output,
+                              spec_decode_metrics=state.config.per_request_spec_decode_metrics,
+                              num_speculative_tokens=info.num_speculative_tokens,
+                              echo_text=echoed,
+                              prompt_token_ids=(prompt_token_ids
+                                                if output_options.return_token_ids else None))
     return output, choices
 
 
@@ -311,10 +319,10 @@ async def health(request: Request) -> Response:
     checks costs the verifiers nothing. Names no address or path (it is unauthenticated)."""
     verifier = request.app.state.verifier
     serving = verifier.serving
-    # Which verifier is down, starting (unreachable), draining (not_serving) or serving
-    # another tokenizer (tokenizer_mismatch).
-    body = {"status": "ok" if serving else "unavailable", "verifiers": verifier.statuses(),
-            "problems": verifier.problems()}
+    # Which verifier is down or not started (unreachable), starting ("starting: <phase>"),
+    # draining (not_serving) or serving another tokenizer (tokenizer_mismatch).
+    status = "ok" if serving else "starting" if verifier.starting else "unavailable"
+    body = {"status": status, "verifiers": verifier.statuses(), "problems": verifier.problems()}
     return JSONResponse(body, status_code=200 if serving else 503)
 
 

@@ -116,7 +116,7 @@ def build_generate_request(prompt_token_ids: list[int], sampling: SamplingOption
                                                         value=sampling.grammar.value))
     return specdec_pb2.GenerateRequest(
         request_id=uuid.uuid4().hex, prompt_token_ids=prompt_token_ids, sampling=params,
-        speculation=speculation)
+        speculation=speculation, cache_salt=sampling.cache_salt or "")
 
 
 def choice_requests(request: specdec_pb2.GenerateRequest,
@@ -203,13 +203,16 @@ def speculation_usage(stats: specdec_pb2.SpeculationStats | None) -> dict:
         # Tokens a grammar forced (its only continuation), verified without the drafter;
         # not in num_draft_tokens / num_accepted_tokens.
         "num_forced_tokens": stats.num_forced_tokens,
+        # Why the adaptive policy was not drafting for this request when it last decided
+        # ("" while it drafts): "off by choice", with its figures, is not "broken".
+        "policy": stats.policy,
         "acceptance_rate": num_accepted / num_draft_tokens if num_draft_tokens else 0.0,
         # Tokens per verify step: the accepted drafts plus the recovered or bonus token.
         "mean_acceptance_length": 1.0 + num_accepted / num_drafts if num_drafts else 1.0,
     }
 
 
-def _sum_speculation(results: list[GenerationResult]) -> specdec_pb2.SpeculationStats | None:
+def sum_speculation(results: list[GenerationResult]) -> specdec_pb2.SpeculationStats | None:
     stats = [result.speculation for result in results if result.speculation is not None]
     if len(stats) <= 1:
         return stats[0] if stats else None
@@ -220,6 +223,7 @@ def _sum_speculation(results: list[GenerationResult]) -> specdec_pb2.Speculation
         total.num_draft_tokens += item.num_draft_tokens
         total.num_accepted_tokens += item.num_accepted_tokens
         total.num_forced_tokens += item.num_forced_tokens
+        total.policy = total.policy or item.policy  # the choices share one policy
         per_position.extend([0] * (len(item.accepted_per_position) - len(per_position)))
         for position, count in enumerate(item.accepted_per_position):
             per_position[position] += count
@@ -241,5 +245,5 @@ def usage(results: GenerationResult | list[GenerationResult]) -> dict:
         "total_tokens": num_prompt_tokens + num_completion_tokens,
         "prompt_tokens_details": {
             "cached_tokens": min(result.num_cached_tokens for result in results)},
-        "speculation": speculation_usage(_sum_speculation(results)),
+        "speculation": speculation_usage(sum_speculation(results)),
     }

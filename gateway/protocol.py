@@ -72,6 +72,8 @@ class SamplingOptions:
     n: int = 1
     # The output constraint (GrammarSpec); checked by the compiler in app.py, off the loop.
     grammar: GrammarRequest | None = None
+    # vLLM's cache_salt: prefix-cache blocks are shared only among requests with this salt.
+    cache_salt: str | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -316,6 +318,15 @@ def _logit_bias(body: dict[str, Any]) -> tuple[tuple[int, float], ...]:
     return tuple(sorted(pairs.items()))
 
 
+def _cache_salt(body: dict[str, Any]) -> str | None:
+    """vLLM's rule: absent, or a non-empty string."""
+    salt = body.get("cache_salt")
+    if salt is not None and (not isinstance(salt, str) or not salt):
+        raise InvalidRequestError("cache_salt must be a non-empty string if provided.",
+                                  "cache_salt")
+    return salt
+
+
 def _model(body: dict[str, Any]) -> str | None:
     model = body.get("model")
     if model is not None and not isinstance(model, str):
@@ -357,6 +368,7 @@ def parse_sampling(body: dict[str, Any], *, chat: bool = True) -> SamplingOption
         logprobs=_logprobs(body, chat),
         n=_integer(body, "n", minimum=1, maximum=MAX_CHOICES) or 1,
         grammar=grammar_from_request(body, validate=False),
+        cache_salt=_cache_salt(body),
     )
 
 

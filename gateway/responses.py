@@ -10,8 +10,9 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 
 from gateway.choices import Choice, CollectedChoice, merged_deltas
-from gateway.generation import GenerationResult, TextDelta, usage
+from gateway.generation import GenerationResult, TextDelta, sum_speculation, usage
 from gateway.logprobs import CompletionLogprobs, TokenTexts, chat_logprobs_content
+from gateway.spec_decode_metrics import metrics_body
 from gateway.tool_chat import ToolOutput
 
 
@@ -123,10 +124,21 @@ class Output:
     token_texts: TokenTexts | None  # None: no logprobs asked
     # Makes each choice's tool-call reader; None: the text is the content.
     tool_output: Callable[[], ToolOutput | None] | None = None
+    # --per-request-spec-decode-metrics, and the server's k (the histogram's length - 1).
+    spec_decode_metrics: str = "none"
+    num_speculative_tokens: int = 0
     # echo: text every choice starts with (the prompt, or the assistant message continued).
     echo_text: str = ""
     # return_token_ids: the prompt's ids (then every choice carries its own); None: not asked.
     prompt_token_ids: list[int] | None = None
+
+    def with_metrics(self, body: dict, results: list[GenerationResult]) -> dict:
+        """`body` with vLLM's per-request `metrics` when asked for (gateway.spec_decode_metrics)."""
+        metrics = metrics_body(self.spec_decode_metrics, sum_speculation(results),
+                               self.num_speculative_tokens)
+        if metrics is not None:
+            body["metrics"] = metrics
+        return body
 
     def token_ids(self, token_ids: list[int]) -> list[int] | None:
         return list(token_ids) if self.prompt_token_ids is not None else None
@@ -178,8 +190,9 @@ async def chat_chunks(output: Output, choices: list[Choice],
             yield chunk(fields, None, include_usage, index=choice.index, logprobs=logprobs,
                         token_ids=token_ids)
     if include_usage:
-        yield usage_chunk(output.response_id, output.created, output.model,
-                          "chat.completion.chunk", [c.result for c in choices])
+        results = [c.result for c in choices]
+        yield output.with_metrics(usage_chunk(output.response_id, output.created, output.model,
+                                              "chat.completion.chunk", results), results)
 
 
 async def completion_chunks(output: Output, choices: list[Choice],
@@ -202,8 +215,9 @@ async def completion_chunks(output: Output, choices: list[Choice],
         yield output.first_chunk(made) if not echoed else made
         echoed.add(choice.index)
     if include_usage:
-        yield usage_chunk(output.response_id, output.created, output.model,
-                          "text_completion", [c.result for c in choices])
+        results = [c.result for c in choices]
+        yield output.with_metrics(usage_chunk(output.response_id, output.created, output.model,
+                                              "text_completion", results), results)
 
 
 def response_body(output: Output, collected: list[CollectedChoice]) -> dict:
@@ -227,8 +241,9 @@ def response_body(output: Output, collected: list[CollectedChoice]) -> dict:
                                        reason)
         body.append(_with_token_ids(choice, output.token_ids(item.token_ids)))
     build = chat_completion if output.chat else text_completion
-    response = build(output.response_id, output.created, output.model, body,
-                     [item.choice.result for item in collected])
+    results = [item.choice.result for item in collected]
+    response = output.with_metrics(build(output.response_id, output.created, output.model, body,
+                                         results), results)
     if output.prompt_token_ids is not None:
         response["prompt_token_ids"] = output.prompt_token_ids
     return response

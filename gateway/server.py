@@ -6,6 +6,11 @@ sends nothing, or one header line every few seconds, or half a body, holds its c
 and the request body each a deadline, and answers a head larger than
 `h11_max_incomplete_event_size` with 431 instead of uvicorn's 400 and an immediate close
 (which the still-sending client sees as a connection reset).
+
+A client that stops reading a response (a held stream) fills the connection's buffers; the
+gateway's writes then wait, and the request holds its verifier sequence and KV blocks for
+ever. When writing stays paused for `write_stall_timeout_s`, the connection is aborted: the
+request sees the disconnect and cancels its verifier call.
 """
 
 from __future__ import annotations
@@ -41,13 +46,16 @@ class ServerLimits:
     body_timeout_s: float = 60.0
     # Idle time between two requests on one connection (uvicorn's own timeout).
     keep_alive_timeout_s: float = 5.0
+    # How long a response may wait on a client that reads none of it (buffers full).
+    write_stall_timeout_s: float = 60.0
     # Open connections (and running requests) beyond which a request gets 503.
     limit_concurrency: int = 1024
     # The largest request line plus headers; larger gets 431.
     max_header_bytes: int = 64 * 1024
 
     def __post_init__(self) -> None:
-        for name in ("header_timeout_s", "body_timeout_s", "keep_alive_timeout_s"):
+        for name in ("header_timeout_s", "body_timeout_s", "keep_alive_timeout_s",
+                     "write_stall_timeout_s"):
             if not getattr(self, name) > 0:
                 raise ConfigError(f"{name} must be > 0, got {getattr(self, name)}", param=name)
         if self.limit_concurrency < 1:
@@ -73,6 +81,11 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
         help="close a connection whose request body did not arrive within S seconds of its "
              "headers (default: %(default)s)")
     group.add_argument(
+        "--timeout-response-stall", type=float, default=defaults.write_stall_timeout_s,
+        metavar="S",
+        help="close a connection whose client read nothing of its response (a held stream) "
+             "for S seconds; its request is cancelled (default: %(default)s)")
+    group.add_argument(
         "--limit-concurrency", type=int, default=defaults.limit_concurrency, metavar="N",
         help="answer 503 while N connections or requests are open (default: %(default)s)")
     group.add_argument(
@@ -85,6 +98,7 @@ def limits_from_args(args: argparse.Namespace) -> ServerLimits:
     return ServerLimits(header_timeout_s=args.timeout_request_header,
                         body_timeout_s=args.timeout_request_body,
                         keep_alive_timeout_s=args.timeout_keep_alive,
+                        write_stall_timeout_s=args.timeout_response_stall,
                         limit_concurrency=args.limit_concurrency,
                         max_header_bytes=args.h11_max_incomplete_event_size)
 
@@ -112,6 +126,7 @@ class _GatewayH11Protocol(H11Protocol):
         # The client state the deadline watches: h11.IDLE (head) or h11.SEND_BODY.
         self._deadline_state: object | None = None
         self._dropping_input = False
+        self._write_stall: asyncio.TimerHandle | None = None
         super().connection_made(transport)
         self._watch_client()
 
@@ -123,7 +138,30 @@ class _GatewayH11Protocol(H11Protocol):
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._cancel_deadline()
+        self._cancel_write_stall()
         super().connection_lost(exc)
+
+    def pause_writing(self) -> None:
+        super().pause_writing()
+        if self._write_stall is None:
+            self._write_stall = self.loop.call_later(self.limits.write_stall_timeout_s,
+                                                     self._write_stalled)
+
+    def resume_writing(self) -> None:
+        self._cancel_write_stall()
+        super().resume_writing()
+
+    def _cancel_write_stall(self) -> None:
+        if self._write_stall is not None:
+            self._write_stall.cancel()
+        self._write_stall = None
+
+    def _write_stalled(self) -> None:
+        self._write_stall = None
+        logger.info("closing a connection: its client read nothing for %.0f s",
+                    self.limits.write_stall_timeout_s)
+        # close() would wait to flush what the client is not reading: drop it instead.
+        self.transport.abort()
 
     def _watch_client(self) -> None:
         """(Re)arms the deadline when the client starts a head or a body; the deadline is

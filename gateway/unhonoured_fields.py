@@ -43,7 +43,6 @@ _UNSUPPORTED_UNLESS_DEFAULT: tuple[tuple[str, tuple[Any, ...]], ...] = (
     ("repetition_detection", ()),
     ("stream_interval", (1,)),
     ("priority", (0,)),  # no priority scheduling (vLLM refuses it too then)
-    ("cache_salt", ()),
     # A request's own template would run client-written Jinja (vLLM needs
     # --trust-request-chat-template for it).
     ("chat_template", ()),

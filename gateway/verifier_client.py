@@ -6,6 +6,15 @@ task re-probes every verifier each `reprobe_interval_s`, so `/health` answers fr
 state: a flood of health checks costs the verifiers nothing. A verifier serving another
 tokenizer is never used (its token ids would decode to other text); it is logged once.
 
+A verifier is marked down on evidence only: a refused or lost connection (UNAVAILABLE, on a
+probe or a call), a health answer NOT_SERVING, a probe failing otherwise. A probe that runs
+out of time is not evidence: a verifier answers probes on the loop that runs its forwards,
+so under load probes queue behind a busy engine. Only when probes keep timing out and
+nothing else came back from it (no response on any call) for `silent_down_s` is it taken
+for hung. Probes go one at a time per verifier; requests never send their own: while no
+verifier is healthy, a request waits for the probe in flight (or starts the one probe that
+all waiting requests share).
+
 A Generate call that fails before any token was read (unreachable, an internal error,
 overloaded, the stream ending empty) moves once to another healthy verifier: the client
 has seen nothing yet. After a token, a failure ends the stream with the mapped error.
@@ -19,6 +28,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections.abc import AsyncIterator, Coroutine, Sequence
 from typing import Any
 
@@ -59,16 +69,15 @@ RETRYABLE_CODES = frozenset({
 # Retries of one request before its first token: once, as the load it can add is bounded.
 MAX_RETRIES = 1
 TOKENIZER_MISMATCH = "tokenizer_mismatch"
+# A verifier still starting: "starting: <its VerifierInfo.startup_phase>".
+STARTING = "starting"
 # How long the streams still open on an address gone from DNS may run before its channel
 # closes under them (a replica being replaced drains its own requests meanwhile).
 RETIRED_CLOSE_GRACE_S = 300.0
-# A healthy verifier is marked down after this many probes in a row that ran out of time; a
-# refused connection or any other error marks it down at once. A verifier runs its forwards
-# on the thread that answers probes, so under a burst of long prompts a probe can wait out
-# its deadline while the verifier is busy, not gone: one such probe once turned 15 of 16
-# requests into 503s. With the default 1 s between probes and 2 s per probe, a hung verifier
-# is down within ~9 s.
-SLOW_PROBES_TO_DOWN = 3
+# How long a verifier whose probes time out may stay silent (no probe answered, no response
+# read on any call) before it is taken for hung and marked down. Busy verifiers stream
+# responses all along, so this only ever fires for one that stopped answering anything.
+SILENT_DOWN_S = 30.0
 
 
 class GenerationStream:
@@ -110,6 +119,7 @@ class GenerationStream:
             self._call = call
             try:
                 first = await call.read()
+                self._client._alive(endpoint)
             except grpc.aio.AioRpcError as err:
                 error = self._failed_before_tokens(endpoint, err)
                 continue
@@ -146,10 +156,11 @@ class GenerationStream:
         while True:
             got_tokens = got_tokens or bool(response.token_ids)
             yield response
+            endpoint = self._tried[-1]
             try:
                 response = await self._call.read()
+                self._client._alive(endpoint)
             except grpc.aio.AioRpcError as err:
-                endpoint = self._tried[-1]
                 if not got_tokens:
                     response = await self._start(self._failed_before_tokens(endpoint, err))
                     continue
@@ -174,12 +185,14 @@ class VerifierClient:
     def __init__(self, addresses: Sequence[str], *, probe_timeout_s: float = 2.0,
                  reprobe_interval_s: float = 1.0, tls: GrpcTlsConfig | None = None,
                  internal_token: str | None = None, resolve_interval_s: float = 10.0,
-                 resolver: Resolver = resolve_ips) -> None:
+                 resolver: Resolver = resolve_ips, silent_down_s: float = SILENT_DOWN_S,
+                 ) -> None:
         if not addresses:
             raise ValueError("at least one verifier address is needed")
         self.addresses = tuple(addresses)
         self._probe_timeout_s = probe_timeout_s
         self._reprobe_interval_s = reprobe_interval_s
+        self._silent_down_s = silent_down_s
         self._resolve_interval_s = resolve_interval_s
         self._resolver = resolver
         self._targets: list[VerifierTarget] = []
@@ -204,8 +217,11 @@ class VerifierClient:
         await self._resolve()
         await self.probe_all()
         if not any(e.healthy for e in self._endpoints):
-            logger.warning("no verifier usable at %s; requests get 503 until one is",
-                           ", ".join(self.addresses))
+            # The usual case when a whole stack starts at once: the verifier is still
+            # loading. Info, not a warning; a verifier that goes down later is warned of.
+            logger.info("no verifier serving yet at %s (%s); requests get 503 until one is",
+                        ", ".join(self.addresses),
+                        ", ".join(e.status for e in self._endpoints) or "none resolved")
         self._spawn(self._refresh_health())
         if any(target.resolvable for target in self._targets):
             self._spawn(self._resolve_periodically())
@@ -289,6 +305,15 @@ class VerifierClient:
                 logger.exception("verifier health refresh failed")
 
     async def _probe(self, endpoint: VerifierEndpoint) -> bool:
+        """Probes endpoint, or waits for the probe of it already in flight; returns whether
+        it is up."""
+        if endpoint.probe_lock.locked():
+            async with endpoint.probe_lock:
+                return endpoint.healthy
+        async with endpoint.probe_lock:
+            return await self._probe_now(endpoint)
+
+    async def _probe_now(self, endpoint: VerifierEndpoint) -> bool:
         try:
             health = await health_pb2_grpc.HealthStub(endpoint.channel).Check(
                 health_pb2.HealthCheckRequest(service=_VERIFIER_SERVICE),
@@ -302,10 +327,16 @@ class VerifierClient:
             # A verifier without the health service: GetInfo alone decides.
             return await self._probe_info_only(endpoint)
         if not serving:
-            if endpoint.healthy:
-                logger.warning("verifier %s is not serving (shutting down)", endpoint.address)
+            if info.startup_phase:
+                status = f"{STARTING}: {info.startup_phase}"
+                if endpoint.status != status:
+                    logger.info("verifier %s is %s", endpoint.address, status)
+            else:
+                status = "not_serving"
+                if endpoint.healthy:
+                    logger.warning("verifier %s is not serving (shutting down)", endpoint.address)
             endpoint.healthy = False
-            endpoint.status = "not_serving"
+            endpoint.status = status
             return False
         return self._mark_up(endpoint, info)
 
@@ -318,17 +349,23 @@ class VerifierClient:
         return self._mark_up(endpoint, info)
 
     def _probe_failed(self, endpoint: VerifierEndpoint, err: grpc.aio.AioRpcError) -> bool:
-        """A probe's error: a healthy verifier stays up through SLOW_PROBES_TO_DOWN - 1
-        probes in a row that ran out of time (busy); anything else marks it down now.
+        """A probe's error: one that ran out of time leaves a healthy verifier up (busy)
+        unless it has been silent for silent_down_s; anything else marks it down now.
         Returns whether it is still up."""
         if err.code() == grpc.StatusCode.DEADLINE_EXCEEDED and endpoint.healthy:
-            endpoint.slow_probes += 1
-            if endpoint.slow_probes < SLOW_PROBES_TO_DOWN:
-                logger.info("verifier %s is slow to answer probes (%d in a row); still up",
-                            endpoint.address, endpoint.slow_probes)
+            silent_s = time.monotonic() - endpoint.last_alive_s
+            if silent_s < self._silent_down_s:
+                logger.debug("verifier %s is slow to answer probes (busy); still up",
+                            endpoint.address)
                 return True
+            logger.warning("verifier %s answered nothing for %.0f s", endpoint.address,
+                           silent_s)
         self._mark_down(endpoint, err)
         return False
+
+    @staticmethod
+    def _alive(endpoint: VerifierEndpoint) -> None:
+        endpoint.last_alive_s = time.monotonic()
 
     def _mark_up(self, endpoint: VerifierEndpoint, info: specdec_pb2.VerifierInfo) -> bool:
         expected = self._tokenizer_fingerprint
@@ -341,7 +378,7 @@ class VerifierClient:
         endpoint.info = info
         endpoint.healthy = True
         endpoint.status = "serving"
-        endpoint.slow_probes = 0
+        self._alive(endpoint)
         return True
 
     def _mark_mismatch(self, endpoint: VerifierEndpoint, info: specdec_pb2.VerifierInfo,
@@ -365,7 +402,8 @@ class VerifierClient:
         endpoint.status = "unreachable"
 
     async def probe_all(self) -> bool:
-        """Probes every verifier now; True when at least one answered."""
+        """Probes every verifier now (joining a probe already in flight); True when at least
+        one is up."""
         results = await asyncio.gather(*(self._probe(e) for e in self._endpoints))
         return any(results)
 
@@ -373,6 +411,11 @@ class VerifierClient:
     def serving(self) -> bool:
         """Whether some verifier can take requests, as last probed."""
         return any(endpoint.healthy for endpoint in self._endpoints)
+
+    @property
+    def starting(self) -> bool:
+        """Whether some verifier, as last probed, is still starting."""
+        return any(endpoint.status.startswith(STARTING) for endpoint in self._endpoints)
 
     def statuses(self) -> dict[str, str]:
         """Each verifier's replica name and its last known status (no address)."""
@@ -426,7 +469,7 @@ class VerifierClient:
         Raises the mapped domain error (UnavailableError when none is reachable).
         """
         if not self.serving:
-            await self.probe_all()
+            await self.probe_all()  # shared with the background task and other requests
         stream = GenerationStream(self, request, prefer)
         await stream.open()
         return stream

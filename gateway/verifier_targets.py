@@ -56,9 +56,11 @@ class VerifierEndpoint:
     name: str = ""
     info: specdec_pb2.VerifierInfo | None = None
     healthy: bool = False
-    # Probes in a row that ran out of time while the verifier was healthy (a busy one: it
-    # runs its forwards on the thread that answers probes).
-    slow_probes: int = 0
+    # When the verifier last showed it works (a probe answered, a Generate response read),
+    # on the monotonic clock: probes that time out mark it down only after a long silence.
+    last_alive_s: float = 0.0
+    # Held while a probe of this verifier is in flight: one at a time, however many ask.
+    probe_lock: asyncio.Lock = field(default_factory=asyncio.Lock)
     # What /health reports: serving | not_serving (draining, shutting down) |
     # unreachable (down, or still loading its model) | tokenizer_mismatch (never used).
     status: str = "unreachable"

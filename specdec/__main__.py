@@ -5,12 +5,14 @@ from __future__ import annotations
 import argparse
 import logging
 import sys
+import time
 
-from specdec.cli import setup_logging
+from specdec.cli import DefaultsHelpFormatter, setup_logging
 from specdec.errors import ConfigError
 
 
 def main(argv: list[str] | None = None) -> int:
+    started = time.monotonic()  # "ready in N s" counts the imports, download and conversion too
     argv = sys.argv[1:] if argv is None else argv
     if argv[:2] == ["bench", "serve"]:  # the serving benchmark has flags of its own
         from specdec.bench import serve as bench_serve
@@ -33,12 +35,14 @@ def main(argv: list[str] | None = None) -> int:
     if argv[:2] == ["bench", "structured"]:  # and structured decoding with / without drafts
         from specdec.bench import structured as bench_structured
         return bench_structured.main(argv[2:])
-    parser = argparse.ArgumentParser(prog="python -m specdec")
+    parser = argparse.ArgumentParser(prog="python -m specdec",
+                                     formatter_class=DefaultsHelpFormatter)
     commands = parser.add_subparsers(dest="command", required=True)
     from specdec import launcher
     from specdec.bench import decode as bench
 
-    serve_parser = commands.add_parser("serve", help="start drafter, verifier and gateway")
+    serve_parser = commands.add_parser("serve", formatter_class=DefaultsHelpFormatter,
+                                       help="start drafter, verifier and gateway")
     launcher.add_serve_args(serve_parser)
     bench_parser = commands.add_parser(
         "bench", help="tokens/s with and without speculation; `bench serve --help`: load a "
@@ -52,14 +56,15 @@ def main(argv: list[str] | None = None) -> int:
     bench.add_bench_args(bench_parser)
     from specdec.train import cli as train_cli
 
-    train_parser = commands.add_parser("train", help="train drafts (eagle3, eagle, draft_model) "
+    train_parser = commands.add_parser("train", formatter_class=DefaultsHelpFormatter,
+                                       help="train drafts (eagle3, eagle, draft_model) "
                                                      "for the target on its own answers")
     train_cli.add_train_args(train_parser)
     args = parser.parse_args(argv)
     setup_logging(args.log_level, "specdec")
     try:
         if args.command == "serve":
-            return launcher.serve(args)
+            return launcher.serve(args, started)
         if args.command == "train":
             return train_cli.run(args)
         return bench.run(args)

@@ -7,9 +7,26 @@ import logging
 import os
 from pathlib import Path
 
+from specdec.config import DEFAULT_LONG_PREFILL_TOKEN_THRESHOLD
 from specdec.models.model_files import DEFAULT_MODEL
 
 ADDITIONAL_CONFIG_KEYS: tuple[str, ...] = ()
+# The gateway's HTTP port however it is started (`python -m specdec serve`, `python -m
+# gateway`, the images), and so the port of every client example and benchmark default.
+DEFAULT_GATEWAY_PORT = 18080
+
+
+class DefaultsHelpFormatter(argparse.RawDescriptionHelpFormatter):
+    """`--help` shows every option's default (every specdec command uses it), unless its
+    help already tells it in words or there is none to show (None, a plain switch); the
+    description keeps its own line breaks."""
+
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        text = action.help or ""
+        if (text == argparse.SUPPRESS or "default" in text.lower() or action.nargs == 0
+                or action.default in (None, argparse.SUPPRESS)):
+            return action.help
+        return f"{text} (default: %(default)s)".lstrip()
 
 
 def add_model_args(parser: argparse.ArgumentParser) -> None:
@@ -46,6 +63,11 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-num-seqs", type=int, default=256)
     parser.add_argument("--max-num-batched-tokens", type=int, default=2048,
                         help="tokens per engine step; longer prompts prefill in chunks")
+    parser.add_argument("--long-prefill-token-threshold", type=int,
+                        default=DEFAULT_LONG_PREFILL_TOKEN_THRESHOLD,
+                        help="the largest prefill chunk of a step that also decodes, so running "
+                             "decodes keep their pace beside a long prompt; 0: no cap "
+                             "(default %(default)s)")
     parser.add_argument("--gpu-memory-utilization", type=float, default=0.9,
                         help="fraction of device memory (RAM on cpu) for weights, activations "
                              "and the KV cache")
@@ -108,6 +130,15 @@ def add_shutdown_args(parser: argparse.ArgumentParser) -> None:
                         help="on SIGTERM: report NOT_SERVING, refuse new requests, give "
                              "in-flight ones this long to finish, then abort them "
                              f"(default: {DEFAULT_SHUTDOWN_GRACE_S:g})")
+
+
+def add_spec_decode_metrics_arg(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--per-request-spec-decode-metrics", default="none",
+                        choices=["none", "summary", "detailed"],
+                        help="vLLM's per-request speculative metrics in each response's "
+                             "top-level `metrics` (summary: acceptance length and rate, "
+                             "acceptance histogram; detailed is refused: no per-step record "
+                             "is kept)")
 
 
 def add_logging_args(parser: argparse.ArgumentParser) -> None:

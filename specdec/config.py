@@ -13,6 +13,8 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
+from specdec.draft_caps import FIELD as DRAFT_CAPS_FIELD
+from specdec.draft_caps import DraftCaps
 from specdec.errors import ConfigError
 
 logger = logging.getLogger(__name__)
@@ -24,6 +26,9 @@ DEFAULT_PROMPT_LOOKUP = 5
 SUFFIX_DEFAULTS: dict[str, int | float] = {
     "suffix_decoding_max_tree_depth": 24,
     "suffix_decoding_max_cached_requests": 10000,
+    # specdec's own (vLLM bounds the global cache by requests only): the tokens it holds,
+    # lead-ins included. A trie costs about 1.5 KB per token at depth 24.
+    "suffix_decoding_max_cached_tokens": 1_000_000,
     "suffix_decoding_max_spec_factor": 1.0,
     "suffix_decoding_min_token_prob": 0.1,
 }
@@ -53,6 +58,7 @@ _KNOWN_FIELDS = (
     "prompt_lookup_max",
     "speculative_token_map",
     "disable_by_batch_size",
+    DRAFT_CAPS_FIELD,
     *SUFFIX_DEFAULTS,
 )
 
@@ -93,9 +99,13 @@ class SpeculativeConfig:
     # vLLM's: a step whose batch holds more requests than this drafts nothing (no asks, no
     # probes), whatever the adaptive policy would do; None: no such limit.
     disable_by_batch_size: int | None = None
+    # vLLM's num_speculative_tokens_per_batch_size: k by batch size (a cap for the
+    # adaptive policy); None: num_speculative_tokens at every size.
+    draft_caps: DraftCaps | None = None
     # suffix only (None for other methods): vLLM's suffix_decoding_* fields, defaults filled in.
     suffix_decoding_max_tree_depth: int | None = None
     suffix_decoding_max_cached_requests: int | None = None
+    suffix_decoding_max_cached_tokens: int | None = None
     suffix_decoding_max_spec_factor: float | None = None
     suffix_decoding_min_token_prob: float | None = None
 
@@ -207,7 +217,7 @@ class SpeculativeConfig:
         return cls(method=method, num_speculative_tokens=num_tokens, model=model,
                    prompt_lookup_min=lookup_min, prompt_lookup_max=lookup_max,
                    speculative_token_map=token_map, disable_by_batch_size=disable_by_batch_size,
-                   **suffix)
+                   draft_caps=DraftCaps.parse(raw.get(DRAFT_CAPS_FIELD), num_tokens), **suffix)
 
     def to_json(self) -> str:
         """The config as `--speculative-config` JSON, to pass to child processes."""
@@ -225,6 +235,8 @@ class SpeculativeConfig:
             raw["speculative_token_map"] = self.speculative_token_map
         if self.disable_by_batch_size is not None:
             raw["disable_by_batch_size"] = self.disable_by_batch_size
+        if self.draft_caps is not None:
+            raw[DRAFT_CAPS_FIELD] = self.draft_caps.to_json()
         return json.dumps(raw)
 
 
@@ -238,7 +250,8 @@ def _parse_suffix_fields(raw: dict[str, Any], method: str) -> dict[str, Any]:
         return {}
     values: dict[str, Any] = {}
     for name, minimum in (("suffix_decoding_max_tree_depth", 1),
-                          ("suffix_decoding_max_cached_requests", 0)):
+                          ("suffix_decoding_max_cached_requests", 0),
+                          ("suffix_decoding_max_cached_tokens", 0)):
         value = _require_int(raw, name, minimum)
         values[name] = SUFFIX_DEFAULTS[name] if value is None else value
     for name, low, high in (("suffix_decoding_max_spec_factor", 0.0, None),
@@ -307,6 +320,11 @@ LOGPROBS_MODES = ("raw_logprobs", "processed_logprobs")
 DEFAULT_WAITING_PER_SEQ = 4
 
 
+# vLLM's --long-prefill-token-threshold, here the largest prefill chunk of a step that also
+# decodes: about a few decode steps' worth of work on a CPU.
+DEFAULT_LONG_PREFILL_TOKEN_THRESHOLD = 512
+
+
 @dataclass(frozen=True)
 class EngineConfig:
     """The verifier engine's limits (vLLM's flag names)."""
@@ -314,6 +332,10 @@ class EngineConfig:
     max_model_len: int
     max_num_seqs: int = 256
     max_num_batched_tokens: int = 2048
+    # The largest prefill chunk in a step that also runs decodes (0: no cap): a decode's
+    # time between tokens stays a few decode steps beside a long prompt; a prompt prefilled
+    # alone still takes the whole budget.
+    long_prefill_token_threshold: int = DEFAULT_LONG_PREFILL_TOKEN_THRESHOLD
     block_size: int = 16
     num_kv_blocks: int = 0
     # Per-step deadline for drafter proposals; a late proposal means that sequence
@@ -332,6 +354,8 @@ class EngineConfig:
     # The speculative config's disable_by_batch_size: a step whose running batch holds more
     # requests than this drafts for none of them. None: no limit.
     disable_by_batch_size: int | None = None
+    # The speculative config's num_speculative_tokens_per_batch_size; None: no caps.
+    draft_caps: DraftCaps | None = None
     # Automatic prefix caching (vLLM v1's default): full blocks of verified tokens are kept
     # by content hash after their request ends and reused by any later request sharing
     # the prefix (specdec/engine/block_manager.py).
@@ -357,6 +381,10 @@ class EngineConfig:
             value = getattr(self, name)
             if value < 1:
                 raise ConfigError(f"{name} must be >= 1, got {value}", param=name)
+        if self.long_prefill_token_threshold < 0:
+            raise ConfigError("long_prefill_token_threshold must be >= 0 (0: no cap), got "
+                              f"{self.long_prefill_token_threshold}",
+                              param="long_prefill_token_threshold")
         if self.max_waiting_requests is not None and self.max_waiting_requests < 0:
             raise ConfigError("max_waiting_requests must be >= 0 (0: no queue beyond "
                               f"max_num_seqs), got {self.max_waiting_requests}",

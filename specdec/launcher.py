@@ -25,13 +25,16 @@ import subprocess
 import sys
 import time
 import urllib.request
+from collections.abc import Callable
 
 from specdec.cli import (
     ADDITIONAL_CONFIG_KEYS,
+    DEFAULT_GATEWAY_PORT,
     add_engine_args,
     add_logging_args,
     add_model_args,
     add_shutdown_args,
+    add_spec_decode_metrics_arg,
     add_speculative_args,
     served_model_name,
 )
@@ -49,6 +52,7 @@ from specdec.rpc.internal_auth import (
     load_api_key,
 )
 from specdec.rpc.tls import add_grpc_tls_args, grpc_tls_flags, grpc_tls_from_args
+from specdec.startup_health import PHASE_STARTING_SERVICES, StartupHealth
 
 TOOL_CALL_PARSER_NAMES = ("hermes",)
 
@@ -70,7 +74,7 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
     add_engine_args(parser)
     add_speculative_args(parser)
     parser.add_argument("--host", default="127.0.0.1", help="gateway host")
-    parser.add_argument("--port", type=int, default=8000, help="gateway (HTTP) port")
+    parser.add_argument("--port", type=int, default=DEFAULT_GATEWAY_PORT, help="gateway (HTTP) port")
     parser.add_argument("--api-key", default=None,
                         help="required Bearer key for /v1 routes. Kept for vLLM parity, but "
                              "argv is visible to every local user (ps): prefer --api-key-file or "
@@ -88,6 +92,7 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
     # checked here so that a bad name fails at once, not in the gateway child.
     parser.add_argument("--tool-call-parser", default=None, choices=TOOL_CALL_PARSER_NAMES,
                         help="passed to the gateway: how \"auto\" tool calls are parsed")
+    add_spec_decode_metrics_arg(parser)
     parser.add_argument("--verifier-port", type=int, default=0, help="0: a free port")
     parser.add_argument("--drafter-metrics-port", type=int, default=None,
                         help="serve the drafter's Prometheus metrics over HTTP on this port")
@@ -119,6 +124,7 @@ def _child_commands(args: argparse.Namespace, model_path: str) -> list[tuple[str
                 "--port", str(verifier_port), "--dtype", args.dtype, "--device", args.device,
                 "--max-num-seqs", str(args.max_num_seqs),
                 "--max-num-batched-tokens", str(args.max_num_batched_tokens),
+                "--long-prefill-token-threshold", str(args.long_prefill_token_threshold),
                 "--gpu-memory-utilization", str(args.gpu_memory_utilization),
                 "--block-size", str(args.block_size),
                 "--tensor-parallel-size", str(args.tensor_parallel_size),
@@ -162,6 +168,7 @@ def _child_commands(args: argparse.Namespace, model_path: str) -> list[tuple[str
         gateway.append("--enable-auto-tool-choice")
     if args.tool_call_parser is not None:
         gateway += ["--tool-call-parser", args.tool_call_parser]
+    gateway += ["--per-request-spec-decode-metrics", args.per_request_spec_decode_metrics]
     commands.append(("gateway", gateway))
     # gRPC TLS: each child gets the flags of its sides (drafter: server; gateway: client).
     tls = grpc_tls_from_args(args)
@@ -195,9 +202,23 @@ def _stop_all(children: list[tuple[str, subprocess.Popen[bytes]]], timeout_s: fl
             logger.warning("%s did not stop in %.0f s; killing it", name, timeout_s)
             proc.kill()
             proc.wait()
+        _kill_leftovers(proc.pid)
 
 
-def serve(args: argparse.Namespace) -> int:
+def _kill_leftovers(group_id: int) -> None:
+    """Kills what a stopped child left in its process group (each child leads its own):
+    a compiler of a kernel build it was stopped in, a worker it could not reap. A pid is
+    never reused while a group of that id has members, so this reaches only the child's."""
+    try:
+        os.killpg(group_id, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        pass  # nothing left
+
+
+def serve(args: argparse.Namespace, started: float | None = None) -> int:
+    """Runs the stack until SIGTERM or SIGINT. `started`: the command's start
+    (time.monotonic()), from which "ready in N s" counts; default now."""
+    started = time.monotonic() if started is None else started
     # Validate everything before starting anything.
     SpeculativeConfig.parse(args.speculative_config)
     parse_additional_config(args.additional_config, ADDITIONAL_CONFIG_KEYS)
@@ -206,10 +227,17 @@ def serve(args: argparse.Namespace) -> int:
         logger.warning("--api-key on the command line is visible to every local user (ps); "
                        "prefer $SPECDEC_API_KEY or --api-key-file")
     api_key = load_api_key(args.api_key, args.api_key_file)
-    model_dir = resolve_model(args.model)
-    # The verifier starts the other tensor-parallel ranks itself; refuse a size the model's
-    # heads do not divide before any child starts.
-    check_tensor_parallel(load_model_config(model_dir), args.tensor_parallel_size)
+    # /health answers from the first instant; the gateway takes the address over.
+    startup_health = StartupHealth(args.host, args.port)
+    try:
+        model_dir = resolve_model(args.model, enter_phase=startup_health.enter)
+        # The verifier starts the other tensor-parallel ranks itself; refuse a size the
+        # model's heads do not divide before any child starts.
+        check_tensor_parallel(load_model_config(model_dir), args.tensor_parallel_size)
+    except BaseException:
+        startup_health.close()
+        raise
+    startup_health.enter(PHASE_STARTING_SERVICES)
     model_path = str(model_dir)
     stop_requested = False
 
@@ -223,13 +251,20 @@ def serve(args: argparse.Namespace) -> int:
     environments = _child_environments(api_key, generate_token())
     try:
         for name, command in _child_commands(args, model_path):
+            if name == "gateway":
+                # Once the verifier listens, so that the gateway's /health tells its start-up
+                # phase from the first answer, never "unreachable" on a normal start.
+                verifier = children[-1][1]
+                _wait_until_listening(int(verifier.args[verifier.args.index("--port") + 1]),
+                                      verifier, lambda: stop_requested)
+                startup_health.close()
             logger.info("starting %s: %s", name, " ".join(command))
             # Own process group: a terminal's Ctrl-C reaches the launcher, which stops
             # the children in order.
             children.append((name, subprocess.Popen(command, env=environments[name],
                                                     start_new_session=True)))
         ready = False
-        started = time.monotonic()
+        children_started = time.monotonic()
         health_url = f"http://{args.host}:{args.port}/health"
         drafter_restarts = _RestartWithBackoff("drafter", environments["drafter"])
         while not stop_requested:
@@ -247,14 +282,27 @@ def serve(args: argparse.Namespace) -> int:
                     logger.info("specdec ready in %.1f s: http://%s:%d/v1 serving %r",
                                 time.monotonic() - started, args.host, args.port,
                                 args.served_model_name or args.model)
-                elif time.monotonic() - started > READY_TIMEOUT_S:
+                elif time.monotonic() - children_started > READY_TIMEOUT_S:
                     logger.error("the gateway did not become healthy in %.0f s", READY_TIMEOUT_S)
                     return 1
             time.sleep(0.5)
         logger.info("stopping")
         return 0
     finally:
+        startup_health.close()
         _stop_all(children, args.shutdown_grace_s + STOP_MARGIN_S)
+
+
+def _wait_until_listening(port: int, proc: subprocess.Popen[bytes],
+                          stopped: Callable[[], bool]) -> None:
+    """Returns once 127.0.0.1:`port` accepts a connection, `proc` has exited (the main
+    loop reports it) or a stop was asked for."""
+    while proc.poll() is None and not stopped():
+        with socket.socket() as sock:
+            sock.settimeout(1.0)
+            if sock.connect_ex(("127.0.0.1", port)) == 0:
+                return
+        time.sleep(0.1)
 
 
 def _healthy(url: str) -> bool:

@@ -71,6 +71,16 @@ INVALID = [
     # vLLM's bound (ge=2): a limit of 1 would leave speculation off for any batch.
     ('{"method": "ngram", "num_speculative_tokens": 2, "disable_by_batch_size": 1}', "disable_by_batch_size"),
     ('{"method": "ngram", "num_speculative_tokens": 2, "disable_by_batch_size": "8"}', "disable_by_batch_size"),
+    ('{"method": "ngram", "num_speculative_tokens": 2, "num_speculative_tokens_per_batch_size": []}',
+     "num_speculative_tokens_per_batch_size"),
+    ('{"method": "ngram", "num_speculative_tokens": 2, "num_speculative_tokens_per_batch_size": [[1, 4]]}',
+     "num_speculative_tokens_per_batch_size"),
+    ('{"method": "ngram", "num_speculative_tokens": 2, "num_speculative_tokens_per_batch_size": [[4, 1, 1]]}',
+     "num_speculative_tokens_per_batch_size"),
+    ('{"method": "ngram", "num_speculative_tokens": 2, "num_speculative_tokens_per_batch_size": [[1, 4, 3]]}',
+     "num_speculative_tokens_per_batch_size"),
+    ('{"method": "ngram", "num_speculative_tokens": 2, '
+     '"num_speculative_tokens_per_batch_size": [[1, 4, 2], [4, 8, 1]]}', "num_speculative_tokens_per_batch_size"),
 ]
 
 
@@ -88,6 +98,15 @@ def test_disable_by_batch_size_is_kept_and_passed_on(caplog: pytest.LogCaptureFi
     assert config is not None and config.disable_by_batch_size == 12
     assert "not used" not in caplog.text
     assert SpeculativeConfig.parse('{"method": "ngram", "num_speculative_tokens": 2}').disable_by_batch_size is None
+
+
+def test_num_speculative_tokens_per_batch_size_caps_by_batch_size_and_is_passed_on() -> None:
+    config = SpeculativeConfig.parse('{"method": "ngram", "num_speculative_tokens": 4, '
+                                     '"num_speculative_tokens_per_batch_size": [[5, 16, 1], [1, 4, 3]]}')
+    assert config is not None and config.draft_caps is not None
+    caps = config.draft_caps
+    assert [caps.cap(n, 4) for n in (1, 4, 5, 16, 17)] == [3, 3, 1, 1, 4]  # uncovered: k
+    assert SpeculativeConfig.parse(config.to_json()) == config
 
 
 def test_invalid_method_lists_allowed_values() -> None:

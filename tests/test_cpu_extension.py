@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 import os
 import shutil
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -90,16 +91,72 @@ def test_a_prebuilt_build_is_imported_not_compiled(tmp_path: Path) -> None:
     assert not (tmp_path / "jit").exists()
 
 
-def test_each_checkout_builds_in_a_folder_of_its_own(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
-    # Two checkouts of the same sources share the module's name but must not share a build
-    # folder: each would rewrite the other's build.ninja and rebuild in turn.
-    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
-    here = cpu_extension.build_directory("specdec_cpu_x")
-    monkeypatch.setattr(cpu_extension, "CSRC", tmp_path / "other-checkout" / "csrc")
-    there = cpu_extension.build_directory("specdec_cpu_x")
-    assert here != there
-    assert here.parent == there.parent == tmp_path / f"py{sys.version_info.major}{sys.version_info.minor}_cpu"
-    assert here.name.startswith("specdec_cpu_x-") and there.name.startswith("specdec_cpu_x-")
+def test_another_checkout_of_the_same_sources_loads_the_machines_build(tmp_path: Path) -> None:
+    native = load_extension()
+    if native is None or native.__file__ is None:
+        pytest.skip("the C++ kernels cannot be built on this machine")
+    # A fresh cache holding this checkout's build, and a second checkout of the same
+    # sources elsewhere (its csrc copied): it must load that build and compile nothing.
+    env = {**os.environ, "TORCH_EXTENSIONS_DIR": str(tmp_path / "cache")}
+    env.pop(PREBUILT_ENV, None)
+    cache = Path(subprocess.run(
+        [sys.executable, "-c", "from specdec.layers.cpu_extension import machine_cache_dir;"
+                               "print(machine_cache_dir())"],
+        env=env, capture_output=True, text=True, check=True).stdout.strip())
+    cache.mkdir(parents=True)
+    shutil.copy2(native.__file__, cache / Path(native.__file__).name)
+    other_csrc = tmp_path / "other-checkout" / "csrc"
+    shutil.copytree(cpu_extension.CSRC, other_csrc)
+    script = ("import logging, sys; from pathlib import Path; logging.basicConfig(level=logging.INFO);"
+              "from specdec.layers import cpu_extension as ext;"
+              f"ext.CSRC = Path({str(other_csrc)!r});"
+              "ext.SOURCES = tuple(ext.CSRC / s.name for s in ext.SOURCES);"
+              "ext.HEADERS = tuple(ext.CSRC / h.name for h in ext.HEADERS);"
+              "ext._compile = lambda *a: sys.exit('compiled again');"
+              "print('FILE', ext.load_extension().__file__)")
+    result = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True,
+                            text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    assert f"FILE {cache / Path(native.__file__).name}" in result.stdout
+
+
+def test_a_build_says_what_it_does_and_lands_in_the_cache_whole(
+        monkeypatch: pytest.MonkeyPatch, tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    variant = supported_variants()[0]
+    library = tmp_path / f"{build_name(variant)}.so"
+
+    def compile_in(variant: object, build_dir: Path) -> Path:
+        assert (build_dir / "lock").exists()  # held while compiling
+        built = build_dir / library.name
+        built.write_bytes(b"library")
+        return built
+
+    monkeypatch.setattr(cpu_extension, "_compile", compile_in)
+    with caplog.at_level(logging.INFO, logger=cpu_extension.__name__):
+        cpu_extension._build_into_cache(variant, library)
+    assert library.read_bytes() == b"library"
+    assert not (library.with_suffix(".build") / "lock").exists()
+    started, ended = [r.getMessage() for r in caplog.records]
+    assert started.startswith(f"compiling specdec's C++ CPU kernels (variant {variant.name})")
+    assert "once per machine" in started and "minutes" in started and str(tmp_path) in started
+    assert ended.startswith("compiled specdec's C++ CPU kernels in") and str(library) in ended
+
+
+def test_the_lock_of_a_builder_that_is_gone_is_taken_over_at_once(
+        monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    gone = subprocess.Popen([sys.executable, "-c", "pass"])
+    gone.wait()
+    lock = tmp_path / "lock"
+    lock.write_text(f"{socket.gethostname()} {gone.pid}")
+    monkeypatch.setattr(cpu_extension.time, "sleep", lambda s: pytest.fail("waited for a dead builder"))
+    cpu_extension._clear_stale_lock(lock)
+    assert not lock.exists()
+    # A live builder's lock (this process) is waited for.
+    lock.write_text(f"{socket.gethostname()} {os.getpid()}")
+    sleeps = []
+    monkeypatch.setattr(cpu_extension.time, "sleep", lambda s: sleeps.append(s) or lock.unlink())
+    cpu_extension._clear_stale_lock(lock)
+    assert sleeps == [1.0]
 
 
 def test_a_dead_builders_lock_is_removed_and_a_live_one_waited_for(

@@ -30,6 +30,7 @@ from drafter_svc.servicer import (
     SequenceTable,
     StreamLimits,
     handle_propose_request,
+    handle_propose_request_sliced,
 )
 from specdec.config import SpeculativeConfig
 from specdec.errors import ConfigError, InvalidRequestError
@@ -161,9 +162,101 @@ def test_a_full_table_evicts_the_least_recently_updated() -> None:
     assert [proposer.context_len(i) for i in (1, 3, 4)] == [11, 10, 10]  # nothing applied
 
 
+def test_a_stream_holds_a_bounded_number_of_tokens() -> None:
+    """Issue 44 item 6: a sequence whose update would take the stream past
+    --max-tokens-per-stream is refused (not held, not drafted, no resync asked), and the
+    others are served as before."""
+    table = ngram_table(StreamLimits(max_tokens_per_stream=100))
+    proposer = table.proposer
+    response = handle_propose_request(proposer, step(1, *(update(i, repeating(40, i), 40)
+                                                          for i in (1, 2, 3))), table)
+    assert [d.seq_id for d in response.drafts] == [1, 2]
+    assert table.num_tokens() == 80 and table.over_budget == {3}
+    # The refused one's incremental updates are skipped: no resync (a resent context would
+    # be refused again), no draft.
+    response = handle_propose_request(proposer, step(2, update(3, [4], 41),
+                                                     update(1, repeating(10), 50)), table)
+    assert [(d.seq_id, d.needs_resync) for d in response.drafts] == [(1, False)]
+    assert table.num_tokens() == 90
+    # Growing past the bound refuses the sequence that grows; its tokens are let go.
+    response = handle_propose_request(proposer, step(3, update(2, repeating(20), 60)), table)
+    assert list(response.drafts) == [] and table.num_tokens() == 50
+    assert table.over_budget == {2, 3}
+    # Once there is room, a full context is taken again; finishing forgets the refusals.
+    response = handle_propose_request(proposer, step(4, update(3, repeating(41, 3), 41)), table)
+    assert [d.seq_id for d in response.drafts] == [3] and table.num_tokens() == 91
+    handle_propose_request(proposer, step(5, finished=(1, 2, 3)), table)
+    assert table.num_tokens() == 0 and table.over_budget == set() and len(table) == 0
+
+
+async def test_a_big_message_does_not_stall_other_streams() -> None:
+    """Issue 44 item 6: a message with many long prompts gives the loop back between them,
+    so a small message of another stream is answered before the big one is done (counted
+    in order of completion, not time)."""
+    big_table = ngram_table(StreamLimits())
+    small_table = ngram_table(StreamLimits())
+    big = step(1, *(update(i, repeating(1000, i), 1000) for i in range(8)))
+    small = step(1, update(1, repeating(30), 30))
+    finished: list[str] = []
+
+    async def run(name: str, table: SequenceTable, request: specdec_pb2.ProposeRequest) -> None:
+        await handle_propose_request_sliced(table.proposer, request, table)
+        finished.append(name)
+
+    await asyncio.gather(run("big", big_table, big), run("small", small_table, small))
+    assert finished == ["small", "big"]
+    assert big_table.num_tokens() == 8000
+    # The same message, sliced or not, leaves the same state and answers the same.
+    plain_table = ngram_table(StreamLimits())
+    sliced_table = ngram_table(StreamLimits())
+    assert (handle_propose_request(plain_table.proposer, big, plain_table)
+            == await handle_propose_request_sliced(sliced_table.proposer, big, sliced_table))
+
+
+async def test_streams_beyond_the_limit_get_resource_exhausted() -> None:
+    method = NgramMethod.from_config(NGRAM)
+    servicer = DrafterServicer(lambda: NgramMethod(method.proposer, method.info), method.info,
+                               limits=StreamLimits(max_propose_streams=2))
+    server, port = await start_servicer(servicer)
+    try:
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
+            stub = specdec_pb2_grpc.DrafterStub(channel)
+            open_calls = []
+            for _ in range(2):
+                call = stub.Propose()
+                await call.write(step(1, update(1, [5, 6, 5], 3)))
+                assert (await call.read()).drafts
+                open_calls.append(call)
+            refused = stub.Propose()
+            await refused.write(step(1, update(1, [5, 6, 5], 3)))
+            with pytest.raises(grpc.aio.AioRpcError) as info:
+                await refused.read()
+            assert info.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+            assert "--max-propose-streams" in info.value.details()
+            assert len(servicer.tables) == 2
+            await open_calls[0].done_writing()
+            deadline = time.monotonic() + 30
+            while len(servicer.tables) > 1 and time.monotonic() < deadline:
+                await asyncio.sleep(0.02)
+            again = stub.Propose()  # a closed stream frees its place
+            await again.write(step(1, update(1, [5, 6, 5], 3)))
+            assert (await again.read()).drafts
+            for call in (open_calls[1], again):
+                await call.done_writing()
+    finally:
+        await server.stop(0)
+
+
 def test_limits_are_checked() -> None:
     with pytest.raises(ConfigError):
         StreamLimits(max_seqs_per_stream=0)
+    with pytest.raises(ConfigError) as info:
+        StreamLimits(max_tokens_per_stream=0)
+    assert info.value.param == "max_tokens_per_stream"
+    with pytest.raises(ConfigError) as info:
+        StreamLimits(max_propose_streams=0)
+    assert info.value.param == "max_propose_streams"
+    assert main(["--speculative-config", NGRAM.to_json(), "--max-propose-streams", "0"]) == 2
     with pytest.raises(ConfigError):
         StreamLimits(seq_idle_timeout_s=0)
     assert main(["--speculative-config", NGRAM.to_json(), "--max-seqs-per-stream", "0"]) == 2

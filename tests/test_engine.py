@@ -293,22 +293,45 @@ async def test_speculation_switched_off_for_the_engine(tiny_model: Path, device,
         r.started <= r.finished and 1 <= r.num_sequences <= len(PROMPTS) for r in records)
 
 
+SHORT = 6
+
+
+async def run_two_short_two_long(tiny_model: Path, device, adaptive: bool, **spec_fields: object,
+                                 ) -> tuple[list[list[int]], list[StepRecord]]:
+    """Four greedy requests on ngram k=3, the first two SHORT tokens long: the outputs and
+    each step's record (four running, then two)."""
+    spec = SpeculativeConfig.parse({"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1,
+                                    "prompt_lookup_max": 3, **spec_fields})
+    async with EngineHarness(tiny_model, str(device), k=3, speculative_config=spec,
+                             adaptive_speculation=adaptive) as engine:
+        records: list[StepRecord] = []
+        engine.step_listener = records.append
+        outputs = await asyncio.gather(*(generate(engine, prompt, greedy(SHORT if index < 2 else MAX_TOKENS))
+                                         for index, prompt in enumerate(PROMPTS)))
+    return list(outputs), records
+
+
 @pytest.mark.parametrize("adaptive", [False, True])
 async def test_a_batch_above_disable_by_batch_size_drafts_nothing(tiny_model: Path, device, expected,
                                                                 adaptive: bool) -> None:
     """vLLM's disable_by_batch_size: while more than two requests run, no step drafts (nor
     probes); once the short requests end, the two long ones draft again. Outputs unchanged."""
-    spec = SpeculativeConfig.parse({"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1,
-                                    "prompt_lookup_max": 3, "disable_by_batch_size": 2})
-    short = 6
-    async with EngineHarness(tiny_model, str(device), k=3, speculative_config=spec,
-                             adaptive_speculation=adaptive) as engine:
-        records: list[StepRecord] = []
-        engine.step_listener = records.append
-        outputs = await asyncio.gather(*(generate(engine, prompt, greedy(short if index < 2 else MAX_TOKENS))
-                                         for index, prompt in enumerate(PROMPTS)))
-    assert list(outputs) == [expected[0][:short], expected[1][:short], expected[2], expected[3]]
+    outputs, records = await run_two_short_two_long(tiny_model, device, adaptive, disable_by_batch_size=2)
+    assert outputs == [expected[0][:SHORT], expected[1][:SHORT], expected[2], expected[3]]
     assert all(r.num_draft_slots == 0 for r in records if r.num_sequences > 2)
+    assert any(r.num_draft_slots for r in records if r.num_sequences <= 2)
+
+
+@pytest.mark.parametrize("adaptive", [False, True])
+async def test_num_speculative_tokens_per_batch_size_caps_each_steps_drafts(
+        tiny_model: Path, device, expected, adaptive: bool) -> None:
+    """vLLM's table: batches of 3-8 draft nothing, of 1-2 at most one token per request (a
+    cap for the adaptive policy, exactly that for the fixed one). Outputs unchanged."""
+    outputs, records = await run_two_short_two_long(
+        tiny_model, device, adaptive, num_speculative_tokens_per_batch_size=[[3, 8, 0], [1, 2, 1]])
+    assert outputs == [expected[0][:SHORT], expected[1][:SHORT], expected[2], expected[3]]
+    assert all(r.num_draft_slots == 0 for r in records if r.num_sequences > 2)
+    assert all(r.num_draft_slots <= r.num_sequences for r in records)
     assert any(r.num_draft_slots for r in records if r.num_sequences <= 2)
 
 

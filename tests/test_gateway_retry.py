@@ -4,7 +4,10 @@ that fails after tokens were streamed ends with an error event, then `data: [DON
 
 from __future__ import annotations
 
+import asyncio
+import concurrent.futures
 import json
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
@@ -24,7 +27,6 @@ from fake_verifier import (
 )
 
 from gateway import VerifierClient
-from gateway.verifier_client import SLOW_PROBES_TO_DOWN
 from specdec.v1 import specdec_pb2
 
 MESSAGES = [{"role": "user", "content": "What is the answer?"}]
@@ -201,34 +203,112 @@ def test_a_non_streaming_failure_after_tokens_is_a_5xx_error(tokenizer):
     assert sum(len(s.requests) for s in servicers) == 1
 
 
-def test_a_busy_verifier_stays_up_until_its_probes_keep_timing_out(tokenizer):
-    """A verifier answers probes on the thread that runs its forwards: a probe that waits
-    out its deadline during a burst of long prompts is a busy verifier, not a gone one, and
-    turning the requests away with 503s would lose them. Three slow probes in a row are."""
+class SaturatedVerifier(FakeVerifier):
+    """A FakeVerifier with `num_slots` slots, all taken by slow streams: one more request is
+    refused with RESOURCE_EXHAUSTED, and probes wait out their deadline (busy)."""
+
+    def __init__(self, tokenizer: Any, num_slots: int) -> None:
+        super().__init__(tokenizer.encode(REPLY_TEXT, add_special_tokens=False),
+                         tokenizer.eos_token_id)
+        self.num_slots = num_slots
+        self.num_running = 0
+        self.delay_s = 0.02
+
+    async def Generate(self, request: specdec_pb2.GenerateRequest, context: Any):
+        if self.num_running >= self.num_slots:
+            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, "the queue is full")
+        self.num_running += 1
+        try:
+            async for response in super().Generate(request, context):
+                yield response
+        finally:
+            self.num_running -= 1
+
+
+def test_a_saturated_verifier_gets_no_503_only_429_beyond_its_slots(tokenizer):
+    """Issue 44 item 4: probes that queue behind a busy engine time out together; they must
+    not take the only verifier offline while it serves (and refuses) requests."""
+    servicer = SaturatedVerifier(tokenizer, num_slots=4)
+    server = FakeVerifierServer(servicer)
+    server.start()
+    client = VerifierClient([server.address], probe_timeout_s=0.02, reprobe_interval_s=0.01)
+    gateway = LiveGateway(gateway_config(server.address), tokenizer, client)
+    gateway.start()
+    servicer.info_delay_s = 0.5  # every probe from now on runs out of time
+    request = {**CHAT, "max_tokens": 24, "ignore_eos": True}
+    try:
+        with concurrent.futures.ThreadPoolExecutor(8) as pool:
+            statuses = []
+            for _ in range(6):  # waves of twice the slots: each longer than many probes
+                statuses += list(pool.map(
+                    lambda _: httpx.post(f"{gateway.base_url}{CHAT_URL}", json=request,
+                                         timeout=30).status_code, range(8)))
+        assert client.serving
+    finally:
+        gateway.stop()
+        server.close()
+    assert set(statuses) <= {200, 429}, statuses
+    assert statuses.count(200) >= 6 * 4 // 2 and 429 in statuses, statuses
+
+
+def test_probe_timeouts_mark_a_verifier_down_only_after_a_silence(tokenizer):
+    """A probe that runs out of time is no evidence while the verifier answers calls; one
+    silent for silent_down_s is hung. A refused connection is down at once."""
     servicer = FakeVerifier([5], tokenizer.eos_token_id)
     server = FakeVerifierServer(servicer)
     server.start()
     loop = BackgroundLoop()
-    client = VerifierClient([server.address], probe_timeout_s=0.2, reprobe_interval_s=3600)
+    client = VerifierClient([server.address], probe_timeout_s=0.05, reprobe_interval_s=3600,
+                            silent_down_s=0.5)
     try:
         loop.run(client.start())
         assert client.serving
-        servicer.info_delay_s = 0.5
-        for _ in range(SLOW_PROBES_TO_DOWN - 1):
+        servicer.info_delay_s = 0.2
+        for _ in range(5):  # five slow probes in a row, 0.25 s: still up
             assert loop.run(client.probe_all())
             assert client.serving and client.statuses() == {"verifier-0": "serving"}
         servicer.info_delay_s = 0.0
-        assert loop.run(client.probe_all())  # an answer in time clears the count
-        servicer.info_delay_s = 0.5
-        for _ in range(SLOW_PROBES_TO_DOWN - 1):
-            assert loop.run(client.probe_all())
-        assert not loop.run(client.probe_all())
+        assert loop.run(client.probe_all())  # an answer in time: alive again
+        servicer.info_delay_s = 0.2
+        assert loop.run(client.probe_all())
+        time.sleep(0.5)
+        assert not loop.run(client.probe_all())  # silent for silent_down_s: hung
         assert not client.serving and client.statuses() == {"verifier-0": "unreachable"}
         servicer.info_delay_s = 0.0
         assert loop.run(client.probe_all()) and client.serving
         server.stop()  # a refused connection is down at once
         assert not loop.run(client.probe_all())
         assert not client.serving
+    finally:
+        loop.run(client.close())
+        loop.close()
+        server.close()
+
+
+def test_concurrent_probes_of_one_verifier_share_one_call(tokenizer):
+    servicer = FakeVerifier([5], tokenizer.eos_token_id)
+    calls = []
+    get_info = servicer.GetInfo
+
+    async def counted(request: Any, context: Any) -> specdec_pb2.VerifierInfo:
+        calls.append(request)
+        return await get_info(request, context)
+
+    servicer.GetInfo = counted
+    server = FakeVerifierServer(servicer)
+    server.start()
+    loop = BackgroundLoop()
+    client = VerifierClient([server.address], reprobe_interval_s=3600)
+    try:
+        loop.run(client.start())
+        calls.clear()
+        servicer.info_delay_s = 0.1
+
+        async def many() -> list[bool]:
+            return await asyncio.gather(*(client.probe_all() for _ in range(20)))
+
+        assert all(loop.run(many()))
+        assert len(calls) == 1
     finally:
         loop.run(client.close())
         loop.close()

@@ -4,17 +4,20 @@ on free ports, configured by `gateway.server.uvicorn_config` with small timeouts
 
 from __future__ import annotations
 
+import json
 import select
 import socket
 import threading
 import time
 from collections.abc import Iterator
+from typing import Any
 
 import httpx
 import pytest
 import uvicorn
 from fake_verifier import (
     REPLY_TEXT,
+    SERVED_MODEL,
     FakeVerifier,
     FakeVerifierServer,
     build_tiny_tokenizer,
@@ -25,6 +28,7 @@ from fake_verifier import (
 from gateway import create_app
 from gateway.server import ServerLimits, uvicorn_config
 from specdec.errors import ConfigError
+from specdec.v1 import specdec_pb2
 
 # Long enough for a loaded machine to send a head, short enough to wait for in a test.
 SHORT_TIMEOUT_S = 0.5
@@ -165,7 +169,47 @@ def test_connections_beyond_the_limit_get_503(verifier):
         served.stop()
 
 
+class EndlessVerifier(FakeVerifier):
+    """Serves a context long enough that a stream never ends before its client leaves."""
+
+    async def GetInfo(self, request: Any, context: Any) -> specdec_pb2.VerifierInfo:
+        info = await super().GetInfo(request, context)
+        info.max_model_len = 10**7
+        return info
+
+
+def test_a_stream_its_client_stops_reading_is_closed_and_cancelled():
+    """Issue 44 item 9: a held stream (the client reads nothing) holds its verifier
+    sequence only for --timeout-response-stall, then its request is cancelled."""
+    tokenizer = build_tiny_tokenizer()
+    servicer = EndlessVerifier(tokenizer.encode(REPLY_TEXT, add_special_tokens=False),
+                               tokenizer.eos_token_id)
+    server = FakeVerifierServer(servicer)
+    server.start()
+    served = Served(server.address, ServerLimits(write_stall_timeout_s=SHORT_TIMEOUT_S))
+    body = json.dumps({"model": SERVED_MODEL, "messages": [{"role": "user", "content": "Hi"}],
+                       "stream": True, "ignore_eos": True, "max_tokens": 5_000_000,
+                       "logprobs": True, "top_logprobs": 20}).encode()
+    try:
+        sock = socket.socket()
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)  # before connect: small window
+        sock.connect(("127.0.0.1", served.port))
+        with sock:
+            sock.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\n"
+                         b"Content-Type: application/json\r\n"
+                         + f"Content-Length: {len(body)}\r\n\r\n".encode() + body)
+            deadline = time.monotonic() + 120
+            while not servicer.cancelled_ids:  # reads nothing meanwhile
+                assert time.monotonic() < deadline, "the held stream was never cancelled"
+                time.sleep(0.05)
+            assert servicer.requests and not servicer.completed_ids
+    finally:
+        served.stop()
+        server.close()
+
+
 @pytest.mark.parametrize("fields", [{"header_timeout_s": 0}, {"body_timeout_s": -1},
+                                    {"write_stall_timeout_s": 0},
                                     {"limit_concurrency": 0}, {"max_header_bytes": 10}])
 def test_limits_are_validated(fields):
     with pytest.raises(ConfigError):

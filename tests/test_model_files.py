@@ -123,6 +123,19 @@ def test_concurrent_conversion_runs_once(tmp_path: Path, monkeypatch: pytest.Mon
     assert [p.name for p in (tmp_path / "c" / "converted").iterdir()] == [results[0].name]
 
 
+def test_a_conversion_is_reported_as_a_phase_and_a_cache_hit_is_not(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    gguf = tmp_path / "model.gguf"
+    gguf.write_bytes(b"x")
+    monkeypatch.setattr(model_files, "_convert",
+                        lambda gguf_path, output_dir: (output_dir / "config.json").write_text("{}"))
+    phases: list[str] = []
+    first = resolve_model(str(gguf), cache_dir=tmp_path / "c", enter_phase=phases.append)
+    assert phases == [model_files.PHASE_CONVERTING]
+    assert resolve_model(str(gguf), cache_dir=tmp_path / "c", enter_phase=phases.append) == first
+    assert phases == [model_files.PHASE_CONVERTING]
+
+
 def test_failed_conversion_leaves_nothing(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     gguf = tmp_path / "model.gguf"
     gguf.write_bytes(b"x")

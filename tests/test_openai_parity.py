@@ -134,3 +134,29 @@ def test_repeated_system_prompt_reports_cached_tokens(client) -> None:
         max_tokens=4, temperature=0)
     assert second.usage.prompt_tokens_details.cached_tokens >= 64
     assert first.usage.prompt_tokens_details.cached_tokens < second.usage.prompt_tokens_details.cached_tokens
+
+
+def test_cache_salt_isolates_the_prefix_cache(client) -> None:
+    """Issue 44 item 8: a prompt another tenant sent is no hit under another salt (nor
+    under none); the same salt still hits."""
+    system = " ".join(f"w{5 + (i * 11) % 90}" for i in range(80))  # 80 tokens, fresh
+    messages = [{"role": "system", "content": system}, {"role": "user", "content": PROMPT}]
+    model = client.models.list().data[0].id
+
+    def cached(salt: str | None, user: str) -> int:
+        extra = {} if salt is None else {"cache_salt": salt}
+        response = client.chat.completions.create(
+            model=model, messages=[messages[0], {"role": "user", "content": user}],
+            max_tokens=2, temperature=0, extra_body=extra)
+        return response.usage.prompt_tokens_details.cached_tokens
+
+    assert cached("tenant-a", PROMPT) == 0
+    assert cached("tenant-b", "w40 w41") == 0
+    assert cached(None, "w40 w42") == 0
+    assert cached("tenant-a", "w40 w43") >= 64
+
+
+def test_an_empty_cache_salt_is_a_400(client) -> None:
+    with pytest.raises(openai.BadRequestError) as info:
+        chat(client, extra_body={"cache_salt": ""})
+    assert info.value.body["param"] == "cache_salt"  # type: ignore[index]

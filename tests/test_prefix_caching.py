@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from specdec.engine.block_manager import BlockManager, block_hash
+from specdec.engine.block_manager import BlockManager, block_hash, extend_block_hashes
 from specdec.engine.sampling_params import SamplingParams
 from specdec.engine.sequence import Sequence
 from tests.engine_driver import generate
@@ -146,6 +146,33 @@ def test_hash_chain_depends_on_the_whole_prefix() -> None:
     a = block_hash(block_hash(None, [1, 2, 3, 4]), [5, 6, 7, 8])
     b = block_hash(block_hash(None, [1, 2, 3, 9]), [5, 6, 7, 8])
     assert a != b and len(a) == 32
+
+
+def test_different_cache_salts_never_share_a_block() -> None:
+    manager = BlockManager(32, BLOCK, enable_prefix_caching=True)
+    tokens = list(range(13))
+    alice = make_seq(0, tokens)
+    alice.cache_salt = "tenant-a"
+    assert run_prefill(manager, alice) == 0
+    manager.free(alice)
+    for seq_id, salt in enumerate(["tenant-b", ""], start=1):  # another salt, or none
+        other = make_seq(seq_id, tokens)
+        other.cache_salt = salt
+        assert run_prefill(manager, other) == 0
+        assert not set(other.block_table) & set(alice.block_table)
+        manager.free(other)
+    again = make_seq(3, tokens)
+    again.cache_salt = "tenant-a"
+    assert run_prefill(manager, again) == 12  # the same salt still hits
+    manager.check_consistency([again])
+    # Every block's hash differs, not only the first one's.
+    salted = make_seq(4, tokens)
+    salted.cache_salt = "x"
+    plain = make_seq(5, tokens)
+    salted_hashes = extend_block_hashes(salted, BLOCK)
+    plain_hashes = extend_block_hashes(plain, BLOCK)
+    assert len(salted_hashes) == 3
+    assert all(a != b for a, b in zip(salted_hashes, plain_hashes))
 
 
 def test_caching_off_never_hits() -> None:

@@ -2,18 +2,23 @@
 
 from __future__ import annotations
 
+import pytest
+
 from specdec.config import EngineConfig
 from specdec.engine.block_manager import BlockManager
 from specdec.engine.sampling_params import SamplingParams
 from specdec.engine.scheduler import Scheduler
 from specdec.engine.sequence import FinishReason, Sequence, SequenceStatus
+from specdec.errors import ConfigError
 
 
 def make_scheduler(num_blocks: int = 64, block_size: int = 4, max_num_seqs: int = 8,
-                   max_num_batched_tokens: int = 64) -> Scheduler:
-    config = EngineConfig(max_model_len=256, max_num_seqs=max_num_seqs,
+                   max_num_batched_tokens: int = 64,
+                   long_prefill_token_threshold: int = 0) -> Scheduler:
+    config = EngineConfig(max_model_len=1024, max_num_seqs=max_num_seqs,
                           max_num_batched_tokens=max_num_batched_tokens, block_size=block_size,
-                          num_kv_blocks=num_blocks)
+                          num_kv_blocks=num_blocks,
+                          long_prefill_token_threshold=long_prefill_token_threshold)
     return Scheduler(config, BlockManager(num_blocks, block_size))
 
 
@@ -130,3 +135,61 @@ def test_cancel_while_waiting() -> None:
     scheduler.schedule(no_drafts)
     scheduler.finish(waiting, FinishReason.ABORT)
     assert list(scheduler.waiting) == [] and waiting.finish_reason is FinishReason.ABORT
+
+
+def test_a_long_prefill_never_holds_up_decodes_or_a_short_request() -> None:
+    """Issue 44 item 9: counted in steps. While a long prompt prefills in chunks, a decode
+    gets a token every step, and a short request that arrives meanwhile starts at once."""
+    scheduler = make_scheduler(num_blocks=512, max_num_batched_tokens=32)
+    decoding = make_seq(0, 3)
+    scheduler.add(decoding)
+    finish_step(scheduler)
+    long_prompt = make_seq(1, 600)
+    scheduler.add(long_prompt)
+    finish_step(scheduler)  # the long prompt's first chunk
+    short = make_seq(2, 4)
+    scheduler.add(short)
+    steps = 0
+    while long_prompt.num_computed_tokens < long_prompt.prompt_len:
+        plan = scheduler.schedule(no_drafts)
+        ids = [item.seq.seq_id for item in plan.scheduled]
+        assert ids[0] == 0  # the decode, every step
+        if steps == 0:
+            assert ids == [0, 2, 1]  # the short request is admitted next step
+        assert plan.num_tokens <= 32
+        for item in plan.scheduled:
+            samples = item.samples
+            item.seq.num_computed_tokens += item.num_query_tokens
+            if samples:
+                item.seq.token_ids.append(7)
+        steps += 1
+    assert short.num_output_tokens == steps and decoding.num_output_tokens == steps + 2
+
+
+def test_a_step_that_decodes_caps_its_prefill_chunks() -> None:
+    """With decodes in the step, a prefill chunk is at most long_prefill_token_threshold
+    tokens (the step stays short, so does the decode's time between tokens); alone, a
+    prompt takes the whole budget."""
+    scheduler = make_scheduler(num_blocks=512, max_num_batched_tokens=64,
+                               long_prefill_token_threshold=16)
+    alone = make_seq(0, 200)
+    scheduler.add(alone)
+    (item,) = scheduler.schedule(no_drafts).scheduled
+    assert item.num_query_tokens == 64
+    scheduler.finish(alone, FinishReason.ABORT)
+    decoding = make_seq(1, 3)
+    scheduler.add(decoding)
+    finish_step(scheduler)
+    scheduler.add(make_seq(2, 200))
+    scheduler.add(make_seq(3, 100))
+    for _ in range(3):
+        plan = scheduler.schedule(no_drafts)
+        assert [(i.seq.seq_id, i.num_query_tokens) for i in plan.scheduled] == \
+            [(1, 1), (2, 16), (3, 16)]
+        for item in plan.scheduled:
+            samples = item.samples
+            item.seq.num_computed_tokens += item.num_query_tokens
+            if samples:
+                item.seq.token_ids.append(7)
+    with pytest.raises(ConfigError):
+        EngineConfig(max_model_len=64, long_prefill_token_threshold=-1)

@@ -195,3 +195,36 @@ def test_launcher_passes_the_flags_through_and_waits_out_the_grace() -> None:
     # Defaults: the verifier's own (4 x max-num-seqs waiting, no timeout, 10 s grace).
     defaults = dict(_child_commands(parser.parse_args([]), "/models/tiny"))["verifier"]
     assert "--max-waiting-requests" not in defaults and "--request-timeout-s" not in defaults
+
+
+async def test_a_stop_that_outlives_its_bound_ends_the_process_with_every_stack(
+        tiny_model: Path, tmp_path: Path) -> None:
+    """Fault injected: the verifier's shutdown never returns. The watchdog ends the process
+    (exit 1) with every thread's stack in its log, before the launcher would SIGKILL it."""
+    port = free_port()
+    log_path = tmp_path / "verifier.log"
+    script = ("import asyncio, sys; from verifier_svc import server, __main__ as verifier;"
+              "server.RunningVerifier.shutdown = lambda self, grace_s: asyncio.sleep(3600);"
+              "sys.exit(verifier.main(sys.argv[1:]))")
+    with log_path.open("w") as log:
+        proc = subprocess.Popen(
+            [sys.executable, "-c", script, "--model", str(tiny_model), "--device", "cpu",
+             "--dtype", "float32", "--enforce-eager", "--num-gpu-blocks-override", str(NUM_BLOCKS),
+             "--port", str(port), "--shutdown-grace-s", "0.5"],
+            cwd=ROOT, env=dict(os.environ, PYTHONPATH=str(ROOT)), stdout=log, stderr=log)
+    try:
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{port}", options=[
+                ("grpc.initial_reconnect_backoff_ms", 100),
+                ("grpc.max_reconnect_backoff_ms", 100)]) as channel:
+            await wait_for_health(channel, SERVING, STARTUP_TIMEOUT_S)
+        proc.send_signal(signal.SIGTERM)
+        # Far beyond the bound (0.5 + 1 + 2 s) on any machine: a hang guard, not a timing.
+        returncode = await asyncio.to_thread(proc.wait, 60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    log_text = log_path.read_text()
+    assert returncode == 1, log_text
+    assert "Timeout (0:00:03.500000)!" in log_text  # faulthandler's dump, with each thread's stack
+    assert "Thread 0x" in log_text and "verifier_svc/__main__.py" in log_text

@@ -565,3 +565,41 @@ def test_forget_drops_a_sequence() -> None:
     teach(policy, 1, num_drafts=30, k=4, num_accepted=4)
     policy.forget(1)
     assert 1 not in policy._stats
+
+
+def test_a_plan_without_drafts_says_why_with_its_figures() -> None:
+    # 16 sequences whose drafts are never accepted: nobody drafts, and each is told why.
+    policy = policy_with_cost(5 * MS, 1 * MS)
+    for seq_id in range(16):
+        teach(policy, seq_id, num_drafts=30, k=4, num_accepted=0)
+    plan = policy.plan([Candidate(seq_id, 4) for seq_id in range(16)])
+    assert not any(plan.values())
+    reason = policy.step_off_reason
+    assert reason.startswith("off: a draft is expected to add at most 0.")
+    assert "at batch size 16" in reason
+    assert policy.off_reasons == dict.fromkeys(range(16), reason)
+
+
+def test_a_request_left_out_of_a_drafting_plan_is_told_why() -> None:
+    policy = policy_with_cost(5 * MS, 1 * MS)
+    for seq_id in range(16):
+        teach(policy, seq_id, num_drafts=30, k=4, num_accepted=4 if seq_id < 4 else 0)
+    policy.plan([Candidate(seq_id, 4) for seq_id in range(16)])
+    assert policy.step_off_reason == ""  # the step drafts
+    assert set(policy.off_reasons) == set(range(4, 16))
+    assert policy.off_reasons[4].startswith("off for this request: a draft is expected to add 0.")
+
+
+def test_drafting_that_realized_less_than_plain_steps_is_named_with_its_yield() -> None:
+    policy = policy_with_cost(5 * MS, 1 * MS)
+    teach(policy, 0, num_drafts=30, k=4, num_accepted=MIXED)
+    # Plain steps of one sequence at their predicted time, drafting steps at 0.6 of theirs.
+    plain_s = policy.verify_cost.fit()[0] + policy.verify_cost.fit()[1]
+    for _ in range(20):
+        policy.realized.observe(1, False, 1, plain_s, plain_s)
+    for _ in range(300):
+        policy.realized.observe(1, True, 3, 5 * plain_s, plain_s)
+    plan = policy.plan([Candidate(0, 4)])
+    assert plan == {0: 0}
+    assert policy.step_off_reason == "off: drafting yields 0.60x plain decoding at batch size 1"
+    assert policy.off_reasons == {0: policy.step_off_reason}

@@ -35,6 +35,7 @@ def test_defaults_are_vllms_and_survive_to_json() -> None:
     assert (config.suffix_decoding_max_tree_depth, config.suffix_decoding_max_cached_requests,
             config.suffix_decoding_max_spec_factor, config.suffix_decoding_min_token_prob) == \
         (24, 10000, 1.0, 0.1)
+    assert config.suffix_decoding_max_cached_tokens == 1_000_000
     assert config.num_speculative_tokens == 24  # vLLM: the tree depth when not given
     assert SpeculativeConfig.parse(config.to_json()) == config
     given = suffix(suffix_decoding_max_tree_depth=8, suffix_decoding_max_cached_requests=0,
@@ -47,6 +48,8 @@ def test_defaults_are_vllms_and_survive_to_json() -> None:
     ({"suffix_decoding_max_tree_depth": 0}, "suffix_decoding_max_tree_depth"),
     ({"suffix_decoding_max_tree_depth": 2.5}, "suffix_decoding_max_tree_depth"),
     ({"suffix_decoding_max_cached_requests": -1}, "suffix_decoding_max_cached_requests"),
+    ({"suffix_decoding_max_cached_tokens": -1}, "suffix_decoding_max_cached_tokens"),
+    ({"suffix_decoding_max_cached_tokens": "many"}, "suffix_decoding_max_cached_tokens"),
     ({"suffix_decoding_max_spec_factor": -0.5}, "suffix_decoding_max_spec_factor"),
     ({"suffix_decoding_max_spec_factor": "1"}, "suffix_decoding_max_spec_factor"),
     ({"suffix_decoding_max_spec_factor": float("inf")}, "suffix_decoding_max_spec_factor"),
@@ -177,6 +180,27 @@ def test_the_oldest_output_is_evicted_first() -> None:
     assert draft(method, 11) == [92]
     start(method, 12, [60, 61])
     assert draft(method, 12) == [62]
+
+
+def test_the_global_cache_is_bounded_in_tokens_too() -> None:
+    """Issue 44 item 6: outputs are dropped oldest first to stay within the token bound, and
+    one longer than the bound on its own is never held."""
+    method = proposer_factory(suffix(suffix_decoding_max_cached_tokens=50,
+                                     suffix_decoding_max_tree_depth=4,
+                                     num_speculative_tokens=4))()
+    assert isinstance(method, SuffixMethod)
+    cache = method.cache
+    for output_id in range(5):
+        cache.add([100 + output_id * 20 + i for i in range(20)], output_id)
+        assert cache.num_tokens <= 50
+    assert list(cache.outputs()) == [3, 4] and cache.num_tokens == 40
+    cache.add(list(range(200, 260)), 9)  # 60 tokens: more than the whole bound
+    assert list(cache.outputs()) == [3, 4] and cache.num_tokens == 40
+    # What was evicted is gone from the trie, not only from the index.
+    start(method, 1, [100, 101, 102])
+    assert draft(method, 1) == []
+    start(method, 2, [160, 161, 162])
+    assert draft(method, 2)[:1] == [163]
 
 
 def test_memory_stays_bounded_over_thousands_of_requests() -> None:

@@ -381,7 +381,8 @@ def test_tool_flags() -> None:
     args = parser.parse_args(["--enable-auto-tool-choice", "--tool-call-parser", "hermes"])
     [gateway] = [command for name, command in launcher._child_commands(args, "/m")
                  if name == "gateway"]
-    assert gateway[-3:] == ["--enable-auto-tool-choice", "--tool-call-parser", "hermes"]
+    start = gateway.index("--enable-auto-tool-choice")
+    assert gateway[start:start + 3] == ["--enable-auto-tool-choice", "--tool-call-parser", "hermes"]
     # The launcher checks the parser's name itself, against the gateway's own list.
     assert set(launcher.TOOL_CALL_PARSER_NAMES) == set(TOOL_CALL_PARSERS)
     with pytest.raises(SystemExit):

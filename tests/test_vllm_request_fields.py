@@ -77,7 +77,7 @@ SHARED_FIELDS: dict[str, tuple[str, Any]] = {
     "routed_experts_prompt_start": (REFUSED, 1),
     "return_token_offsets": (REFUSED, True),
     "return_mm_kwargs": (REFUSED, False),
-    "cache_salt": (REFUSED, "salt"),
+    "cache_salt": (HONOURED, "salt-of-sixteen-chars-at-least-0123456789abcdef"),
     "kv_transfer_params": (REFUSED, {"do_remote_decode": True}),
     "ec_transfer_params": (REFUSED, {"x": 1}),
     "vllm_xargs": (REFUSED, {"x": 1}),

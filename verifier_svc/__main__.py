@@ -4,12 +4,16 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import faulthandler
 import logging
+import os
 import sys
+from typing import NoReturn
 
 import torch
 
 from specdec.cli import (
+    DefaultsHelpFormatter,
     ADDITIONAL_CONFIG_KEYS,
     add_engine_args,
     add_logging_args,
@@ -29,13 +33,19 @@ from specdec.rpc.internal_auth import (
 )
 from specdec.rpc.tls import add_grpc_tls_args, grpc_tls_from_args
 from verifier_svc.builder import VerifierConfig, compile_by_default
-from verifier_svc.server import start_verifier
+from verifier_svc.server import RPC_FLUSH_S, start_verifier
+from verifier_svc.startup_phase import StartupPhase
 
 logger = logging.getLogger("verifier_svc")
 
+# Beyond the grace and the RPC flush, what a stop may take before the watchdog ends the
+# process; under the launcher's own margin (specdec.launcher.STOP_MARGIN_S).
+STOP_WATCHDOG_MARGIN_S = 2.0
+
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="python -m verifier_svc", description=__doc__)
+    parser = argparse.ArgumentParser(prog="python -m verifier_svc", description=__doc__,
+                                     formatter_class=DefaultsHelpFormatter)
     add_model_args(parser)
     add_engine_args(parser)
     add_speculative_args(parser)
@@ -66,6 +76,7 @@ def config_from_args(args: argparse.Namespace) -> VerifierConfig:
         model=args.model, served_model_name=args.served_model_name, dtype=args.dtype,
         device=args.device, max_model_len=args.max_model_len,
         max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
+        long_prefill_token_threshold=args.long_prefill_token_threshold,
         block_size=args.block_size, gpu_memory_utilization=args.gpu_memory_utilization,
         num_gpu_blocks_override=args.num_gpu_blocks_override,
         kv_cache_memory_bytes=args.kv_cache_memory_bytes,
@@ -82,10 +93,17 @@ def config_from_args(args: argparse.Namespace) -> VerifierConfig:
 
 
 async def serve(args: argparse.Namespace, config: VerifierConfig) -> int:
-    verifier = await start_verifier(config, args.host, args.port, args.metrics_port)
+    signalled = asyncio.ensure_future(wait_for_signal())
+    await asyncio.sleep(0)  # the handlers are installed: a stop while starting is heard
+    phase = StartupPhase()
+    starting = asyncio.ensure_future(start_verifier(config, args.host, args.port,
+                                                    args.metrics_port, phase))
+    await asyncio.wait({signalled, starting}, return_when=asyncio.FIRST_COMPLETED)
+    if not starting.done():
+        _exit_while_starting(phase)
+    verifier = starting.result()
     logger.info("verifier serving on %s:%d (%d start-up objects frozen)", args.host,
                 verifier.port, freeze_startup_heap())
-    signalled = asyncio.ensure_future(wait_for_signal())
     fatal = asyncio.ensure_future(verifier.wait_for_fatal_error())
     await asyncio.wait({signalled, fatal}, return_when=asyncio.FIRST_COMPLETED)
     for task in (signalled, fatal):
@@ -96,9 +114,26 @@ async def serve(args: argparse.Namespace, config: VerifierConfig) -> int:
         logger.error("%s; stopping the verifier", fatal.result())
         await verifier.shutdown(0.0)
         return 1
+    # A stop that outlives its bound is a bug (issue 43 saw one, rarely, right after
+    # start-up, and it did not reproduce): the process then ends anyway, before the
+    # launcher's SIGKILL, with every thread's stack on stderr to find it by. faulthandler's
+    # own thread needs no GIL, so a thread stuck holding it cannot stop it.
+    stop_limit_s = args.shutdown_grace_s + RPC_FLUSH_S + STOP_WATCHDOG_MARGIN_S
+    faulthandler.dump_traceback_later(stop_limit_s, exit=True)
     await verifier.shutdown(args.shutdown_grace_s)
+    faulthandler.cancel_dump_traceback_later()
     logger.info("verifier stopped")
     return 0
+
+
+def _exit_while_starting(phase: StartupPhase) -> NoReturn:
+    """Ends the process at once: the engine is being built in a thread that cannot be
+    interrupted (a kernel compile, a weight load), which a normal exit would wait for,
+    and nothing is served yet, so nothing is lost. A kernel build's lock names this
+    process, so the next start takes it over."""
+    logger.info("stopped while starting (%s)", phase.name)
+    logging.shutdown()
+    os._exit(0)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
 import json
 import logging
 import os
@@ -13,11 +14,18 @@ from pathlib import Path
 import torch
 
 from specdec.cli import served_model_name
-from specdec.config import MODEL_METHODS, EngineConfig, SpeculativeConfig, default_draft_timeout_s
+from specdec.config import (
+    DEFAULT_LONG_PREFILL_TOKEN_THRESHOLD,
+    MODEL_METHODS,
+    EngineConfig,
+    SpeculativeConfig,
+    default_draft_timeout_s,
+)
 from specdec.device import device_memory_bytes, resolve_device, resolve_dtype
 from specdec.engine.block_manager import BlockManager
 from specdec.engine.kv_cache import KVCache
 from specdec.engine.scheduler import Scheduler
+from specdec.layers import cpu_extension
 from specdec.errors import ConfigError
 from specdec.models.compiled_forward import CompiledForward, linears_to_pack, warm_up
 from specdec.models.cpu_stack import CpuDecoderStack, make_cpu_stack
@@ -35,6 +43,11 @@ from verifier_svc.engine import Engine
 from verifier_svc.grammar.backend import GrammarBackend
 from verifier_svc.grammar.verification import GrammarService
 from verifier_svc.model_runner import ModelRunner
+from verifier_svc.startup_phase import (
+    PHASE_COMPILING_KERNELS,
+    PHASE_LOADING_WEIGHTS,
+    PHASE_WARMING_UP,
+)
 from verifier_svc.tp_worker import TensorParallelGroup, rank_device
 
 logger = logging.getLogger(__name__)
@@ -57,6 +70,7 @@ class VerifierConfig:
     max_model_len: int | None = None
     max_num_seqs: int = 256
     max_num_batched_tokens: int = 2048
+    long_prefill_token_threshold: int = DEFAULT_LONG_PREFILL_TOKEN_THRESHOLD
     block_size: int = 16
     gpu_memory_utilization: float = 0.9
     num_gpu_blocks_override: int | None = None
@@ -119,10 +133,18 @@ class ServedModel:
     tokenizer_fingerprint: str
 
 
-def build_engine(config: VerifierConfig) -> tuple[Engine, ServedModel]:
+def build_engine(config: VerifierConfig, enter_phase: Callable[[str], None] = lambda name: None,
+                 ) -> tuple[Engine, ServedModel]:
+    """`enter_phase` is told each start-up phase as it begins (verifier_svc.startup_phase)."""
     device = resolve_device(config.device)
     dtype = resolve_dtype(config.dtype, device)
     model_dir = resolve_model(config.model)
+    if device.type == "cpu":
+        # First, so that a first start says it is compiling rather than loading weights.
+        if not cpu_extension.is_cached():
+            enter_phase(PHASE_COMPILING_KERNELS)
+        cpu_extension.load_extension()
+    enter_phase(PHASE_LOADING_WEIGHTS)
     parallel = None
     if config.tensor_parallel_size > 1:
         # Refuse a size the model's heads do not divide before anything is loaded or started.
@@ -140,6 +162,7 @@ def build_engine(config: VerifierConfig) -> tuple[Engine, ServedModel]:
                           f"max_position_embeddings ({model_config.max_position_embeddings})",
                           param="max_model_len")
     num_blocks = _num_kv_blocks(config, model, dtype, device, max_model_len)
+    enter_phase(PHASE_WARMING_UP)
     if config.compile and device.type not in ("cpu", "cuda"):
         raise ConfigError(f"a compiled forward runs on cpu or cuda, not {device.type}; set "
                           "compile=False (--enforce-eager)", param="compile")
@@ -152,6 +175,7 @@ def build_engine(config: VerifierConfig) -> tuple[Engine, ServedModel]:
                      only=linears_to_pack(linear_kernel) if config.compile else None)
     engine_config = EngineConfig(max_model_len=max_model_len, max_num_seqs=config.max_num_seqs,
                                  max_num_batched_tokens=config.max_num_batched_tokens,
+                                 long_prefill_token_threshold=config.long_prefill_token_threshold,
                                  block_size=config.block_size, num_kv_blocks=num_blocks,
                                  draft_timeout_s=config.draft_timeout_s
                                  or default_draft_timeout_s(config.speculative_config),
@@ -163,6 +187,8 @@ def build_engine(config: VerifierConfig) -> tuple[Engine, ServedModel]:
                                  text_drafter=config.speculative_config is None
                                  or config.speculative_config.method not in MODEL_METHODS,
                                  disable_by_batch_size=config.speculative_config.disable_by_batch_size
+                                 if config.speculative_config is not None else None,
+                                 draft_caps=config.speculative_config.draft_caps
                                  if config.speculative_config is not None else None)
     if num_blocks * config.block_size < max_model_len:
         raise ConfigError(f"the KV cache holds {num_blocks * config.block_size} tokens, less "

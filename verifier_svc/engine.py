@@ -29,6 +29,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
+import re
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -120,6 +121,7 @@ class Engine:
         self.policy = (SpeculationPolicy(self.num_speculative_tokens)
                        if config.adaptive_speculation and self.num_speculative_tokens else None)
         self.spec = SpeculationCounters()
+        self._logged_off_kinds: set[str] = set()  # see _note_policy_reasons
         self.num_steps = 0
         self._seq_ids = itertools.count()
         self._sequences: dict[int, Sequence] = {}
@@ -173,7 +175,7 @@ class Engine:
 
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                     num_speculative_tokens: int | None = None,
-                    grammar: CompiledGrammar | None = None,
+                    grammar: CompiledGrammar | None = None, cache_salt: str = "",
                     ) -> tuple[int, asyncio.Queue[RequestOutput | SpecdecError]]:
         """Queues a request; returns its sequence id and the queue its outputs arrive on.
 
@@ -193,7 +195,7 @@ class Engine:
         seq = Sequence(seq_id=next(self._seq_ids), request_id=request_id,
                        token_ids=list(prompt_token_ids), prompt_len=len(prompt_token_ids),
                        params=params, max_speculative_tokens=num_speculative_tokens,
-                       generator=generator)
+                       generator=generator, cache_salt=cache_salt)
         # A drafter that needs the target's hidden states needs them for the whole context,
         # which a prefix-cache hit would skip computing.
         seq.may_reuse_prefix = not (num_speculative_tokens and self.hidden_layer_ids)
@@ -275,7 +277,9 @@ class Engine:
             for _ in range(STEP_YIELD_ITERATIONS):
                 await asyncio.sleep(0)
 
-    def _speculative_tokens_for(self, seq: Sequence) -> int:
+    def _speculative_tokens_for(self, seq: Sequence, batch_cap: int | None = None) -> int:
+        """The most draft tokens `seq` may verify this step; `batch_cap`: the step's
+        num_speculative_tokens_per_batch_size row."""
         if seq.max_speculative_tokens == 0 or self.drafter_pool is None or not self.speculation_enabled:
             return 0
         if self.drafter_pool.num_healthy() == 0:
@@ -285,6 +289,8 @@ class Engine:
         # Drafting past max_tokens or max_model_len would be thrown away.
         room = min(seq.params.max_tokens - seq.num_output_tokens - 1,
                    self.config.max_model_len - seq.num_tokens)
+        if batch_cap is not None:
+            room = min(room, batch_cap)
         return max(0, min(seq.max_speculative_tokens, room))
 
     @property
@@ -301,18 +307,22 @@ class Engine:
             # vLLM's disable_by_batch_size: so large a batch drafts nothing, not even the
             # policy's probes, and the drafter is not asked.
             return _no_draft
+        caps = self.config.draft_caps
+        batch_cap = (caps.cap(len(self.scheduler.running), self.num_speculative_tokens)
+                     if caps is not None else None)
         if self.policy is None:
-            return self._with_forced_drafts(self._speculative_tokens_for)
+            return self._with_forced_drafts(lambda seq: self._speculative_tokens_for(seq, batch_cap))
         candidates: list[Candidate] = []
         num_other_tokens = 0
         for seq in self.scheduler.running:
             if seq.num_uncomputed_tokens == 1:
-                candidates.append(Candidate(seq.seq_id, self._speculative_tokens_for(seq),
+                candidates.append(Candidate(seq.seq_id, self._speculative_tokens_for(seq, batch_cap),
                                             synced=seq.num_drafter_calls > 0))
             else:
                 num_other_tokens += seq.num_uncomputed_tokens
         num_other_tokens = min(num_other_tokens, self.config.max_num_batched_tokens)
         planned = self.policy.plan(candidates, num_other_tokens)
+        self._note_policy_reasons(candidates)
         if self.config.text_drafter:
             # Asked at all, a text drafter is asked for the cap: a long match costs it no
             # more, and the arrived draft's evidence decides what is verified.
@@ -320,6 +330,25 @@ class Engine:
             return self._with_forced_drafts(
                 lambda seq: caps[seq.seq_id] if planned.get(seq.seq_id, 0) > 0 else 0)
         return self._with_forced_drafts(lambda seq: planned.get(seq.seq_id, 0))
+
+    def _note_policy_reasons(self, candidates: list[Candidate]) -> None:
+        """Each sequence that could draft carries why the policy planned it none (its
+        usage says so; its last steps, with no room left to draft, keep it); the first
+        time the policy turns drafting off for a kind of reason, the log says why, once,
+        so that "off by choice" is not mistaken for "broken"."""
+        assert self.policy is not None
+        reasons = self.policy.off_reasons
+        could_draft = {candidate.seq_id for candidate in candidates if candidate.max_tokens > 0}
+        for seq in self.scheduler.running:
+            if seq.seq_id in could_draft:
+                seq.spec.policy = reasons.get(seq.seq_id, "")
+        reason = self.policy.step_off_reason
+        kind = re.sub(r"\d+(\.\d+)?", "#", reason)
+        if reason and kind not in self._logged_off_kinds:
+            self._logged_off_kinds.add(kind)
+            logger.info("speculation is configured but the adaptive policy is not drafting "
+                        "now: %s; each response's usage.speculation.policy says when this "
+                        "holds for it (--speculation-policy fixed always drafts)", reason)
 
     def _with_forced_drafts(self, plan: Callable[[Sequence], int]) -> Callable[[Sequence], int]:
         """`plan`, and for a sequence with a grammar the tokens it forces as its draft (as

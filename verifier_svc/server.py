@@ -13,6 +13,8 @@ from verifier_svc.builder import ServedModel, VerifierConfig, build_engine
 from verifier_svc.engine import Engine
 from verifier_svc.metrics import VerifierMetrics
 from verifier_svc.servicer import VerifierServicer
+from verifier_svc.starting_servicer import StartingVerifierServicer
+from verifier_svc.startup_phase import PHASE_WAITING_FOR_DRAFTER, StartupPhase
 
 logger = logging.getLogger(__name__)
 
@@ -66,32 +68,48 @@ class RunningVerifier:
 
 
 async def start_verifier(config: VerifierConfig, host: str = "127.0.0.1", port: int = 0,
-                         metrics_port: int | None = None) -> RunningVerifier:
-    """Builds the engine and serves it; port 0 picks a free port (tests).
+                         metrics_port: int | None = None,
+                         phase: StartupPhase | None = None) -> RunningVerifier:
+    """Serves gRPC at once (health NOT_SERVING, `GetInfo` telling `phase`: see
+    verifier_svc.starting_servicer), builds the engine off the event loop, then serves it;
+    port 0 picks a free port (tests).
 
     With `metrics_port`, Prometheus metrics are served over HTTP at /metrics there.
     """
-    engine, served = build_engine(config)
+    phase = phase or StartupPhase()
+    server = GrpcServer([SERVICE_NAME], internal_token=config.internal_token,
+                        enable_reflection=config.enable_reflection)
+    servicer = StartingVerifierServicer(phase)
+    specdec_pb2_grpc.add_VerifierServicer_to_server(servicer, server.server)
+    tls = config.grpc_tls
+    bound = await server.start(host, port, tls.server_credentials() if tls is not None else None,
+                               serving=False)
     try:
-        return await _serve(engine, served, config, host, port, metrics_port)
+        engine, served = await asyncio.to_thread(build_engine, config, phase.enter)
+    except BaseException:
+        await server.stop(0)
+        raise
+    try:
+        await _start_engine(engine, served, config, host, metrics_port, phase)
     except BaseException:
         engine.runner.close()  # no orphaned tensor-parallel workers
+        await server.stop(0)
         raise
+    servicer.serve_with(VerifierServicer(engine, served))
+    await server.set_serving(True)
+    return RunningVerifier(server, engine, served, bound)
 
 
-async def _serve(engine: Engine, served: ServedModel, config: VerifierConfig, host: str,
-                 port: int, metrics_port: int | None) -> RunningVerifier:
+async def _start_engine(engine: Engine, served: ServedModel, config: VerifierConfig, host: str,
+                        metrics_port: int | None, phase: StartupPhase) -> None:
+    """Metrics, the engine's loop, and a drafter to wait for (when asked)."""
     if metrics_port is not None:
         engine.metrics = VerifierMetrics(engine, served.model_name)  # a name, never a path
         engine.metrics.serve(host, metrics_port)
     await engine.start()
+    if engine.drafter_pool is not None and config.drafter_wait_s > 0:
+        phase.enter(PHASE_WAITING_FOR_DRAFTER)
     await _wait_for_a_drafter(engine, config.drafter_wait_s)
-    server = GrpcServer([SERVICE_NAME], internal_token=config.internal_token,
-                        enable_reflection=config.enable_reflection)
-    specdec_pb2_grpc.add_VerifierServicer_to_server(VerifierServicer(engine, served), server.server)
-    tls = config.grpc_tls
-    bound = await server.start(host, port, tls.server_credentials() if tls is not None else None)
-    return RunningVerifier(server, engine, served, bound)
 
 
 async def _wait_for_a_drafter(engine: Engine, wait_s: float) -> None:

@@ -60,7 +60,7 @@ def speculation_to_proto(spec: SpeculationCounters) -> specdec_pb2.SpeculationSt
         num_drafts=spec.num_drafts, num_draft_tokens=spec.num_draft_tokens,
         num_accepted_tokens=spec.num_accepted_tokens,
         accepted_per_position=spec.accepted_per_position,
-        num_forced_tokens=spec.num_forced_tokens)
+        num_forced_tokens=spec.num_forced_tokens, policy=spec.policy)
 
 
 class VerifierServicer(specdec_pb2_grpc.VerifierServicer):
@@ -94,7 +94,7 @@ class VerifierServicer(specdec_pb2_grpc.VerifierServicer):
                 grammar = await self.engine.compile_grammar(request.sampling.grammar.kind,
                                                             request.sampling.grammar.value)
             seq_id, queue = self.engine.add_request(request_id, prompt, params, num_spec,
-                                                    grammar)
+                                                    grammar, request.cache_salt)
         except SpecdecError as exc:
             await context.abort(status_for(exc), error_details(exc))
             return
@@ -126,7 +126,9 @@ class VerifierServicer(specdec_pb2_grpc.VerifierServicer):
                     response.usage.prompt_tokens = output.num_prompt_tokens
                     response.usage.completion_tokens = output.num_output_tokens
                     response.usage.cached_tokens = output.num_cached_tokens
-                if output.spec.num_drafts or output.spec.num_forced_tokens:
+                # The last response always: the policy's reason may have changed since.
+                if (output.spec.num_drafts or output.spec.num_forced_tokens or output.spec.policy
+                        or output.finish_reason is not None):
                     response.speculation.CopyFrom(speculation_to_proto(output.spec))
                 yield response
                 if output.finish_reason is not None:

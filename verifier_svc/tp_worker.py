@@ -360,9 +360,10 @@ def run_worker(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from specdec.cli import setup_logging
+    from specdec.cli import DefaultsHelpFormatter, setup_logging
 
     parser = argparse.ArgumentParser(prog="python -m verifier_svc.tp_worker",
+                                     formatter_class=DefaultsHelpFormatter,
                                      description="one tensor-parallel rank of the verifier "
                                                  "(started by the verifier, not by hand)")
     parser.add_argument("--model-dir", required=True)

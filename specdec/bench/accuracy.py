@@ -36,12 +36,13 @@ from typing import Any
 
 import httpx
 
+from specdec.cli import DEFAULT_GATEWAY_PORT, DefaultsHelpFormatter
 from specdec.bench.serve import fetch_model
 from specdec.bench.serve_requests import describe_error
 
 logger = logging.getLogger(__name__)
 
-DEFAULT_BASE_URL = "http://127.0.0.1:8000"
+DEFAULT_BASE_URL = f"http://127.0.0.1:{DEFAULT_GATEWAY_PORT}"
 BUILTIN_TASKS = "builtin"
 # Run name -> the extra body fields of its requests.
 RUNS_WITH_FIELD = {"speculation": {}, "no_speculation": {"speculation": False}}
@@ -240,6 +241,7 @@ def format_summary(summary: dict[str, Any]) -> str:
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
+        formatter_class=DefaultsHelpFormatter,
         prog="python -m specdec bench accuracy",
         description="Score a server on short exact-answer tasks with and without speculation "
                     "and count identical outputs (any OpenAI-compatible server).")

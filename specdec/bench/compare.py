@@ -29,6 +29,7 @@ from typing import Any
 import torch
 
 from gateway.chat import render_chat_prompt
+from specdec.cli import DefaultsHelpFormatter
 from specdec.bench.compare_report import format_table, summarise
 from specdec.bench.compare_systems import (
     LLAMA_CPP_MISSING,
@@ -269,6 +270,7 @@ async def measure(systems: list[System], prompts: dict[str, list[int]], max_toke
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
+        formatter_class=DefaultsHelpFormatter,
         prog="python -m specdec bench compare",
         description="tokens/s of specdec (plain and speculative), transformers generate() "
                     "(plain, prompt lookup, assisted) and llama.cpp (plain, prompt lookup) "

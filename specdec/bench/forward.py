@@ -25,6 +25,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from specdec.cli import DefaultsHelpFormatter
 from specdec.engine.kv_cache import KVCache
 from specdec.layers.attention import AttentionMetadata
 from specdec.models.compiled_forward import CompiledForward, linears_to_pack, warm_up
@@ -123,7 +124,8 @@ def significant(value: float, digits: int = 3) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m specdec bench forward", description=__doc__)
+    parser = argparse.ArgumentParser(prog="python -m specdec bench forward", description=__doc__,
+                                     formatter_class=DefaultsHelpFormatter)
     parser.add_argument("--model", default=DEFAULT_MODEL)
     parser.add_argument("--paths", default="fp32,fp32-cpu,fp32-stack,bf16-onednn,bf16-cpu,bf16-stack,bf16-int8-stack",
                         help=f"comma-separated, of: {', '.join(PATHS)}")

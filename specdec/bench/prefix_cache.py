@@ -30,7 +30,13 @@ from drafter_svc.server import stop_drafter_server
 from gateway.chat import render_chat_prompt
 from specdec.bench.decode import ServeJob, serve_all, start_engine
 from specdec.bench.serve_requests import load_requests
-from specdec.cli import add_engine_args, add_logging_args, add_model_args, setup_logging
+from specdec.cli import (
+    DefaultsHelpFormatter,
+    add_engine_args,
+    add_logging_args,
+    add_model_args,
+    setup_logging,
+)
 from specdec.config import SpeculativeConfig
 from specdec.engine.sampling_params import SamplingParams
 from specdec.models.model_files import load_tokenizer, resolve_model
@@ -158,7 +164,7 @@ async def measure_logprobs(engine: Engine, prompts: list[list[int]], top: int, m
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m specdec bench prefix-cache",
                                      description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+                                     formatter_class=DefaultsHelpFormatter)
     add_model_args(parser)
     add_engine_args(parser)
     parser.add_argument("--speculative-config", default=DEFAULT_SPECULATIVE_CONFIG)

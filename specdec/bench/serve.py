@@ -38,6 +38,7 @@ from typing import Any
 
 import httpx
 
+from specdec.cli import DEFAULT_GATEWAY_PORT, DefaultsHelpFormatter
 from specdec.bench.serve_compare import (
     compare,
     format_comparison,
@@ -76,7 +77,7 @@ __all__ = ["BenchConfig", "BenchReport", "BenchRequest", "RequestResult", "load_
 
 logger = logging.getLogger(__name__)
 
-DEFAULT_BASE_URL = "http://127.0.0.1:8000"
+DEFAULT_BASE_URL = f"http://127.0.0.1:{DEFAULT_GATEWAY_PORT}"
 
 
 @dataclass(frozen=True, slots=True)
@@ -234,6 +235,7 @@ class _Progress:
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
+        formatter_class=DefaultsHelpFormatter,
         prog="python -m specdec bench serve",
         description="Load a running OpenAI-compatible server (vLLM's benchmark_serving): "
                     "throughput, TTFT, TPOT, ITL and speculation figures.")

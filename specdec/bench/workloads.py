@@ -27,6 +27,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from specdec.cli import DefaultsHelpFormatter
 from specdec.bench.workloads_json import PEOPLE, agent_lines, extract_lines
 from specdec.bench.workloads_text import code_edit_lines, rag_lines
 
@@ -177,6 +178,7 @@ def shipped_path(name: str) -> Path:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m specdec.bench.workloads",
+                                     formatter_class=DefaultsHelpFormatter,
                                      description="Rewrite specdec/prompts/NAME.jsonl from the templates.")
     parser.add_argument("names", nargs="*", help=f"of {', '.join(WORKLOADS)} (default: all)")
     args = parser.parse_args(argv)

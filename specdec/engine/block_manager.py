@@ -7,7 +7,10 @@ order; token t lives in block `block_table[t // block_size]` at offset
 Prefix caching (vLLM v1's design, our code):
 - A *full* block of a sequence is identified by a hash of its parent block's hash and its
   own token ids (`block_hashes`). The KV of a block depends on nothing else here: one
-  model, no LoRA, no multimodal inputs.
+  model, no LoRA, no multimodal inputs. The first block's hash also covers the request's
+  cache salt (vLLM's `cache_salt`), so every later block does too: requests with different
+  salts never share a block, and a prompt's cache hits tell a client only about prompts
+  sent with its own salt.
 - Only blocks whose every token is verified and computed are registered
   (`cache_full_blocks`, called with `num_computed_tokens`, which counts verified tokens
   only): a draft's KV sits past that count, so rollback, preemption and chunked prefill
@@ -32,9 +35,13 @@ from specdec.engine.sequence import Sequence
 _ROOT_HASH = b"specdec-prefix-root"
 
 
-def block_hash(parent_hash: bytes | None, token_ids: list[int]) -> bytes:
-    """A full block's identity: sha256 of its parent's hash and its token ids."""
+def block_hash(parent_hash: bytes | None, token_ids: list[int], cache_salt: str = "") -> bytes:
+    """A full block's identity: sha256 of its parent's hash and its token ids; a first
+    block (no parent) also hashes the cache salt, which its descendants inherit."""
     digest = hashlib.sha256(parent_hash or _ROOT_HASH)
+    if parent_hash is None and cache_salt:
+        salt = cache_salt.encode()
+        digest.update(len(salt).to_bytes(8, "little") + salt)
     digest.update(array("I", token_ids).tobytes())
     return digest.digest()
 
@@ -45,7 +52,8 @@ def extend_block_hashes(seq: Sequence, block_size: int) -> list[bytes]:
     tokens = seq.token_ids
     while (len(hashes) + 1) * block_size <= len(tokens):
         start = len(hashes) * block_size
-        hashes.append(block_hash(hashes[-1] if hashes else None, tokens[start:start + block_size]))
+        hashes.append(block_hash(hashes[-1] if hashes else None, tokens[start:start + block_size],
+                                 seq.cache_salt))
     return hashes
 
 

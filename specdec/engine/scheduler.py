@@ -1,11 +1,14 @@
 """Continuous batching: which sequences run this step, and how many tokens each.
 
 The scheduler owns the waiting queue and the running list; the block manager owns the
-blocks. Every step it plans, within `max_num_batched_tokens`:
+blocks. Every step it plans, within `max_num_batched_tokens`, in this order:
 - each running sequence in decode (one uncomputed token) runs that token plus up to k
   draft slots;
-- each sequence still prefilling runs its next chunk (chunked prefill);
-- waiting sequences are admitted while `max_num_seqs` and the budget allow.
+- waiting sequences are admitted while `max_num_seqs` and the budget allow;
+- each sequence still prefilling runs its next chunk (chunked prefill) in what is left.
+In a step that decodes, a prefill chunk (a new prompt's included) is at most
+`long_prefill_token_threshold` tokens, so the step stays about as short as a few decode
+steps and a decode's time between tokens with it.
 When the pool runs out, a decode first gives up its draft slots, then the youngest
 running sequence is preempted: its blocks are freed and it is recomputed later. Nothing
 waits on a block that only a waiting sequence could free, so nothing deadlocks.
@@ -77,15 +80,36 @@ class Scheduler:
                 pass
 
     def schedule(self, speculative_tokens_for: Callable[[Sequence], int]) -> SchedulerOutput:
-        """Plans one step. `speculative_tokens_for(seq)` gives the draft length wanted."""
+        """Plans one step. `speculative_tokens_for(seq)` gives the draft length wanted.
+
+        Decodes go first, then admissions, then the chunks of prompts still prefilling (as
+        vLLM's chunked prefill): a long prompt fills only the budget the others leave, so a
+        running decode gets a token every step and a short request starts next step,
+        however long the prompt being prefilled beside them."""
         output = SchedulerOutput()
         budget = self.config.max_num_batched_tokens
-        block_manager = self.block_manager
+        decoding = [seq for seq in self.running if seq.num_uncomputed_tokens == 1]
+        prefilling = [seq for seq in self.running if seq.num_uncomputed_tokens > 1]
+        budget = self._schedule_running(decoding, speculative_tokens_for, budget, output)
+        threshold = self.config.long_prefill_token_threshold
+        max_chunk = threshold if decoding and threshold else budget
+        budget = self._admit_waiting(budget, max_chunk, output)
+        self._schedule_running(prefilling, speculative_tokens_for, budget, output, max_chunk)
+        return output
 
-        index = 0
-        while index < len(self.running) and budget > 0:
-            seq = self.running[index]
-            num_query = min(seq.num_uncomputed_tokens, budget)
+    def _schedule_running(self, seqs: list[Sequence],
+                          speculative_tokens_for: Callable[[Sequence], int], budget: int,
+                          output: SchedulerOutput, max_chunk: int | None = None) -> int:
+        """Schedules running `seqs` in order while the budget lasts, each at most `max_chunk`
+        tokens, preempting the youngest running sequence when the pool runs out; returns
+        the budget left."""
+        block_manager = self.block_manager
+        for seq in seqs:
+            if budget <= 0:
+                break
+            if seq.status is not SequenceStatus.RUNNING:
+                continue  # preempted for an older one earlier in this step
+            num_query = min(seq.num_uncomputed_tokens, budget, max_chunk or budget)
             assert num_query >= 1, "a running sequence always has an uncomputed token"
             num_spec = 0
             if num_query == seq.num_uncomputed_tokens == 1:
@@ -105,8 +129,12 @@ class Scheduler:
             block_manager.allocate(seq, seq.num_computed_tokens + num_query + num_spec)
             output.scheduled.append(ScheduledSequence(seq, num_query, num_spec))
             budget -= num_query + num_spec
-            index += 1
+        return budget
 
+    def _admit_waiting(self, budget: int, max_chunk: int, output: SchedulerOutput) -> int:
+        """Admits waiting sequences while `max_num_seqs`, the budget and the pool allow, a
+        first chunk of at most `max_chunk` tokens each; returns the budget left."""
+        block_manager = self.block_manager
         # Prefix blocks that running sequences are computing now; a waiting sequence about to
         # compute the same blocks is held back until they are cached (one prefill for the
         # n choices of a request, or for concurrent requests with one system prompt).
@@ -125,7 +153,7 @@ class Scheduler:
                     held.append(self.waiting.popleft())
                     continue
             num_cached = len(hits) * block_manager.block_size
-            num_query = min(seq.num_tokens - num_cached, budget)
+            num_query = min(seq.num_tokens - num_cached, budget, max_chunk)
             needed = block_manager.num_blocks_for(num_cached + num_query) - len(hits)
             if needed > block_manager.num_free_after_taking(hits):
                 break
@@ -141,7 +169,7 @@ class Scheduler:
             if pending is not None:
                 pending.update(block_manager.pending_hashes(seq))
         self.waiting.extendleft(reversed(held))
-        return output
+        return budget
 
     def cache_computed_blocks(self, seq: Sequence) -> None:
         """After a step advanced `seq.num_computed_tokens`: its newly full, verified blocks

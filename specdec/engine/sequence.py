@@ -42,6 +42,9 @@ class SpeculationCounters:
     # Tokens a grammar forced (its only continuation), verified without a drafter; not
     # counted as drafts above.
     num_forced_tokens: int = 0
+    # Per request: why the speculation policy last planned no draft for it, with the
+    # figures it measured ("" while it drafts; see SpeculationPolicy.off_reasons).
+    policy: str = ""
 
     def record(self, num_draft_tokens: int, num_accepted_tokens: int) -> None:
         if num_draft_tokens == 0:
@@ -74,6 +77,8 @@ class Sequence:
     # token_ids so far, and how many leading blocks of block_table are registered.
     block_hashes: list[bytes] = field(default_factory=list)
     num_registered_blocks: int = 0
+    # vLLM's cache_salt: prefix-cache blocks are shared only between equal salts.
+    cache_salt: str = ""
     # Prompt tokens whose KV came from the prefix cache at the sequence's first admission.
     num_cached_tokens: int = 0
     # Whether a prefix-cache hit may skip the prefix's forward (not when a drafter needs

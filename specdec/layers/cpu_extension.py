@@ -9,11 +9,12 @@
   the two above (`specdec.models.cpu_stack`). `csrc/cpu_kernels.h` declares what the files
   share.
 
-They are built with torch's C++ extension loader (g++ and ninja; cached under
-`TORCH_EXTENSIONS_DIR`, by default `~/.cache/torch_extensions`, with the sources and the
-instruction-set flags in the build's name, so a cache shared by two machines never hands one
-the other's binary). Where they cannot be built (no compiler) `load_extension` says why once
-and callers keep the plain-torch paths.
+They are built with torch's C++ extension toolchain (g++ and ninja) once per machine, into
+`machine_cache_dir()` (under `TORCH_EXTENSIONS_DIR`, by default `~/.cache/torch_extensions`),
+named by a hash of the sources and the instruction-set flags: every checkout of the same
+sources on the machine loads the same library, and a cache shared by two machines never hands
+one the other's binary. A build logs when it starts and ends. Where they cannot be built (no
+compiler) `load_extension` says why once and callers keep the plain-torch paths.
 
 *Prebuilt kernels* (the container image): `python -m specdec.layers.cpu_extension prebuild DIR`
 compiles one build per instruction-set variant (`VARIANTS`) on a machine with a compiler,
@@ -27,6 +28,8 @@ or these sources it logs why and keeps the plain-torch paths.
 from __future__ import annotations
 
 import argparse
+
+import contextlib
 import functools
 import hashlib
 import importlib.util
@@ -34,9 +37,11 @@ import logging
 import os
 import platform
 import shutil
+import socket
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from types import ModuleType
@@ -117,55 +122,145 @@ def load_extension() -> ModuleType | None:
 
 
 def _build_and_load() -> ModuleType | None:
-    from torch.utils import cpp_extension
-
     variant = supported_variants()[0]
-    flags = [*BASE_FLAGS, *variant.cflags]
     name = build_name(variant)
-    build_dir = build_directory(name)
-    build_dir.mkdir(parents=True, exist_ok=True)
-    _clear_stale_lock(build_dir / "lock")
+    library = machine_cache_dir() / f"{name}.so"
     try:
-        module = cpp_extension.load(name=name, sources=[str(s) for s in SOURCES],
-                                    extra_cflags=flags, extra_ldflags=["-fopenmp"],
-                                    build_directory=str(build_dir), verbose=False)
-    except Exception as error:  # a missing compiler or ninja, or a failed build
+        if not library.is_file():
+            _build_into_cache(variant, library)
+        module = _import_library(name, library)
+    except Exception as error:  # a missing compiler or ninja, a failed build or import
         logger.warning("specdec's C++ CPU kernels could not be built here (%s: %s); "
                        "using the plain-torch paths", type(error).__name__, error)
         return None
-    logger.info("specdec's C++ CPU kernels: variant %s, built on this machine (or its cache)", variant.name)
+    logger.info("specdec's C++ CPU kernels: variant %s, from this machine's cache %s",
+                variant.name, library.parent)
     return module
 
 
-def build_directory(name: str) -> Path:
-    """Where this checkout builds `name`: under `$TORCH_EXTENSIONS_DIR` (default
-    `~/.cache/torch_extensions`), one directory per source folder. Two checkouts of the same
-    sources (a CI clone beside a work tree) share the module name but not the folder, since
-    each would otherwise rewrite the other's build file and rebuild in turn."""
+def machine_cache_dir() -> Path:
+    """Where built kernels are kept for every checkout on this machine: under
+    `$TORCH_EXTENSIONS_DIR` (default `~/.cache/torch_extensions`), one folder per Python and
+    torch version (the module's ABI); inside, one `<build_name>.so` per sources and variant.
+    Nothing in it depends on where a checkout lives."""
     root = Path(os.environ.get("TORCH_EXTENSIONS_DIR") or Path.home() / ".cache" / "torch_extensions")
-    checkout = hashlib.sha256(str(CSRC.resolve()).encode()).hexdigest()[:8]
-    return root / f"py{sys.version_info.major}{sys.version_info.minor}_cpu" / f"{name}-{checkout}"
+    python = f"py{sys.version_info.major}{sys.version_info.minor}_cpu"
+    return root / python / f"specdec-torch{torch.__version__.split('+')[0]}"
+
+
+def is_cached() -> bool:
+    """Whether this machine already holds a build of these sources for its CPU (a start
+    then loads it in a second; otherwise `load_extension` compiles it first)."""
+    prebuilt = os.environ.get(PREBUILT_ENV)
+    if prebuilt:
+        return True  # a prebuilt directory is never compiled into
+    return (machine_cache_dir() / f"{build_name(supported_variants()[0])}.so").is_file()
+
+
+def _build_into_cache(variant: Variant, library: Path) -> None:
+    """Compiles `variant` into `library`, once per machine: a process that finds another
+    one's build under way waits for it and compiles nothing."""
+    build_dir = library.with_suffix(".build")
+    build_dir.mkdir(parents=True, exist_ok=True)
+    with _build_lock(build_dir / "lock"):
+        if library.is_file():
+            return  # built by the process this one waited for
+        logger.info("compiling specdec's C++ CPU kernels (variant %s): once per machine and "
+                    "kernel version, about 1.5 CPU-minutes (a minute or two on an idle machine, "
+                    "more on a busy one); the plain-torch paths would be several times "
+                    "slower. Cached in %s",
+                    variant.name, library.parent)
+        started = time.monotonic()
+        built = _compile(variant, build_dir)
+        # Another checkout's start sees the library whole or not at all.
+        partial = library.with_name(f".{library.name}.{os.getpid()}")
+        shutil.copy2(built, partial)
+        os.replace(partial, library)
+        logger.info("compiled specdec's C++ CPU kernels in %.0f s: %s",
+                    time.monotonic() - started, library)
+
+
+@contextlib.contextmanager
+def _build_lock(lock: Path) -> Iterator[None]:
+    """Held by one builder per build folder; a dead builder's lock is taken over."""
+    while True:
+        if lock.exists():
+            logger.info("another process is compiling specdec's C++ CPU kernels (%s); waiting "
+                        "for it", lock.parent)
+        _clear_stale_lock(lock)
+        try:
+            descriptor = os.open(lock, os.O_CREAT | os.O_EXCL | os.O_WRONLY)
+        except FileExistsError:
+            continue  # another waiter took it first
+        with os.fdopen(descriptor, "w") as owner:
+            owner.write(f"{socket.gethostname()} {os.getpid()}")
+        break
+    try:
+        yield
+    finally:
+        lock.unlink(missing_ok=True)
+
+
+def _compile(variant: Variant, build_dir: Path) -> Path:
+    """Compiles `variant` in `build_dir` without importing it; returns the library."""
+    # torch's loader builds and imports in one call, and keys its build on the folder and
+    # the ninja file, whose paths (sources, torch's headers) differ per checkout and venv;
+    # this is its build half alone (the same ninja file, flags and compiler). Private, so
+    # its signature is torch 2.13's: torch is pinned, and a change fails the image build
+    # and the kernel tests loudly.
+    from torch.utils.cpp_extension import _write_ninja_file_and_build_library
+
+    name = build_name(variant)
+    _write_ninja_file_and_build_library(
+        name=name, sources=[str(s) for s in SOURCES], extra_cflags=[*BASE_FLAGS, *variant.cflags],
+        extra_cuda_cflags=[], extra_sycl_cflags=[], extra_ldflags=["-fopenmp"],
+        extra_include_paths=[], build_directory=str(build_dir), verbose=False, with_cuda=False,
+        with_sycl=False)
+    return build_dir / f"{name}.so"
+
+
+def _import_library(name: str, path: Path) -> ModuleType:
+    spec = importlib.util.spec_from_file_location(name, path)
+    if spec is None or spec.loader is None:
+        raise ImportError(f"not an extension module: {path}")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
 def _clear_stale_lock(lock: Path) -> None:
     """Waits out another process's build, and removes the lock of one that died.
 
-    torch waits for a lock to go away and never asks whether its holder lives, so a process
-    killed mid-build (a SIGKILLed server child) would hang every later start. A live build
-    writes into its folder at least every minute or so (one object file each); a lock with
-    nothing newer beside it for STALE_LOCK_S was left by a dead builder."""
+    A process stopped or killed mid-build leaves its lock behind. The lock names its
+    builder's host and pid: a builder on this host that is gone left it. Where that cannot
+    be told (another host sharing the cache), a live build writes into its folder at least
+    every minute or so (one object file each), so a lock with nothing newer beside it for
+    STALE_LOCK_S was left by a dead builder."""
     while lock.exists():
         try:
             newest = max(entry.stat().st_mtime for entry in lock.parent.iterdir())
+            owner = lock.read_text().split()
         except (OSError, ValueError):  # the lock went away meanwhile
             continue
         idle_s = time.time() - newest
-        if idle_s >= STALE_LOCK_S:
-            logger.warning("removing a stale C++ kernel build lock %s (nothing built for %.0f s)",
-                           lock, idle_s)
+        if _owner_is_gone(owner) or idle_s >= STALE_LOCK_S:
+            logger.warning("removing a stale C++ kernel build lock %s (its builder is gone)", lock)
             lock.unlink(missing_ok=True)
             return
         time.sleep(1.0)
+
+
+def _owner_is_gone(owner: list[str]) -> bool:
+    """Whether a lock's `host pid` names a process of this host that no longer runs."""
+    if len(owner) != 2 or owner[0] != socket.gethostname() or not owner[1].isdigit():
+        return False
+    try:
+        os.kill(int(owner[1]), 0)
+    except ProcessLookupError:
+        return True
+    except PermissionError:  # alive, someone else's
+        pass
+    return False
 
 
 def _load_prebuilt(directory: Path) -> ModuleType | None:
@@ -176,11 +271,7 @@ def _load_prebuilt(directory: Path) -> ModuleType | None:
         if not path.is_file():
             continue
         try:
-            spec = importlib.util.spec_from_file_location(name, path)
-            if spec is None or spec.loader is None:
-                raise ImportError(f"not an extension module: {path}")
-            module = importlib.util.module_from_spec(spec)
-            spec.loader.exec_module(module)
+            module = _import_library(name, path)
         except (ImportError, OSError) as error:  # e.g. a runtime library missing from the image
             logger.warning("specdec's prebuilt C++ CPU kernels %s could not be loaded (%s: %s); "
                            "using the plain-torch paths", path, type(error).__name__, error)
@@ -195,22 +286,12 @@ def _load_prebuilt(directory: Path) -> ModuleType | None:
 
 def prebuild(directory: Path, variants: list[Variant]) -> list[Path]:
     """Compile each of `variants` into `directory/<build_name>.so` without importing it."""
-    # torch's loader builds and imports in one call; this is its build half (the same ninja
-    # file, flags and compiler, so the result equals a native build). Private, so its
-    # signature is torch 2.13's: torch is pinned, and a change fails the image build loudly.
-    from torch.utils.cpp_extension import _write_ninja_file_and_build_library
-
     directory.mkdir(parents=True, exist_ok=True)
     built = []
     for variant in variants:
         name = build_name(variant)
         with tempfile.TemporaryDirectory(prefix=f"{name}-") as build_dir:
-            _write_ninja_file_and_build_library(
-                name=name, sources=[str(s) for s in SOURCES], extra_cflags=[*BASE_FLAGS, *variant.cflags],
-                extra_cuda_cflags=[], extra_sycl_cflags=[], extra_ldflags=["-fopenmp"],
-                extra_include_paths=[], build_directory=build_dir, verbose=False, with_cuda=False,
-                with_sycl=False)
-            shutil.copy2(Path(build_dir) / f"{name}.so", directory / f"{name}.so")
+            shutil.copy2(_compile(variant, Path(build_dir)), directory / f"{name}.so")
         logger.info("built variant %s: %s", variant.name, directory / f"{name}.so")
         built.append(directory / f"{name}.so")
     return built
@@ -231,14 +312,18 @@ def _variants_named(spec: str) -> list[Variant]:
 
 
 def main(argv: list[str] | None = None) -> None:
+    # Not specdec.cli's formatter: the image's kernel stage holds this module alone.
     parser = argparse.ArgumentParser(prog="python -m specdec.layers.cpu_extension",
+                                     formatter_class=argparse.ArgumentDefaultsHelpFormatter,
                                      description="Compile the C++ CPU kernels ahead of time.")
     sub = parser.add_subparsers(dest="command", required=True)
-    build = sub.add_parser("prebuild", help=f"compile variants into DIR (then set {PREBUILT_ENV}=DIR)")
+    build = sub.add_parser("prebuild", formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+                           help=f"compile variants into DIR (then set {PREBUILT_ENV}=DIR)")
     build.add_argument("directory", type=Path)
     build.add_argument("--variants", default="all", help="all, native, or names separated by commas: "
                        + ", ".join(v.name for v in VARIANTS))
-    listing = sub.add_parser("list", help="the variants in DIR built from these sources (exit 1: none)")
+    listing = sub.add_parser("list", formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+                             help="the variants in DIR built from these sources (exit 1: none)")
     listing.add_argument("directory", type=Path)
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s")

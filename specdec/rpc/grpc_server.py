@@ -82,15 +82,16 @@ class GrpcServer:
         self.port = 0
 
     async def start(self, host: str, port: int,
-                    credentials: grpc.ServerCredentials | None = None) -> int:
-        """Binds host:port (TLS only when credentials are given) and reports SERVING."""
+                    credentials: grpc.ServerCredentials | None = None, serving: bool = True) -> int:
+        """Binds host:port (TLS only when credentials are given) and reports SERVING, or
+        NOT_SERVING until `set_serving(True)` (a server that answers while it starts)."""
         address = f"{host}:{port}"
         self.port = (self.server.add_secure_port(address, credentials) if credentials is not None
                      else self.server.add_insecure_port(address))
         if self.port == 0:
             raise OSError(f"cannot bind {host}:{port}")
         await self.server.start()
-        await self.set_serving(True)
+        await self.set_serving(serving)
         return self.port
 
     async def set_serving(self, serving: bool) -> None:

@@ -117,14 +117,17 @@ class DrafterReplica:
 
     async def _run(self) -> None:
         backoff_s = self.pool.backoff_initial_s
-        was_up = True  # the first failure is logged at WARNING, repeats at DEBUG
+        was_up = True  # the first failure is logged, repeats at DEBUG
+        # A drafter never reached yet is most likely still starting (a stack starts all
+        # its services at once): that is INFO; losing one that served is a WARNING.
+        ever_connected = False
         while True:
             channel = open_channel(self.pool.tls, self.address, self.pool.channel_options,
                                    internal_token=self.pool.internal_token)
             try:
                 async for _ in self._serve(channel):
                     backoff_s = self.pool.backoff_initial_s
-                    was_up = True
+                    was_up = ever_connected = True
                 raise ConnectionError("the drafter ended the stream")
             except DrafterMismatchError as exc:
                 # ERROR once per distinct reason; the periodic re-checks repeat it at DEBUG.
@@ -146,7 +149,8 @@ class DrafterReplica:
                               else (UNAVAILABLE, "unavailable"))
                 self.pool.errors.record(
                     self.address, kind, f"{what} ({_describe(exc)}); retrying in "
-                    f"{backoff_s:.2f} s", logging.WARNING if was_up else logging.DEBUG)
+                    f"{backoff_s:.2f} s", logging.DEBUG if not was_up
+                    else logging.WARNING if ever_connected else logging.INFO)
                 was_up = False
             finally:
                 self._mark_down()

@@ -116,6 +116,10 @@ class SpeculationPolicy:
         self.first_ask_cost = FirstAskCost()
         self.calibration = ConfidenceCalibration()
         self.realized = RealizedThroughput()
+        # Set by each plan: why it planned no draft for each sequence that could draft
+        # (not probes), by sequence id, and for the whole step when nobody drafts ("").
+        self.off_reasons: dict[int, str] = {}
+        self.step_off_reason = ""
 
     @property
     def last_probes(self) -> list[int]:
@@ -262,6 +266,7 @@ class SpeculationPolicy:
         (prefill chunks), which make the step slower and drafts relatively cheaper.
         """
         self.probes.start_plan()
+        self.off_reasons, self.step_off_reason = {}, ""
         if not self.verify_cost.has_data:
             return {c.seq_id: c.max_tokens for c in candidates}  # nothing measured yet
         self._num_plans += 1
@@ -332,8 +337,20 @@ class SpeculationPolicy:
             if position + 1 < candidate.max_tokens:
                 heapq.heappush(heap, (-gain * rates[index][position + 1], index, position + 1))
         if not longest or expected_tokens * plain_seconds <= plain_tokens * seconds:
+            self.step_off_reason = self._off_reason(
+                len(candidates), (expected_tokens / seconds) / (plain_tokens / plain_seconds)
+                if longest else None,
+                max((proposing[i] * rates[i][0] for i, c in enumerate(candidates) if c.max_tokens > 0),
+                    default=0.0),
+                (verify_slope + verify_per_seq) * plain_tokens / plain_seconds)
             plan = dict.fromkeys(plan, 0)
             expected_tokens, seconds, longest = plain_tokens, plain_seconds, 0
+        for index, candidate in enumerate(candidates):
+            if candidate.max_tokens > 0 and plan[candidate.seq_id] == 0:
+                self.off_reasons[candidate.seq_id] = self.step_off_reason or (
+                    f"off for this request: a draft is expected to add "
+                    f"{proposing[index] * rates[index][0]:.2f} tokens, less than it costs at "
+                    f"batch size {len(candidates)}")
         # What a probe costs, in seconds of this step: its verification (scaled, as a
         # draft's, by the chance that the drafter proposes), and on a step that would not ask
         # the drafter, the round trip shared by the idle sequences.
@@ -368,6 +385,21 @@ class SpeculationPolicy:
         elif self._num_plans - self._last_ask_plan >= COST_REFRESH_PLANS:
             self._refresh_cost(candidates, plan, pays_first_ask)
         return plan
+
+    def _off_reason(self, num_seqs: int, planned_speedup: float | None,
+                    best_first_gain: float, draft_cost_in_tokens: float) -> str:
+        """Why a plan drafts nothing, in the figures it measured: what drafting steps
+        realized at this batch size when they are why, else what the plan expected."""
+        efficiency = self.realized.efficiency(num_seqs)
+        if efficiency is not None and efficiency < 1.0 and self.realized.cost_scale(num_seqs) > 1.0:
+            return (f"off: drafting yields {efficiency:.2f}x plain decoding at batch size "
+                    f"{num_seqs}")
+        if planned_speedup is not None:
+            return (f"off: drafting would yield {planned_speedup:.2f}x plain decoding at batch "
+                    f"size {num_seqs}")
+        return (f"off: a draft is expected to add at most {best_first_gain:.2f} tokens; "
+                f"verifying it takes the time of {draft_cost_in_tokens:.2f} tokens at batch "
+                f"size {num_seqs}")
 
     def _refresh_cost(self, candidates: list[Candidate], plan: dict[int, int], pays_first_ask: list[bool]) -> None:
         """Plans one draft token for one sequence that may draft (one asked before, whose

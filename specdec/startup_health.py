@@ -1,0 +1,62 @@
+"""The launcher's /health while no service runs yet: what it is doing before the gateway
+starts (downloading and converting the default model on a first start, a minute or more).
+
+It answers on the gateway's address, in the gateway's shape, `503 {"status": "starting",
+"phase": ...}`, and closes before the gateway binds that address. Where the address is
+taken it does not answer at all (the gateway will then fail to bind and say so).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import threading
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+logger = logging.getLogger(__name__)
+
+PHASE_RESOLVING = "resolving the model"
+PHASE_STARTING_SERVICES = "starting the services"
+
+
+class StartupHealth:
+    """Serves /health with the current phase from a daemon thread until `close()`."""
+
+    def __init__(self, host: str, port: int) -> None:
+        self.phase = PHASE_RESOLVING
+        health = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def do_GET(self) -> None:  # noqa: N802 (http.server's name)
+                found = self.path.split("?")[0] == "/health"
+                body = json.dumps({"status": "starting", "phase": health.phase, "verifiers": {},
+                                   "problems": []} if found else {"error": "starting"}).encode()
+                self.send_response(503 if found else 404)
+                self.send_header("content-type", "application/json")
+                self.send_header("content-length", str(len(body)))
+                self.end_headers()
+                self.wfile.write(body)
+
+            def log_message(self, format: str, *args: object) -> None:  # noqa: A002
+                pass  # a poll a second would flood the log
+
+        self._server: ThreadingHTTPServer | None = None
+        try:
+            self._server = ThreadingHTTPServer((host, port), Handler)
+        except OSError as error:
+            logger.info("no start-up /health on %s:%d (%s)", host, port, error)
+            return
+        self._server.daemon_threads = True
+        threading.Thread(target=self._server.serve_forever, name="startup-health",
+                         daemon=True).start()
+
+    def enter(self, phase: str) -> None:
+        logger.info("start-up: %s", phase)
+        self.phase = phase
+
+    def close(self) -> None:
+        """Frees the address (the gateway binds it next)."""
+        if self._server is not None:
+            self._server.shutdown()
+            self._server.server_close()
+            self._server = None
