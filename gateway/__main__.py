@@ -52,8 +52,9 @@ def build_parser() -> argparse.ArgumentParser:
                         help="context length limit (default: the verifier's)")
     parser.add_argument("--enable-auto-tool-choice", action="store_true",
                         help='allow tool_choice "auto" (the default when a request has tools): '
-                             "the tools go through the chat template, which must render them, "
-                             "and the output is parsed by --tool-call-parser (vLLM's flag)")
+                             "the tools go through the chat template (or specdec's own system "
+                             "prompt where it renders none), and the output is parsed by "
+                             "--tool-call-parser (vLLM's flag)")
     parser.add_argument("--tool-call-parser", default=None, choices=sorted(TOOL_CALL_PARSERS),
                         help='how tool_choice "auto" output is read for tool calls (vLLM\'s '
                              "flag; hermes: <tool_call>{...}</tool_call> blocks)")

@@ -1,4 +1,4 @@
-"""The gateway's Starlette app: routes, lifespan, API key check, SSE.
+"""The gateway's Starlette app: the generating routes, lifespan, API key check.
 
 All state lives on `app.state`, set up in the lifespan: config, tokenizer, verifier
 client, metrics. `create_app` takes the tokenizer (and optionally a verifier client) so
@@ -12,10 +12,9 @@ import contextlib
 import dataclasses
 import functools
 import hmac
-import json
 import logging
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -25,50 +24,44 @@ from starlette.datastructures import Headers
 from starlette.exceptions import HTTPException
 from starlette.middleware import Middleware
 from starlette.requests import ClientDisconnect, Request
-from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from gateway import responses
+from gateway import info_routes, responses, responses_api
 from gateway.chat import max_chars_per_token, render_chat_prompt, tokenize_prompt
-from gateway.choices import (
-    Choice,
-    close_choices,
-    collect_until_disconnect,
-    open_choices,
-)
-from gateway.errors import (
-    RequestTooLargeError,
-    UnsupportedMediaTypeError,
-    error_payload,
-    error_response,
-    plain_error_response,
+from gateway.choices import Choice, collect_until_disconnect, open_choices
+from gateway.errors import error_response, plain_error_response
+from gateway.http_io import (
+    CLIENT_CLOSED_REQUEST,
+    check_model,
+    event_stream,
+    named_sse,
+    openai_errors,
+    read_json,
+    sse,
+    wait_for_disconnect,
 )
 from gateway.generation import build_generate_request, choice_requests
 from gateway.logprobs import TokenTexts
 from gateway.spec_decode_metrics import check_mode as check_spec_decode_metrics_mode
 from gateway.metrics import GatewayMetrics, RequestCountMiddleware
 from gateway.protocol import (
+    ChatRequest,
     SamplingOptions,
-    is_json_content_type,
     parse_chat_request,
     parse_completion_request,
-    parse_json_body,
 )
+from gateway.request_options import OutputOptions, PromptOptions, boolean_field, truncate_prompt
 from gateway.tool_chat import ToolOutput, ToolSettings, plan_tools, template_messages
 from gateway.tools import TOOL_CALL_PARSERS, template_accepts_tools
 from gateway.verifier_client import VerifierClient
-from specdec.errors import ConfigError, ModelNotFoundError
+from specdec.errors import ConfigError
 from specdec.grammar_checker import GrammarChecker, GrammarLimits
 
 logger = logging.getLogger(__name__)
 
-Handler = Callable[[Request], Awaitable[Response]]
 
-# nginx's "client closed request": counted apart from the server's own failures.
-CLIENT_CLOSED_REQUEST = 499
-# An unknown model name is quoted back in the 404, at most this long.
-MAX_QUOTED_MODEL_CHARS = 256
 @dataclass(frozen=True)
 class GatewayConfig:
     """Validated start-up configuration of one gateway."""
@@ -141,77 +134,6 @@ class ApiKeyMiddleware:
         await self.app(scope, receive, send)
 
 
-def _openai_errors(handler: Handler) -> Handler:
-    """Every failure of an endpoint leaves as OpenAI error JSON, never as a traceback."""
-
-    @functools.wraps(handler)
-    async def wrapped(request: Request) -> Response:
-        try:
-            return await handler(request)
-        except ClientDisconnect:
-            # The client left while sending its body: nothing to answer and nothing wrong
-            # with the server, so no traceback (the server's request timeouts end here too).
-            logger.debug("client disconnected before sending the whole request body")
-            return Response(status_code=CLIENT_CLOSED_REQUEST)
-        except Exception as exc:
-            return error_response(exc)
-
-    return wrapped
-
-
-async def _read_json(request: Request) -> dict[str, Any]:
-    # Only JSON: a browser sends text/plain and form bodies cross-site without a CORS
-    # preflight, so parsing those would let any web page use an open gateway.
-    if not is_json_content_type(request.headers.get("content-type")):
-        raise UnsupportedMediaTypeError(
-            "The request body must be JSON, sent with 'Content-Type: application/json'.")
-    limit = request.app.state.config.max_request_bytes
-    body = bytearray()
-    async for chunk in request.stream():
-        body += chunk
-        if len(body) > limit:
-            raise RequestTooLargeError(f"The request body is larger than {limit} bytes.")
-    return parse_json_body(bytes(body))
-
-
-def _check_model(request: Request, model: str | None) -> None:
-    served = request.app.state.config.model_name
-    if model is not None and model != served:
-        quoted = model if len(model) <= MAX_QUOTED_MODEL_CHARS else (
-            model[:MAX_QUOTED_MODEL_CHARS] + "...")
-        raise ModelNotFoundError(f"The model `{quoted}` does not exist.", "model")
-
-
-async def _wait_for_disconnect(request: Request) -> None:
-    while (await request.receive())["type"] != "http.disconnect":
-        pass
-
-
-async def _sse(chunks: AsyncIterator[dict], choices: list[Choice],
-               on_finish: Callable[[], None]) -> AsyncIterator[str]:
-    """`data: {chunk}` events then `data: [DONE]`.
-
-    A client that leaves is seen by starlette's StreamingResponse, which listens for the
-    disconnect beside the stream and cancels it (this generator's cleanup then cancels the
-    verifier calls). Asking `request.is_disconnected()` after every chunk as well (a receive
-    under a cancel scope each time) was the largest piece of the gateway's event loop in a
-    py-spy profile at sixteen streams; without it the gateway's CPU time over one `bench
-    serve` run (48 prompts, c = 16) went from 153-186 to 112-168 ticks (mean -18%), CPU the
-    verifier's forward shares on a small machine."""
-    try:
-        async for chunk in chunks:
-            yield f"data: {json.dumps(chunk, ensure_ascii=False)}\n\n"
-        yield "data: [DONE]\n\n"
-    except Exception as exc:  # headers are sent: the error travels as an event
-        _, body = error_payload(exc)
-        yield f"data: {json.dumps(body)}\n\n"
-        yield "data: [DONE]\n\n"
-    finally:
-        await chunks.aclose()
-        await close_choices(choices)  # cancels the verifier calls that still run
-        on_finish()
-
-
 async def _check_grammar(request: Request, sampling: SamplingOptions) -> None:
     """A constraint the compiler rejects is a 400 naming its field, before anything is
     queued; checked in the grammar checker's processes, under its time budget (never in
@@ -221,7 +143,7 @@ async def _check_grammar(request: Request, sampling: SamplingOptions) -> None:
         return
     check = asyncio.ensure_future(request.app.state.grammar_checker.check(
         grammar.kind, grammar.value, param=grammar.param))
-    watch = asyncio.ensure_future(_wait_for_disconnect(request))
+    watch = asyncio.ensure_future(wait_for_disconnect(request))
     try:
         await asyncio.wait({check, watch}, return_when=asyncio.FIRST_COMPLETED)
     finally:
@@ -233,79 +155,157 @@ async def _check_grammar(request: Request, sampling: SamplingOptions) -> None:
     check.result()
 
 
-async def _generate(request: Request, prompt_token_ids: list[int], sampling: SamplingOptions,
-                    *, chat: bool, stream: bool, include_usage: bool, started_at: float,
-                    prompt_param: str,
-                    tool_output: Callable[[], ToolOutput | None] | None = None) -> Response:
+async def _open_generation(request: Request, prompt_token_ids: list[int],
+                           sampling: SamplingOptions, *, chat: bool, started_at: float,
+                           prompt_param: str, prompt_options: PromptOptions,
+                           output_options: OutputOptions,
+                           echo_text: Callable[[list[int]], str] | None = None,
+                           tool_output: Callable[[], ToolOutput | None] | None = None,
+                           ) -> tuple[responses.Output, list[Choice]]:
+    """Starts the choices' verifier calls. `echo_text` gives the text every choice starts
+    with, from the (truncated) prompt."""
     state = request.app.state
     info = await state.verifier.get_info()
     max_model_len = state.config.max_model_len or info.max_model_len
+    prompt_token_ids = truncate_prompt(prompt_token_ids, prompt_options, max_model_len)
     generate_request = build_generate_request(prompt_token_ids, sampling, info, max_model_len,
                                               prompt_param)
+    echoed = echo_text(prompt_token_ids) if echo_text is not None else ""
     choices = await open_choices(state.verifier, choice_requests(generate_request, sampling.n),
                                  state.tokenizer, prompt_token_ids, sampling.stop, started_at,
-                                 sampling.min_tokens)
-    output = responses.Output(responses.new_id("chatcmpl" if chat else "cmpl"), responses.now(),
-                              state.config.model_name, chat,
+                                 sampling.min_tokens, output_options)
+    prefix = "chatcmpl" if chat else "cmpl"
+    response_id = (f"{prefix}-{output_options.request_id}" if output_options.request_id
+                   else responses.new_id(prefix))
+    output = responses.Output(response_id, responses.now(), state.config.model_name, chat,
                               state.token_texts if sampling.logprobs is not None else None,
                               tool_output,
                               spec_decode_metrics=state.config.per_request_spec_decode_metrics,
-                              num_speculative_tokens=info.num_speculative_tokens)
+                              num_speculative_tokens=info.num_speculative_tokens,
+                              echo_text=echoed,
+                              prompt_token_ids=(prompt_token_ids
+                                                if output_options.return_token_ids else None))
+    return output, choices
 
+
+def _observer(request: Request, choices: list[Choice]) -> Callable[[], None]:
     def observe() -> None:
         for choice in choices:
-            state.metrics.observe_generation(choice.result)
+            request.app.state.metrics.observe_generation(choice.result)
 
+    return observe
+
+
+async def _collect(request: Request, output: responses.Output,
+                   choices: list[Choice]) -> dict | None:
+    """The whole answer; None if the client left first."""
+    collected = await collect_until_disconnect(
+        choices, functools.partial(wait_for_disconnect, request))
+    _observer(request, choices)()
+    return None if collected is None else responses.response_body(output, collected)
+
+
+async def _answer(request: Request, output: responses.Output, choices: list[Choice], *,
+                  stream: bool, include_usage: bool) -> Response:
     if not stream:
-        collected = await collect_until_disconnect(
-            choices, functools.partial(_wait_for_disconnect, request))
-        observe()
-        if collected is None:
+        body = await _collect(request, output, choices)
+        if body is None:
             return Response(status_code=CLIENT_CLOSED_REQUEST)
-        return JSONResponse(responses.response_body(output, collected))
-    make_chunks = responses.chat_chunks if chat else responses.completion_chunks
+        return JSONResponse(body)
+    make_chunks = responses.chat_chunks if output.chat else responses.completion_chunks
     chunks = make_chunks(output, choices, include_usage)
-    return StreamingResponse(_sse(chunks, choices, observe),
-                             media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+    return event_stream(sse(chunks, choices, _observer(request, choices)))
 
 
-@_openai_errors
-async def chat_completions(request: Request) -> Response:
-    started_at = time.monotonic()
-    chat = parse_chat_request(await _read_json(request))
-    _check_model(request, chat.model)
+async def _open_chat(request: Request, chat: ChatRequest,
+                     started_at: float) -> tuple[responses.Output, list[Choice]]:
     settings: ToolSettings = request.app.state.tool_settings
     plan = plan_tools(chat.tools, chat.sampling.grammar, settings)
     sampling = chat.sampling
     if plan.grammar is not None:
         sampling = dataclasses.replace(sampling, grammar=plan.grammar)
     await _check_grammar(request, sampling)
-    messages = template_messages(chat.messages, settings.template_accepts_tools)
+    messages = plan.prompt_messages(
+        template_messages(chat.messages, settings.template_accepts_tools))
     state = request.app.state
     max_model_len = state.config.max_model_len or (await state.verifier.get_info()).max_model_len
     prompt_token_ids = await run_in_threadpool(functools.partial(
-        render_chat_prompt, state.tokenizer, messages, plan.template_tools,
+        render_chat_prompt, state.tokenizer, messages, plan.template_tools, chat.prompt_options,
         max_model_len=max_model_len, chars_per_token=state.chars_per_token))
-    return await _generate(request, prompt_token_ids, sampling, chat=True,
-                           stream=chat.stream, include_usage=chat.include_usage,
-                           started_at=started_at, prompt_param="messages",
-                           tool_output=plan.new_output)
+    return await _open_generation(
+        request, prompt_token_ids, sampling, chat=True, started_at=started_at,
+        prompt_param="messages", prompt_options=chat.prompt_options,
+        output_options=chat.output,
+        echo_text=functools.partial(_chat_echo, chat.messages) if chat.output.echo else None,
+        tool_output=plan.new_output)
 
 
-@_openai_errors
+@openai_errors
+async def chat_completions(request: Request) -> Response:
+    started_at = time.monotonic()
+    chat = parse_chat_request(await read_json(request))
+    check_model(request, chat.model)
+    output, choices = await _open_chat(request, chat, started_at)
+    return await _answer(request, output, choices, stream=chat.stream,
+                         include_usage=chat.include_usage)
+
+
+@openai_errors
+async def create_response(request: Request) -> Response:
+    """/v1/responses: the Responses API over the chat pipeline (gateway/responses_api.py)."""
+    started_at = time.monotonic()
+    body = await read_json(request)
+    stream = boolean_field(body, "stream", False)
+    chat = parse_chat_request(responses_api.chat_body(body))
+    check_model(request, chat.model)
+    output, choices = await _open_chat(request, chat, started_at)
+    shell = responses_api.ResponseShell(body, request.app.state.config.model_name)
+    if not stream:
+        completion = await _collect(request, output, choices)
+        if completion is None:
+            return Response(status_code=CLIENT_CLOSED_REQUEST)
+        return JSONResponse(responses_api.response_object(shell, completion))
+    events = responses_api.response_events(shell, responses.chat_chunks(output, choices, True))
+    return event_stream(named_sse(events, choices, _observer(request, choices)))
+
+
+@openai_errors
 async def completions(request: Request) -> Response:
     started_at = time.monotonic()
-    completion = parse_completion_request(await _read_json(request))
-    _check_model(request, completion.model)
+    completion = parse_completion_request(await read_json(request))
+    check_model(request, completion.model)
     await _check_grammar(request, completion.sampling)
-    prompt_token_ids = await run_in_threadpool(tokenize_prompt, request.app.state.tokenizer,
-                                               completion.prompt)
-    return await _generate(request, prompt_token_ids, completion.sampling, chat=False,
-                           stream=completion.stream, include_usage=completion.include_usage,
-                           started_at=started_at, prompt_param="prompt")
+    tokenizer = request.app.state.tokenizer
+    prompt_token_ids = await run_in_threadpool(tokenize_prompt, tokenizer, completion.prompt,
+                                               completion.prompt_options.add_special_tokens)
+    echo_text = None
+    if completion.output.echo:
+        echo_text = functools.partial(_completion_echo, tokenizer, completion.prompt,
+                                      len(prompt_token_ids))
+    output, choices = await _open_generation(
+        request, prompt_token_ids, completion.sampling, chat=False, started_at=started_at,
+        prompt_param="prompt", prompt_options=completion.prompt_options,
+        output_options=completion.output, echo_text=echo_text)
+    return await _answer(request, output, choices, stream=completion.stream,
+                         include_usage=completion.include_usage)
 
 
-@_openai_errors
+def _chat_echo(messages: list[dict[str, Any]], prompt_token_ids: list[int]) -> str:
+    """vLLM's chat echo: the last message's content when it is the assistant's (the answer
+    continues it), else nothing."""
+    last = messages[-1]
+    return last["content"] if last["role"] == "assistant" else ""
+
+
+def _completion_echo(tokenizer: Any, prompt: str | list[int], num_prompt_tokens: int,
+                     prompt_token_ids: list[int]) -> str:
+    """The prompt as the client sent it, or decoded from its (truncated) ids."""
+    if isinstance(prompt, str) and len(prompt_token_ids) == num_prompt_tokens:
+        return prompt
+    return tokenizer.decode(prompt_token_ids, skip_special_tokens=True)
+
+
+@openai_errors
 async def list_models(request: Request) -> Response:
     state = request.app.state
     info = state.verifier.cached_info
@@ -387,7 +387,13 @@ def create_app(config: GatewayConfig, tokenizer: Any,
     routes = [
         Route("/v1/chat/completions", chat_completions, methods=["POST"]),
         Route("/v1/completions", completions, methods=["POST"]),
+        Route("/v1/responses", create_response, methods=["POST"]),
         Route("/v1/models", list_models, methods=["GET"]),
+        Route("/v1/models/{model_id:path}", info_routes.retrieve_model, methods=["GET"]),
+        Route("/tokenize", info_routes.tokenize, methods=["POST"]),
+        Route("/detokenize", info_routes.detokenize, methods=["POST"]),
+        Route("/version", info_routes.version, methods=["GET"]),
+        Route("/ping", info_routes.ping, methods=["GET", "POST"]),
         Route("/health", health, methods=["GET"]),
         Route("/metrics", metrics, methods=["GET"]),
     ]

@@ -8,6 +8,7 @@ from typing import Any
 
 from jinja2.exceptions import TemplateError
 
+from gateway.request_options import PromptOptions
 from gateway.tool_chat import parse_message_tool_calls
 from specdec.errors import InvalidRequestError
 
@@ -48,33 +49,46 @@ def check_text_fits(text: str, max_tokens: int | None, chars_per_token: int, par
 
 
 def render_chat_prompt(tokenizer: Any, messages: list[dict[str, Any]],
-                       tools: list[dict[str, Any]] | None = None, *,
+                       tools: list[dict[str, Any]] | None = None,
+                       options: PromptOptions | None = None, *,
                        max_model_len: int | None = None, chars_per_token: int = 1) -> list[int]:
-    """Applies the chat template with the generation prompt, then tokenizes. `tools` (OpenAI's
-    tool objects) reach the template only when given: tool_choice "auto" on a template that
-    renders them.
+    """Applies the chat template (with the generation prompt unless `options` say otherwise),
+    then tokenizes. `tools` (OpenAI's tool objects) reach the template only when given:
+    tool_choice "auto" on a template that renders them.
 
-    The template is rendered to text first and encoded without adding special tokens:
-    the template itself writes BOS and role markers (vLLM does the same). Text longer than
-    `max_model_len` tokens of `chars_per_token` characters is refused untokenized.
+    The template is rendered to text first and encoded without adding special tokens
+    (unless asked): the template itself writes BOS and role markers (vLLM does the same).
+    Text longer than `max_model_len` tokens of `chars_per_token` characters is refused
+    untokenized.
     """
-    extra = {"tools": tools} if tools else {}
+    options = options or PromptOptions()
+    extra: dict[str, Any] = dict(options.chat_template_kwargs)
+    if tools:
+        extra["tools"] = tools
+    if options.documents is not None:
+        extra["documents"] = options.documents
+    if options.continue_final_message:
+        extra["continue_final_message"] = True
     try:
-        text = tokenizer.apply_chat_template(messages, add_generation_prompt=True,
-                                             tokenize=False, **extra)
+        text = tokenizer.apply_chat_template(
+            messages, add_generation_prompt=options.add_generation_prompt, tokenize=False,
+            **extra)
     except Exception as exc:  # jinja2 TemplateError / raise_exception, or no template set
         logger.info("the chat template rejected a request: %s: %s", type(exc).__name__, exc)
         raise InvalidRequestError(_template_rejection(exc), "messages") from None
     if not isinstance(text, str):
         raise InvalidRequestError("The chat template did not render to text.", "messages")
     check_text_fits(text, max_model_len, chars_per_token, "messages")
-    return _encode(tokenizer, text, add_special_tokens=False, param="messages")
+    return _encode(tokenizer, text, add_special_tokens=options.add_special_tokens,
+                   param="messages")
 
 
-def tokenize_prompt(tokenizer: Any, prompt: str | list[int]) -> list[int]:
-    """A completion prompt: text gets the tokenizer's special tokens (BOS), ids pass as given."""
+def tokenize_prompt(tokenizer: Any, prompt: str | list[int],
+                    add_special_tokens: bool = True) -> list[int]:
+    """A completion prompt: text gets the tokenizer's special tokens (BOS) unless asked not
+    to, ids pass as given."""
     if isinstance(prompt, str):
-        return _encode(tokenizer, prompt, add_special_tokens=True, param="prompt")
+        return _encode(tokenizer, prompt, add_special_tokens=add_special_tokens, param="prompt")
     vocab_size = len(tokenizer)
     if any(token_id >= vocab_size for token_id in prompt):
         raise InvalidRequestError(

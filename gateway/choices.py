@@ -16,6 +16,7 @@ from typing import Any
 
 from gateway.detokenizer import IncrementalDetokenizer, StopStringMatcher
 from gateway.generation import GenerationResult, TextDelta, stream_text
+from gateway.request_options import OutputOptions
 from gateway.verifier_client import GenerationStream, VerifierClient
 from specdec.v1 import specdec_pb2
 
@@ -39,7 +40,8 @@ class CollectedChoice:
 
 async def open_choices(verifier: VerifierClient, requests: list[specdec_pb2.GenerateRequest],
                        tokenizer: Any, prompt_token_ids: list[int], stop: tuple[str, ...],
-                       started_at: float, min_tokens: int = 0) -> list[Choice]:
+                       started_at: float, min_tokens: int = 0,
+                       output: OutputOptions | None = None) -> list[Choice]:
     """Starts every choice's call; each waits for its first response, so an unreachable
     verifier is still a plain error before any byte is sent."""
     streams: list[GenerationStream] = [await verifier.generate(requests[0])]
@@ -56,11 +58,16 @@ async def open_choices(verifier: VerifierClient, requests: list[specdec_pb2.Gene
         for stream in streams:
             stream.cancel()
         raise
+    output = output or OutputOptions()
     choices = []
     for index, stream in enumerate(streams):
         result = GenerationResult(num_prompt_tokens=len(prompt_token_ids), started_at=started_at)
-        deltas = stream_text(stream, IncrementalDetokenizer(tokenizer, prompt_token_ids),
-                             StopStringMatcher(stop), result, min_tokens)
+        detokenizer = IncrementalDetokenizer(tokenizer, prompt_token_ids,
+                                             output.skip_special_tokens,
+                                             output.spaces_between_special_tokens)
+        deltas = stream_text(stream, detokenizer,
+                             StopStringMatcher(stop, output.include_stop_str_in_output), result,
+                             min_tokens)
         choices.append(Choice(index, result, deltas))
     return choices
 

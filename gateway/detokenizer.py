@@ -27,15 +27,20 @@ class IncrementalDetokenizer:
     """
 
     def __init__(self, tokenizer: Any, prompt_token_ids: Sequence[int] = (),
-                 skip_special_tokens: bool = True) -> None:
+                 skip_special_tokens: bool = True,
+                 spaces_between_special_tokens: bool = True) -> None:
         self._tokenizer = tokenizer
         self._skip_special_tokens = skip_special_tokens
+        # Only slow (Python) tokenizers read it; fast ones never put spaces there (as in vLLM).
+        self._spaces_between_special_tokens = spaces_between_special_tokens
         self._token_ids: list[int] = list(prompt_token_ids[-NUM_CONTEXT_TOKENS:])
         self._prefix_offset = 0
         self._read_offset = len(self._token_ids)
 
     def _decode(self, token_ids: list[int]) -> str:
-        return self._tokenizer.decode(token_ids, skip_special_tokens=self._skip_special_tokens)
+        return self._tokenizer.decode(
+            token_ids, skip_special_tokens=self._skip_special_tokens,
+            spaces_between_special_tokens=self._spaces_between_special_tokens)
 
     def _pending_text(self) -> str:
         prefix_text = self._decode(self._token_ids[self._prefix_offset:self._read_offset])
@@ -62,10 +67,12 @@ class IncrementalDetokenizer:
 
 
 class StopStringMatcher:
-    """Cuts text at the first stop string and holds back possible stop-string prefixes."""
+    """Cuts text at the first stop string (after it with `include_stop`, vLLM's
+    include_stop_str_in_output) and holds back possible stop-string prefixes."""
 
-    def __init__(self, stop: Sequence[str]) -> None:
+    def __init__(self, stop: Sequence[str], include_stop: bool = False) -> None:
         self._stop = tuple(s for s in stop if s)
+        self._include_stop = include_stop
         self._pending = ""
         self.stopped = False
 
@@ -81,7 +88,8 @@ class StopStringMatcher:
         matches = [(index + len(stop), index) for stop in self._stop
                    if (index := self._pending.find(stop)) >= 0]
         if matches:
-            _, cut = min(matches)
+            end, start = min(matches)
+            cut = end if self._include_stop else start
             self.stopped = True
             released, self._pending = self._pending[:cut], ""
             return released, True

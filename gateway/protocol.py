@@ -15,6 +15,14 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from gateway.chat import parse_messages
+from gateway.request_options import (
+    OutputOptions,
+    PromptOptions,
+    boolean_field,
+    parse_output_options,
+    parse_prompt_options,
+    type_name,
+)
 from gateway.structured import GrammarRequest, grammar_from_request
 from gateway.tool_chat import ToolRequest, parse_tool_request
 from gateway.unhonoured_fields import refuse_unhonoured_fields
@@ -78,6 +86,8 @@ class ChatRequest:
     stream: bool
     include_usage: bool
     tools: ToolRequest = field(default_factory=ToolRequest)
+    prompt_options: PromptOptions = field(default_factory=PromptOptions)
+    output: OutputOptions = field(default_factory=OutputOptions)
 
 
 @dataclass(frozen=True, slots=True)
@@ -88,6 +98,8 @@ class CompletionRequest:
     sampling: SamplingOptions
     stream: bool
     include_usage: bool
+    prompt_options: PromptOptions = field(default_factory=PromptOptions)
+    output: OutputOptions = field(default_factory=OutputOptions)
 
 
 class _NonJsonConstant(ValueError):
@@ -172,18 +184,13 @@ def _reject_lone_surrogates(body: dict[str, Any]) -> None:
             stack.extend((item, field) for item in value)
 
 
-def _type_name(value: Any) -> str:
-    return {bool: "boolean", int: "integer", float: "number", str: "string", list: "array",
-            dict: "object"}.get(type(value), type(value).__name__)
-
-
 def _number(body: dict[str, Any], name: str, default: float, *, minimum: float,
             maximum: float, min_exclusive: bool = False) -> float:
     value = body.get(name)
     if value is None:
         return default
     if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise InvalidRequestError(f"{name} must be a number, got {_type_name(value)}.", name)
+        raise InvalidRequestError(f"{name} must be a number, got {type_name(value)}.", name)
     try:
         number = float(value)
     except OverflowError:
@@ -202,19 +209,10 @@ def _integer(body: dict[str, Any], name: str, *, minimum: int,
     if value is None:
         return None
     if isinstance(value, bool) or not isinstance(value, int):
-        raise InvalidRequestError(f"{name} must be an integer, got {_type_name(value)}.", name)
+        raise InvalidRequestError(f"{name} must be an integer, got {type_name(value)}.", name)
     if value < minimum or (maximum is not None and value > maximum):
         bound = f"in [{minimum}, {maximum}]" if maximum is not None else f">= {minimum}"
         raise InvalidRequestError(f"{name} must be {bound}, got {value}.", name)
-    return value
-
-
-def _boolean(body: dict[str, Any], name: str, default: bool) -> bool:
-    value = body.get(name)
-    if value is None:
-        return default
-    if not isinstance(value, bool):
-        raise InvalidRequestError(f"{name} must be a boolean, got {_type_name(value)}.", name)
     return value
 
 
@@ -269,7 +267,7 @@ def _stream_options(body: dict[str, Any], stream: bool) -> bool:
     if not stream:
         raise InvalidRequestError("stream_options is only allowed when stream is true.",
                                   "stream_options")
-    return _boolean(options, "include_usage", False)
+    return boolean_field(options, "include_usage", False)
 
 
 def _reject_unsupported(body: dict[str, Any]) -> None:
@@ -286,7 +284,7 @@ def _logprobs(body: dict[str, Any], chat: bool) -> int | None:
     `logprobs` (0-20, the legacy integer)."""
     if not chat:
         return _integer(body, "logprobs", minimum=0, maximum=MAX_TOP_LOGPROBS)
-    enabled = _boolean(body, "logprobs", False)
+    enabled = boolean_field(body, "logprobs", False)
     top = _integer(body, "top_logprobs", minimum=0, maximum=MAX_TOP_LOGPROBS)
     if top and not enabled:
         raise InvalidRequestError("top_logprobs needs logprobs set to true.", "top_logprobs")
@@ -301,7 +299,7 @@ def _logit_bias(body: dict[str, Any]) -> tuple[tuple[int, float], ...]:
     if not isinstance(value, dict):
         raise InvalidRequestError(
             f"logit_bias must be an object mapping token ids to biases, got "
-            f"{_type_name(value)}.", "logit_bias")
+            f"{type_name(value)}.", "logit_bias")
     pairs: dict[int, float] = {}
     for key, bias in value.items():
         if not (isinstance(key, str) and key.isdecimal() and len(key) <= 10):
@@ -332,7 +330,7 @@ def _cache_salt(body: dict[str, Any]) -> str | None:
 def _model(body: dict[str, Any]) -> str | None:
     model = body.get("model")
     if model is not None and not isinstance(model, str):
-        raise InvalidRequestError(f"model must be a string, got {_type_name(model)}.", "model")
+        raise InvalidRequestError(f"model must be a string, got {type_name(model)}.", "model")
     return model
 
 
@@ -363,7 +361,7 @@ def parse_sampling(body: dict[str, Any], *, chat: bool = True) -> SamplingOption
         stop=_stop(body),
         stop_token_ids=tuple(_token_ids(stop_token_ids, "stop_token_ids", MAX_STOP_TOKEN_IDS))
         if stop_token_ids is not None else (),
-        ignore_eos=_boolean(body, "ignore_eos", False),
+        ignore_eos=boolean_field(body, "ignore_eos", False),
         # The wire carries uint64: a negative seed keeps its two's-complement bits.
         seed=None if seed is None else seed & (2**64 - 1),
         speculation=_speculation(body),
@@ -377,10 +375,13 @@ def parse_sampling(body: dict[str, Any], *, chat: bool = True) -> SamplingOption
 def parse_chat_request(body: dict[str, Any]) -> ChatRequest:
     model = _model(body)
     messages = parse_messages(body.get("messages"))
-    stream = _boolean(body, "stream", False)
-    return ChatRequest(model=model, messages=messages, sampling=parse_sampling(body),
+    stream = boolean_field(body, "stream", False)
+    sampling = parse_sampling(body)
+    return ChatRequest(model=model, messages=messages, sampling=sampling,
                        stream=stream, include_usage=_stream_options(body, stream),
-                       tools=parse_tool_request(body))
+                       tools=parse_tool_request(body),
+                       prompt_options=parse_prompt_options(body, chat=True),
+                       output=parse_output_options(body, logprobs=sampling.logprobs is not None))
 
 
 def _prompt(value: Any) -> str | list[int]:
@@ -407,8 +408,6 @@ def _prompt(value: Any) -> str | list[int]:
 def parse_completion_request(body: dict[str, Any]) -> CompletionRequest:
     model = _model(body)
     prompt = _prompt(body.get("prompt"))
-    if body.get("echo") is True:
-        raise InvalidRequestError("echo is not supported.", "echo")
     if body.get("suffix") is not None:
         raise InvalidRequestError("suffix is not supported.", "suffix")
     # Tool calls belong to chat (OpenAI's completions have none).
@@ -417,6 +416,10 @@ def parse_completion_request(body: dict[str, Any]) -> CompletionRequest:
     if body.get("tool_choice") not in (None, "none"):
         raise InvalidRequestError("tool_choice is only supported by /v1/chat/completions.",
                                   "tool_choice")
-    stream = _boolean(body, "stream", False)
-    return CompletionRequest(model=model, prompt=prompt, sampling=parse_sampling(body, chat=False),
-                             stream=stream, include_usage=_stream_options(body, stream))
+    stream = boolean_field(body, "stream", False)
+    sampling = parse_sampling(body, chat=False)
+    return CompletionRequest(model=model, prompt=prompt, sampling=sampling,
+                             stream=stream, include_usage=_stream_options(body, stream),
+                             prompt_options=parse_prompt_options(body, chat=False),
+                             output=parse_output_options(
+                                 body, logprobs=sampling.logprobs is not None))

@@ -30,6 +30,13 @@ def chat_choice(index: int, message: dict, logprobs: dict | None,
             "finish_reason": finish_reason}
 
 
+def _with_token_ids(choice: dict, token_ids: list[int] | None) -> dict:
+    """vLLM's return_token_ids: each choice (or chunk choice) carries its tokens."""
+    if token_ids is not None:
+        choice["token_ids"] = token_ids
+    return choice
+
+
 def chat_completion(response_id: str, created: int, model: str, choices: list[dict],
                     results: list[GenerationResult]) -> dict:
     return {
@@ -44,14 +51,14 @@ def chat_completion(response_id: str, created: int, model: str, choices: list[di
 
 def chat_chunk(response_id: str, created: int, model: str, delta: dict,
                finish_reason: str | None, include_usage: bool, *, index: int = 0,
-               logprobs: dict | None = None) -> dict:
+               logprobs: dict | None = None, token_ids: list[int] | None = None) -> dict:
     chunk = {
         "id": response_id,
         "object": "chat.completion.chunk",
         "created": created,
         "model": model,
-        "choices": [{"index": index, "delta": delta, "logprobs": logprobs,
-                     "finish_reason": finish_reason}],
+        "choices": [_with_token_ids({"index": index, "delta": delta, "logprobs": logprobs,
+                                     "finish_reason": finish_reason}, token_ids)],
     }
     if include_usage:
         chunk["usage"] = None
@@ -77,14 +84,14 @@ def text_completion(response_id: str, created: int, model: str, choices: list[di
 
 def completion_chunk(response_id: str, created: int, model: str, text: str,
                      finish_reason: str | None, include_usage: bool, *, index: int = 0,
-                     logprobs: dict | None = None) -> dict:
+                     logprobs: dict | None = None, token_ids: list[int] | None = None) -> dict:
     chunk = {
         "id": response_id,
         "object": "text_completion",
         "created": created,
         "model": model,
-        "choices": [{"index": index, "text": text, "logprobs": logprobs,
-                     "finish_reason": finish_reason}],
+        "choices": [_with_token_ids({"index": index, "text": text, "logprobs": logprobs,
+                                     "finish_reason": finish_reason}, token_ids)],
     }
     if include_usage:
         chunk["usage"] = None
@@ -120,6 +127,10 @@ class Output:
     # --per-request-spec-decode-metrics, and the server's k (the histogram's length - 1).
     spec_decode_metrics: str = "none"
     num_speculative_tokens: int = 0
+    # echo: text every choice starts with (the prompt, or the assistant message continued).
+    echo_text: str = ""
+    # return_token_ids: the prompt's ids (then every choice carries its own); None: not asked.
+    prompt_token_ids: list[int] | None = None
 
     def with_metrics(self, body: dict, results: list[GenerationResult]) -> dict:
         """`body` with vLLM's per-request `metrics` when asked for (gateway.spec_decode_metrics)."""
@@ -128,6 +139,15 @@ class Output:
         if metrics is not None:
             body["metrics"] = metrics
         return body
+
+    def token_ids(self, token_ids: list[int]) -> list[int] | None:
+        return list(token_ids) if self.prompt_token_ids is not None else None
+
+    def first_chunk(self, chunk: dict) -> dict:
+        """The response's first chunk carries the prompt's ids (vLLM's return_token_ids)."""
+        if self.prompt_token_ids is not None:
+            chunk["prompt_token_ids"] = self.prompt_token_ids
+        return chunk
 
     def chat_logprobs(self, delta: TextDelta) -> dict | None:
         if self.token_texts is None:
@@ -144,8 +164,12 @@ async def chat_chunks(output: Output, choices: list[Choice],
     chunk = functools.partial(chat_chunk, output.response_id, output.created, output.model)
     readers = {choice.index: output.new_tool_output() for choice in choices}
     for choice in choices:
-        yield chunk({"role": "assistant", "content": ""}, None, include_usage,
-                    index=choice.index)
+        first = chunk({"role": "assistant", "content": ""}, None, include_usage,
+                      index=choice.index, token_ids=output.token_ids([]))
+        yield output.first_chunk(first) if choice.index == 0 else first
+        if output.echo_text:
+            yield chunk({"content": output.echo_text}, None, include_usage, index=choice.index,
+                        token_ids=output.token_ids([]))
     async for choice, delta in merged_deltas(choices):
         reader = readers[choice.index]
         reason = choice.result.finish_reason
@@ -153,14 +177,18 @@ async def chat_chunks(output: Output, choices: list[Choice],
             if reader is not None:
                 rest = reader.finish()
                 if rest:
-                    yield chunk(rest, None, include_usage, index=choice.index)
+                    yield chunk(rest, None, include_usage, index=choice.index,
+                                token_ids=output.token_ids([]))
                 reason = reader.finish_reason(reason)
-            yield chunk({}, reason, include_usage, index=choice.index)
+            yield chunk({}, reason, include_usage, index=choice.index,
+                        token_ids=output.token_ids([]))
             continue
         fields = {"content": delta.text} if reader is None else reader.feed(delta.text)
         logprobs = output.chat_logprobs(delta)
-        if fields or logprobs is not None:
-            yield chunk(fields, None, include_usage, index=choice.index, logprobs=logprobs)
+        token_ids = output.token_ids(delta.token_ids)
+        if fields or logprobs is not None or token_ids:
+            yield chunk(fields, None, include_usage, index=choice.index, logprobs=logprobs,
+                        token_ids=token_ids)
     if include_usage:
         results = [c.result for c in choices]
         yield output.with_metrics(usage_chunk(output.response_id, output.created, output.model,
@@ -173,13 +201,19 @@ async def completion_chunks(output: Output, choices: list[Choice],
     texts = output.token_texts
     builders = ({choice.index: CompletionLogprobs(texts) for choice in choices}
                 if texts is not None else None)
+    echoed: set[int] = set()  # choices whose first chunk (with the echo) went out
     async for choice, delta in merged_deltas(choices):
+        prefix = "" if choice.index in echoed else output.echo_text
         if delta is None:
-            yield chunk("", choice.result.finish_reason, include_usage, index=choice.index)
+            made = chunk(prefix, choice.result.finish_reason, include_usage, index=choice.index,
+                         token_ids=output.token_ids([]))
         else:
             logprobs = (builders[choice.index].build(delta.logprobs, delta.token_ids)
                         if builders is not None else None)
-            yield chunk(delta.text, None, include_usage, index=choice.index, logprobs=logprobs)
+            made = chunk(prefix + delta.text, None, include_usage, index=choice.index,
+                         logprobs=logprobs, token_ids=output.token_ids(delta.token_ids))
+        yield output.first_chunk(made) if not echoed else made
+        echoed.add(choice.index)
     if include_usage:
         results = [c.result for c in choices]
         yield output.with_metrics(usage_chunk(output.response_id, output.created, output.model,
@@ -197,12 +231,19 @@ def response_body(output: Output, collected: list[CollectedChoice]) -> dict:
             if reader is not None:
                 message = reader.message(item.text)
                 reason = reader.finish_reason(reason)
-            body.append(chat_choice(item.choice.index, message, logprobs, reason))
+            if output.echo_text:
+                message["content"] = output.echo_text + (message["content"] or "")
+            choice = chat_choice(item.choice.index, message, logprobs, reason)
         else:
             logprobs = (CompletionLogprobs(output.token_texts).build(item.logprobs, item.token_ids)
                         if output.token_texts is not None else None)
-            body.append(completion_choice(item.choice.index, item.text, logprobs, reason))
+            choice = completion_choice(item.choice.index, output.echo_text + item.text, logprobs,
+                                       reason)
+        body.append(_with_token_ids(choice, output.token_ids(item.token_ids)))
     build = chat_completion if output.chat else text_completion
     results = [item.choice.result for item in collected]
-    return output.with_metrics(build(output.response_id, output.created, output.model, body,
-                                     results), results)
+    response = output.with_metrics(build(output.response_id, output.created, output.model, body,
+                                         results), results)
+    if output.prompt_token_ids is not None:
+        response["prompt_token_ids"] = output.prompt_token_ids
+    return response

@@ -8,9 +8,10 @@ applies OpenAI's and vLLM's rules for one request:
 - "none": the tools are neither rendered nor enforced (OpenAI: the model answers in text);
 - a named function or "required": the tool grammar forces the call(s); no template support
   is needed, so it works on every model;
-- "auto": needs `--enable-auto-tool-choice` (400 naming `tool_choice`, as vLLM) and a chat
-  template that renders `tools` (400 naming `tools`); the output is parsed by the
-  `--tool-call-parser`.
+- "auto": needs `--enable-auto-tool-choice` (400 naming `tool_choice`, as vLLM); the tools
+  go through a chat template that renders `tools`, and where the template renders none
+  (SmolLM2's) through specdec's own system message (`fallback_tool_prompt`); the output is
+  parsed by the `--tool-call-parser`.
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ from gateway.tools import (
     HermesToolParser,
     ToolChoice,
     ToolFunction,
+    parse_hermes,
     parse_tool_choice,
     parse_tools,
     tool_calls_from_forced_output,
@@ -60,12 +62,26 @@ class ToolSettings:
 @dataclass(frozen=True, slots=True)
 class ToolPlan:
     """What one request gets: the grammar that forces a call (or None), the tools to render
-    through the template (None: none), and the tool choice the output is read with."""
+    through the template (None: none), specdec's own tool prompt for a template that renders
+    none (None: not needed), and the tool choice the output is read with."""
 
     grammar: GrammarRequest | None
     template_tools: list[dict[str, Any]] | None
     request: ToolRequest
     parser: type[HermesToolParser] | None = None
+    tool_prompt: str | None = None
+
+    def prompt_messages(self, messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        """The conversation with the fallback tool prompt in its system message (added
+        before the first message, or after the client's own system text)."""
+        if self.tool_prompt is None:
+            return messages
+        if messages and messages[0]["role"] == "system":
+            system = messages[0]
+            content = f"{system['content']}\n\n{self.tool_prompt}" if system["content"] else (
+                self.tool_prompt)
+            return [{**system, "content": content}, *messages[1:]]
+        return [{"role": "system", "content": self.tool_prompt}, *messages]
 
     def new_output(self) -> ToolOutput | None:
         """A fresh per-choice reader of the output; None: plain text."""
@@ -94,16 +110,15 @@ def plan_tools(request: ToolRequest, output_grammar: GrammarRequest | None,
     if mode == "auto":
         if not settings.enable_auto_tool_choice or settings.tool_call_parser is None:
             raise InvalidRequestError(
-                '"auto" tool choice (the default when tools are given) needs the gateway '
-                "started with --enable-auto-tool-choice and --tool-call-parser; set tool_choice "
-                'to "required", a named function or "none" instead.', "tool_choice")
+                '"auto" tool choice (the default when tools are given) needs the server '
+                "started with --enable-auto-tool-choice --tool-call-parser hermes (vLLM's "
+                'flags); or set tool_choice to "required", a named function or "none".',
+                "tool_choice")
+        parser = TOOL_CALL_PARSERS[settings.tool_call_parser]
+        template_tools = [_template_tool(tool) for tool in request.tools]
         if not settings.template_accepts_tools:
-            raise InvalidRequestError(
-                "This model's chat template does not render tools, so tool_choice \"auto\" "
-                'cannot offer them; use tool_choice "required" or a named function, which '
-                "need no template support.", "tools")
-        return ToolPlan(None, [_template_tool(tool) for tool in request.tools], request,
-                        TOOL_CALL_PARSERS[settings.tool_call_parser])
+            return ToolPlan(None, None, request, parser, fallback_tool_prompt(template_tools))
+        return ToolPlan(None, template_tools, request, parser)
     if output_grammar is not None:
         field = output_grammar.param.split(".", 1)[0]
         raise InvalidRequestError(
@@ -220,17 +235,13 @@ class ParsedOutput(ToolOutput):
         return self._fields(delta.content, delta.tool_calls)
 
     def message(self, text: str) -> dict[str, Any]:
-        parser = self._parser_class()
-        first, last = parser.feed(text), parser.finish()
-        content = first.content + last.content
-        calls = [{k: v for k, v in call.items() if k != "index"} for call in parser.tool_calls]
+        content, calls = parse_hermes(text, self._parser_class)
         if not self._parallel:
             calls = calls[:1]
-        if not calls:
-            return {"role": "assistant", "content": content}
-        self.called = True
-        return {"role": "assistant", "content": content if content.strip() else None,
-                "tool_calls": calls}
+        if calls:
+            self.called = True
+            return {"role": "assistant", "content": content, "tool_calls": calls}
+        return {"role": "assistant", "content": content or ""}
 
     def _fields(self, content: str, calls: list[dict[str, Any]]) -> dict[str, Any]:
         if not self._parallel:
@@ -242,6 +253,20 @@ class ParsedOutput(ToolOutput):
             self.called = True
             fields["tool_calls"] = calls
         return fields
+
+
+def fallback_tool_prompt(tools: list[dict[str, Any]]) -> str:
+    """specdec's system text for a chat template that renders no tools: every function's
+    JSON schema and the Hermes call format that `--tool-call-parser hermes` reads back (the
+    text Hermes-style templates such as Qwen's write themselves)."""
+    listing = "\n".join(json.dumps(tool, ensure_ascii=False) for tool in tools)
+    return ("You may call one or more functions to assist with the user query.\n\n"
+            "You are provided with function signatures within <tools></tools> XML tags:\n"
+            f"<tools>\n{listing}\n</tools>\n\n"
+            "For each function call, return a json object with function name and arguments "
+            "within <tool_call></tool_call> XML tags:\n"
+            '<tool_call>\n{"name": <function-name>, "arguments": <args-json-object>}\n'
+            "</tool_call>")
 
 
 def _template_tool(tool: ToolFunction) -> dict[str, Any]:

@@ -154,9 +154,10 @@ def tool_calls_from_forced_output(choice: ToolChoice, text: str) -> list[dict[st
         try:
             calls = json.loads(text)
         except ValueError:
-            # Only when generation stopped early (max_tokens): the grammar was not finished.
-            logger.info("a required tool call was cut short; returning no call")
-            return []
+            # Only when generation stopped early (max_tokens): the grammar was not finished;
+            # the calls are returned as far as they were generated.
+            return [_tool_call(name, arguments)
+                    for name, arguments in partial_required_calls(text)]
         return [_tool_call(call["name"], json.dumps(call["parameters"], ensure_ascii=False))
                 for call in calls]
     raise ValueError(f"tool choice {choice.mode!r} does not force a call")
@@ -333,7 +334,9 @@ class HermesToolParser:
         self._pending_space += text[len(body):]
 
     def _emit_call(self, body: str, delta: ParserDelta, *, closed: bool) -> None:
-        call = _parse_call(body)
+        # A call cut short (max_tokens) is returned as far as it was generated: its name and
+        # the start of its arguments (finish_reason stays "length").
+        call = _parse_call(body) if closed else (_parse_call(body) or _partial_call(body))
         if call is None:
             raw = TOOL_CALL_OPEN + body + (TOOL_CALL_CLOSE if closed else "")
             delta.content += self._pending_space + raw
@@ -346,9 +349,10 @@ class HermesToolParser:
         delta.tool_calls.append(tool_call)
 
 
-def parse_hermes(text: str) -> tuple[str | None, list[dict[str, Any]]]:
+def parse_hermes(text: str, parser_class: type[HermesToolParser] = HermesToolParser,
+                 ) -> tuple[str | None, list[dict[str, Any]]]:
     """Non-streaming: (content or None, tool_calls without `index`) of a whole output."""
-    parser = HermesToolParser()
+    parser = parser_class()
     first = parser.feed(text)
     last = parser.finish()
     content = first.content + last.content
@@ -369,6 +373,41 @@ def _parse_call(body: str) -> tuple[str, str] | None:
     if isinstance(arguments, str):
         return value["name"], arguments
     return value["name"], json.dumps(arguments, ensure_ascii=False)
+
+
+# The start of a Hermes call whose arguments were cut short: its name is whole.
+_PARTIAL_CALL = re.compile(r'^\s*\{\s*"name"\s*:\s*"([^"\\]*)"\s*,\s*"(?:arguments|parameters)"\s*:\s*',
+                           re.DOTALL)
+
+
+def _partial_call(body: str) -> tuple[str, str] | None:
+    """(name, the arguments text generated so far) of a call cut short, if its name is whole."""
+    match = _PARTIAL_CALL.match(body)
+    if match is None:
+        return None
+    return match.group(1), body[match.end():]
+
+
+def partial_required_calls(text: str) -> list[tuple[str, str]]:
+    """The calls of a "required" array cut short (max_tokens): every whole item, then the
+    last one as far as it was generated (its name and the start of its parameters)."""
+    decoder = json.JSONDecoder()
+    calls: list[tuple[str, str]] = []
+    position = text.find("[") + 1
+    while position > 0:
+        while position < len(text) and text[position] in " \n\t\r,":
+            position += 1
+        try:
+            item, position = decoder.raw_decode(text, position)
+        except ValueError:
+            partial = _partial_call(text[position:])
+            if partial is not None:
+                calls.append(partial)
+            break
+        if isinstance(item, dict) and isinstance(item.get("name"), str):
+            calls.append((item["name"], json.dumps(item.get("parameters", {}),
+                                                   ensure_ascii=False)))
+    return calls
 
 
 def _partial_suffix(text: str, tag: str) -> int:

@@ -28,11 +28,37 @@ _UNSUPPORTED_UNLESS_DEFAULT: tuple[tuple[str, tuple[Any, ...]], ...] = (
     ("reasoning_effort", ()),
     ("verbosity", ()),
     ("web_search_options", ()),
-    # vLLM's extensions that would change the output.
+    # vLLM's extensions that would change the output or the answer's shape.
     ("allowed_token_ids", ()),
     ("bad_words", ([],)),
     ("use_beam_search", (False,)),
+    ("length_penalty", (1.0, 1)),  # beam search only
     ("prompt_logprobs", ()),
+    ("logprob_token_ids", ()),
+    ("return_tokens_as_token_ids", (False,)),
+    ("return_prompt_text", (False,)),
+    ("watermarking", (False,)),
+    ("thinking_token_budget", (-1,)),
+    ("include_reasoning", (True,)),  # no reasoning parser: nothing to leave out
+    ("repetition_detection", ()),
+    ("stream_interval", (1,)),
+    ("priority", (0,)),  # no priority scheduling (vLLM refuses it too then)
+    # A request's own template would run client-written Jinja (vLLM needs
+    # --trust-request-chat-template for it).
+    ("chat_template", ()),
+    ("prompt_embeds", ()),
+    ("media_io_kwargs", ({},)),
+    ("mm_processor_kwargs", ({},)),
+    ("kv_transfer_params", ({},)),
+    ("ec_transfer_params", ({},)),
+    ("vllm_xargs", ({},)),
+    ("routed_experts_prompt_start", (0,)),
+    # vLLM reads these on its /render routes only.
+    ("return_token_offsets", (False,)),
+    ("return_mm_kwargs", (True,)),
+    # vLLM's older names.
+    ("logits_processors", ([],)),
+    ("guided_whitespace_pattern", ()),
 )
 
 

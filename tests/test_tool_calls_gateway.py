@@ -86,7 +86,9 @@ def stack() -> Iterator[dict[str, Any]]:
     auto = {"enable_auto_tool_choice": True, "tool_call_parser": "hermes"}
     gateways = {
         "plain": LiveGateway(gateway_config(server.address), tokenizer),
-        "auto_no_template": LiveGateway(gateway_config(server.address, **auto), tokenizer),
+        # specdec's fallback tool prompt is long for the tiny tokenizer: room for it.
+        "auto_no_template": LiveGateway(gateway_config(server.address, max_model_len=4096,
+                                                       **auto), tokenizer),
         "auto": LiveGateway(gateway_config(server.address, **auto), tools_tokenizer),
     }
     for gateway in gateways.values():
@@ -229,20 +231,76 @@ def test_auto_without_a_call_is_text_and_parallel_false_keeps_one_call(stack, fa
     assert [c.function.name for c in completion.choices[0].message.tool_calls] == ["get_weather"]
 
 
-def test_auto_needs_the_flag_and_a_template_that_takes_tools(stack, fake):
+def test_auto_needs_the_flag_and_says_which_to_add(stack, fake):
     before = len(fake.requests)
     for tool_choice in ("auto", openai.omit):
         with pytest.raises(openai.BadRequestError) as caught:
             stack["clients"]["plain"].chat.completions.create(
                 model=SERVED_MODEL, messages=MESSAGES, tools=TOOLS, tool_choice=tool_choice)
         assert caught.value.body["param"] == "tool_choice"
-        assert "--enable-auto-tool-choice" in caught.value.body["message"]
-    with pytest.raises(openai.BadRequestError) as caught:
-        stack["clients"]["auto_no_template"].chat.completions.create(
-            model=SERVED_MODEL, messages=MESSAGES, tools=TOOLS, tool_choice="auto")
-    assert caught.value.body["param"] == "tools"
-    assert "template does not render tools" in caught.value.body["message"]
+        assert "--enable-auto-tool-choice --tool-call-parser hermes" in caught.value.body["message"]
     assert len(fake.requests) == before
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_auto_on_a_template_without_tools_uses_the_fallback_prompt(stack, fake, stream):
+    fake.reply_for = _reply(stack["tokenizer"], {}, HERMES_TEXT)
+    system = {"role": "system", "content": "Be brief."}
+    result = stack["clients"]["auto_no_template"].chat.completions.create(
+        model=SERVED_MODEL, messages=[system, *MESSAGES], tools=TOOLS, max_tokens=200,
+        stream=stream)
+    assert not fake.requests[-1].sampling.HasField("grammar")
+    prompt = _prompt_text(stack, fake)
+    # One system message: the client's text, then every function's schema and the format.
+    assert prompt.count("<|im_start|>system") == 1
+    assert prompt.startswith("<|im_start|>system\nBe brief.\n\nYou may call")
+    tools_text = prompt[prompt.index("<tools>\n") + 8:prompt.index("\n</tools>")]
+    assert [json.loads(line) for line in tools_text.split("\n")] == [
+        {"type": "function", "function": {"name": t["function"]["name"],
+                                          "parameters": t["function"]["parameters"],
+                                          **({"description": t["function"]["description"]}
+                                             if "description" in t["function"] else {})}}
+        for t in TOOLS]
+    assert '<tool_call>\n{"name": <function-name>, "arguments": <args-json-object>}' in prompt
+    if stream:
+        content, calls, reason = _reassemble(result)
+        calls = [(c["name"], json.loads(c["arguments"])) for c in calls]
+    else:
+        message = result.choices[0].message
+        content, reason = message.content, result.choices[0].finish_reason
+        calls = [(c.function.name, json.loads(c.function.arguments)) for c in message.tool_calls]
+    assert content == "Let me look." and reason == "tool_calls"
+    assert calls == [("get_weather", {"city": "Paris", "days": 2}), ("get_time", {"zone": "UTC"})]
+
+
+CUT_HERMES = 'Sure. <tool_call>\n{"name": "get_weather", "arguments": {"city": "Pa'
+
+
+@pytest.mark.parametrize("stream", [False, True])
+@pytest.mark.parametrize("tool_choice, reply, expected", [
+    ("auto", CUT_HERMES, [("get_weather", '{"city": "Pa')]),
+    ("required", REQUIRED_TEXT[:108], [("get_weather", '{"city": "Oslo", "days": 1}'),
+                                      ("get_time", '{"zo')]),
+    (NAMED, ARGUMENTS[:12], [("get_weather", ARGUMENTS[:12])]),
+], ids=["auto", "required", "named"])
+def test_a_call_cut_by_max_tokens_is_returned_as_generated(stack, fake, stream, tool_choice,
+                                                          reply, expected):
+    """The partial call comes back with finish_reason "length", never dropped."""
+    tokenizer = stack["tokenizer"]
+    num_tokens = len(tokenizer.encode(reply, add_special_tokens=False))
+    fake.reply_for = _reply(tokenizer, {"object": ARGUMENTS, "array": REQUIRED_TEXT}, CUT_HERMES)
+    result = stack["clients"]["auto_no_template"].chat.completions.create(
+        model=SERVED_MODEL, messages=MESSAGES, tools=TOOLS, tool_choice=tool_choice,
+        max_tokens=num_tokens, stream=stream)
+    if stream:
+        _, calls, reason = _reassemble(result)
+        calls = [(c["name"], c["arguments"]) for c in calls]
+    else:
+        message = result.choices[0].message
+        reason = result.choices[0].finish_reason
+        calls = [(c.function.name, c.function.arguments) for c in message.tool_calls or []]
+    assert reason == "length"
+    assert calls == expected
 
 
 def test_none_ignores_the_tools(stack, fake):
@@ -323,7 +381,8 @@ def test_tool_flags() -> None:
     args = parser.parse_args(["--enable-auto-tool-choice", "--tool-call-parser", "hermes"])
     [gateway] = [command for name, command in launcher._child_commands(args, "/m")
                  if name == "gateway"]
-    assert gateway[-3:] == ["--enable-auto-tool-choice", "--tool-call-parser", "hermes"]
+    start = gateway.index("--enable-auto-tool-choice")
+    assert gateway[start:start + 3] == ["--enable-auto-tool-choice", "--tool-call-parser", "hermes"]
     # The launcher checks the parser's name itself, against the gateway's own list.
     assert set(launcher.TOOL_CALL_PARSER_NAMES) == set(TOOL_CALL_PARSERS)
     with pytest.raises(SystemExit):
