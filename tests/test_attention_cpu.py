@@ -10,6 +10,7 @@ SPECDEC_REQUIRE_CPU_KERNELS=1 and fails instead (tests/cpu_kernels.py).
 from __future__ import annotations
 
 import logging
+from pathlib import Path
 
 import pytest
 import torch
@@ -247,16 +248,17 @@ def test_bad_slots_and_short_tables_raise_instead_of_writing_out_of_bounds() -> 
 
 
 def test_a_failed_build_falls_back_to_the_reference(monkeypatch: pytest.MonkeyPatch,
-                                                    caplog: pytest.LogCaptureFixture) -> None:
-    from torch.utils import cpp_extension
-
+                                                    caplog: pytest.LogCaptureFixture,
+                                                    tmp_path: Path) -> None:
     from specdec.layers.attention import make_attention_backend
 
-    def no_compiler(**kwargs: object) -> None:
+    def no_compiler(*args: object, **kwargs: object) -> None:
         raise RuntimeError("Ninja is required to load C++ extensions")
 
     monkeypatch.delenv(ATTENTION_BACKEND_ENV, raising=False)
-    monkeypatch.setattr(cpp_extension, "load", no_compiler)
+    # An empty kernel cache (this machine's holds a build) and a compiler that fails.
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
+    monkeypatch.setattr(cpu_extension, "_compile", no_compiler)
     load_extension.cache_clear()
     try:
         with caplog.at_level(logging.WARNING, logger=cpu_extension.__name__):

@@ -11,7 +11,6 @@ import sys
 from pathlib import Path
 
 import pytest
-from torch.utils import cpp_extension
 
 from specdec.layers import cpu_extension
 from specdec.layers.cpu_extension import (
@@ -57,7 +56,8 @@ def test_variants_are_named_distinctly() -> None:
 def test_a_prebuilt_dir_without_a_build_for_this_cpu_compiles_nothing(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
     compiled: list[object] = []
-    monkeypatch.setattr(cpp_extension, "load", lambda **kwargs: compiled.append(kwargs))
+    monkeypatch.setattr(cpu_extension, "_compile", lambda *args: compiled.append(args))
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path / "empty-cache"))
     monkeypatch.setenv(PREBUILT_ENV, str(tmp_path))
     load_extension.cache_clear()
     try:
