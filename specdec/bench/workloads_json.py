@@ -149,16 +149,17 @@ _TASKS: list[Callable[[random.Random], tuple[str, list[Step]]]] = [_travel, _ref
 
 def agent_lines(rng: random.Random, count: int) -> list[dict[str, Any]]:
     """Tool loops cut after 0-3 steps: the model is asked for the next JSON call (the calls
-    after the last step are finish)."""
+    after the last step are finish). The model writes its calls as JSON text, not as
+    OpenAI `tool_calls`, so the tool results carry no `tool_call_id`: one would answer no
+    call, which the gateway refuses as OpenAI does."""
     lines = []
     for index in range(count):
         task, steps = _TASKS[index % len(_TASKS)](rng)
         done = rng.randint(0, len(steps))
         messages = [{"role": "system", "content": AGENT_SYSTEM}, {"role": "user", "content": task}]
-        for number, (call, result) in enumerate(steps[:done], 1):
+        for call, result in steps[:done]:
             messages.append({"role": "assistant", "content": json.dumps(call)})
-            messages.append({"role": "tool", "tool_call_id": f"call_{number}",
-                             "content": json.dumps(result)})
+            messages.append({"role": "tool", "content": json.dumps(result)})
         lines.append({"messages": messages, "max_tokens": 96})
     return lines
 
