@@ -64,13 +64,15 @@ def test_a_kernel_missing_from_the_build_is_reported(monkeypatch: pytest.MonkeyP
 def test_a_required_run_stops_at_its_start_when_the_build_fails(tmp_path: Path) -> None:
     """The whole gate: conftest's check, in a pytest run of its own whose build fails."""
     (tmp_path / "broken_build.py").write_text(
-        "from torch.utils import cpp_extension\n\n\n"
+        "from specdec.layers import cpu_extension\n\n\n"
         "def pytest_configure(config):\n"
-        "    def broken(**kwargs):\n"
+        "    def broken(*args, **kwargs):\n"
         "        raise RuntimeError('simulated: g++ exited with status 1')\n"
-        "    cpp_extension.load = broken\n")
+        "    cpu_extension._compile = broken\n")
     env = {key: value for key, value in os.environ.items() if key != cpu_extension.PREBUILT_ENV}
+    # An empty kernel cache: this machine's holds a build the loader would import.
     env.update({cpu_kernels.REQUIRE_ENV: "1", "CXX": sys.executable,
+                "TORCH_EXTENSIONS_DIR": str(tmp_path / "kernel-cache"),
                 "PYTHONPATH": os.pathsep.join([str(tmp_path), str(ROOT)])})
     run = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "broken_build",
                           "tests/test_cpu_kernel_requirement.py::test_expected_kernels_follow_the_cpu"],
