@@ -147,7 +147,10 @@ class FakeVerifier(specdec_pb2_grpc.VerifierServicer):
                 yield response
                 step += 1
                 await asyncio.sleep(self.delay_s)
-        except asyncio.CancelledError:
+        except (asyncio.CancelledError, GeneratorExit):
+            # A cancel that finds the handler waiting on a write (the client stopped reading
+            # and flow control holds the stream) closes the generator instead of throwing
+            # CancelledError into it.
             self.cancelled_ids.append(request.request_id)
             raise
 

@@ -187,6 +187,12 @@ def test_a_stream_its_client_stops_reading_is_closed_and_cancelled():
     server = FakeVerifierServer(servicer)
     server.start()
     served = Served(server.address, ServerLimits(write_stall_timeout_s=SHORT_TIMEOUT_S))
+    # A small send buffer on the listening socket (accepted sockets inherit it), so the
+    # gateway's writes pause after a few KiB instead of after the megabytes loopback's
+    # autotuned buffer can take, however fast the stream is produced.
+    for listener in served.server.servers:
+        for listening in listener.sockets:
+            listening.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 4096)
     body = json.dumps({"model": SERVED_MODEL, "messages": [{"role": "user", "content": "Hi"}],
                        "stream": True, "ignore_eos": True, "max_tokens": 5_000_000,
                        "logprobs": True, "top_logprobs": 20}).encode()
@@ -200,7 +206,8 @@ def test_a_stream_its_client_stops_reading_is_closed_and_cancelled():
                          + f"Content-Length: {len(body)}\r\n\r\n".encode() + body)
             deadline = time.monotonic() + 120
             while not servicer.cancelled_ids:  # reads nothing meanwhile
-                assert time.monotonic() < deadline, "the held stream was never cancelled"
+                assert time.monotonic() < deadline, (
+                    f"the held stream was never cancelled ({len(servicer.requests)} verifier calls)")
                 time.sleep(0.05)
             assert servicer.requests and not servicer.completed_ids
     finally:
