@@ -11,7 +11,7 @@ from drafter_svc.server import start_drafter_server, stop_drafter_server
 from specdec.config import SpeculativeConfig
 from specdec.engine.sampling_params import SamplingParams
 from verifier_svc.builder import VerifierConfig, build_engine
-from verifier_svc.engine import Engine
+from specdec.engine.engine import Engine
 from verifier_svc.requests import collect_outputs
 
 

@@ -33,7 +33,7 @@ from specdec.engine.sampling_params import SamplingParams
 from specdec.v1 import specdec_pb2, specdec_pb2_grpc
 from tests.tiny_models import make_tiny_llama
 from verifier_svc.builder import VerifierConfig
-from verifier_svc.engine import Engine
+from specdec.engine.engine import Engine
 from verifier_svc.server import RunningVerifier, start_verifier
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -31,7 +31,7 @@ from specdec.layers.cpu_extension import linear_supports
 from specdec.models.model_files import DEFAULT_MODEL, load_tokenizer, resolve_model
 from tests.engine_driver import generate
 from verifier_svc.builder import VerifierConfig, build_engine
-from verifier_svc.engine import Engine
+from specdec.engine.engine import Engine
 
 ROOT = Path(__file__).resolve().parent.parent
 PROMPTS = [

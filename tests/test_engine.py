@@ -20,7 +20,7 @@ from tests.engine_driver import generate
 from tests.tiny_models import EOS_TOKEN_ID, make_tiny_llama
 from verifier_svc.builder import VerifierConfig, build_engine
 from verifier_svc.drafting.drafter_pool import DraftRequest
-from verifier_svc.engine import Engine, StepRecord
+from specdec.engine.engine import Engine, StepRecord
 from verifier_svc.speculation import probe_schedule
 
 # Prompts with repeats, so the ngram drafter finds matches.

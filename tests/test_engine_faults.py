@@ -22,7 +22,7 @@ from tests.engine_driver import generate
 from tests.test_engine import PROMPTS, EngineHarness, greedy
 from tests.tiny_models import make_tiny_llama
 from tests.verifier_harness import request, verifier_starter
-from verifier_svc.engine import Engine
+from specdec.engine.engine import Engine
 from verifier_svc.requests import EngineError, RequestOutput, collect_outputs
 
 NUM_BLOCKS = 256  # EngineHarness's num_gpu_blocks_override

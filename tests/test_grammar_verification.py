@@ -27,7 +27,7 @@ from tests.engine_driver import served_engine
 from tests.grammar_decode import PADDED_VOCAB, make_padded_tiny_model
 from verifier_svc.builder import VerifierConfig, build_engine
 from verifier_svc.drafting.drafter_pool import Draft
-from verifier_svc.engine import Engine
+from specdec.engine.engine import Engine
 from verifier_svc.grammar import GrammarBackend
 from verifier_svc.grammar.verification import mask_rows
 

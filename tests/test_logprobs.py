@@ -25,7 +25,7 @@ from specdec.engine.sampling_params import SamplingParams
 from specdec.errors import InvalidRequestError
 from tests.engine_driver import served_engine
 from tests.tiny_models import make_tiny_llama
-from verifier_svc.engine import Engine
+from specdec.engine.engine import Engine
 
 PROMPTS = [
     [5, 6, 7, 8, 9, 5, 6, 7, 8, 9, 5, 6, 7],

@@ -26,7 +26,7 @@ from tests.draft_checkpoints import make_draft_model, make_eagle3_head, make_eag
 from tests.engine_driver import generate
 from tests.tiny_models import make_tiny_llama
 from verifier_svc.builder import VerifierConfig, build_engine
-from verifier_svc.engine import Engine
+from specdec.engine.engine import Engine
 
 K = 3
 NUM_LAYERS = 8  # eagle3's default layers (2, L/2, L-3) are then distinct: (2, 4, 5)

@@ -48,7 +48,7 @@ async def test_a_request_the_policy_does_not_draft_for_is_told_why(
     async with served_engine(tiny_model, NGRAM, str(device), adaptive_speculation=True) as engine:
         assert engine.policy is not None
         measured_that_drafting_does_not_pay(engine.policy)
-        with caplog.at_level(logging.INFO, logger="verifier_svc.engine"):
+        with caplog.at_level(logging.INFO, logger="specdec.engine.engine"):
             specs = []
             for _ in range(2):
                 _, queue = engine.add_request("r", [5, 6, 7, 5, 6, 7, 5, 6], SamplingParams(

@@ -23,7 +23,7 @@ from specdec.models.model_files import DEFAULT_MODEL, load_tokenizer, resolve_mo
 from tests.engine_driver import served_engine
 from tests.grammar_decode import make_padded_tiny_model
 from verifier_svc.drafting.drafter_pool import Draft, DraftRequest
-from verifier_svc.engine import Engine
+from specdec.engine.engine import Engine
 from verifier_svc.grammar.matcher import GrammarLimitError, GrammarState
 from verifier_svc.requests import EngineError, collect_outputs
 

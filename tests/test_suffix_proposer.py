@@ -19,7 +19,7 @@ from specdec.errors import ConfigError
 from tests.engine_driver import generate
 from tests.tiny_models import make_tiny_llama
 from verifier_svc.builder import VerifierConfig, build_engine
-from verifier_svc.engine import Engine
+from specdec.engine.engine import Engine
 
 
 def suffix(**fields: object) -> SpeculativeConfig:

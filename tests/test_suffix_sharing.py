@@ -25,7 +25,7 @@ from tests.tiny_models import make_tiny_llama
 from verifier_svc.builder import VerifierConfig, build_engine
 from verifier_svc.drafting.drafter_pool import DrafterPool
 from verifier_svc.drafting.finished_outputs import PROMPT_TAIL_TOKENS, FinishedOutputLog
-from verifier_svc.engine import Engine
+from specdec.engine.engine import Engine
 
 K = 3
 VOCAB_SIZE = 96  # the tiny model's

@@ -32,7 +32,7 @@ from tests.engine_driver import generate
 from tests.tiny_models import make_tiny_llama
 from verifier_svc import tp_worker
 from verifier_svc.builder import VerifierConfig, build_engine
-from verifier_svc.engine import Engine
+from specdec.engine.engine import Engine
 from verifier_svc.model_runner import StepInput
 from verifier_svc.requests import EngineError
 from verifier_svc.server import RunningVerifier

@@ -41,7 +41,7 @@ from specdec.models.packed_linear import PackedLinear, choose_kernel, pack_linea
 from specdec.models.parallel import ParallelContext, check_tensor_parallel
 from specdec.rpc.tls import GrpcTlsConfig
 from verifier_svc.drafting.drafter_pool import DrafterPool
-from verifier_svc.engine import Engine
+from specdec.engine.engine import Engine
 from verifier_svc.grammar.backend import GrammarBackend
 from verifier_svc.grammar.verification import GrammarService
 from verifier_svc.model_runner import ModelRunner

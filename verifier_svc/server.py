@@ -10,7 +10,7 @@ from specdec.errors import UnavailableError
 from specdec.rpc.grpc_server import GrpcServer
 from specdec.v1 import specdec_pb2, specdec_pb2_grpc
 from verifier_svc.builder import ServedModel, VerifierConfig, build_engine
-from verifier_svc.engine import Engine
+from specdec.engine.engine import Engine
 from verifier_svc.metrics import VerifierMetrics
 from verifier_svc.servicer import VerifierServicer
 from verifier_svc.starting_servicer import StartingVerifierServicer

@@ -20,7 +20,7 @@ from specdec.errors import SpecdecError
 from specdec.rpc.grpc_status import error_details, status_for
 from specdec.v1 import specdec_pb2, specdec_pb2_grpc
 from verifier_svc.builder import ServedModel
-from verifier_svc.engine import Engine
+from specdec.engine.engine import Engine
 
 logger = logging.getLogger(__name__)
 

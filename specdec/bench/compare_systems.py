@@ -34,7 +34,7 @@ from specdec.engine.sampling_params import SamplingParams
 from specdec.engine.sequence import SpeculationCounters
 from specdec.errors import ConfigError, SpecdecError
 from verifier_svc.builder import VerifierConfig, build_engine
-from verifier_svc.engine import Engine
+from specdec.engine.engine import Engine
 from verifier_svc.requests import collect_outputs
 
 logger = logging.getLogger(__name__)

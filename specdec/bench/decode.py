@@ -39,7 +39,7 @@ from specdec.engine.sampling_params import SamplingParams
 from specdec.engine.sequence import SpeculationCounters
 from specdec.models.model_files import load_tokenizer, resolve_model
 from verifier_svc.builder import VerifierConfig, build_engine, compile_by_default
-from verifier_svc.engine import Engine
+from specdec.engine.engine import Engine
 from verifier_svc.requests import collect_outputs
 
 logger = logging.getLogger(__name__)

@@ -40,7 +40,7 @@ from specdec.cli import (
 from specdec.config import SpeculativeConfig
 from specdec.engine.sampling_params import SamplingParams
 from specdec.models.model_files import load_tokenizer, resolve_model
-from verifier_svc.engine import Engine, StepRecord
+from specdec.engine.engine import Engine, StepRecord
 from verifier_svc.requests import collect_outputs
 
 logger = logging.getLogger(__name__)

@@ -1,2 +1,2 @@
-"""The engine's core, with no model and no RPC: scheduler, block manager, KV cache,
+"""The verifier's engine (`engine.py`) and its parts: scheduler, block manager, KV cache,
 sequences, sampling parameters, logits processing and the rejection sampler."""

@@ -25,7 +25,7 @@ from specdec.models.loader import load_model_config
 from specdec.models.model_files import load_tokenizer, resolve_model
 from specdec.train.progress import Progress
 from verifier_svc.builder import VerifierConfig, build_engine
-from verifier_svc.engine import Engine
+from specdec.engine.engine import Engine
 from verifier_svc.requests import collect_outputs
 
 logger = logging.getLogger(__name__)
