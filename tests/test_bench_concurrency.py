@@ -12,7 +12,7 @@ from specdec.__main__ import main
 from specdec.bench.concurrency import step_seconds, summarise
 from specdec.layers.cpu_extension import linear_supports
 from tests.tiny_models import make_tiny_llama
-from specdec.engine.engine import StepRecord
+from specdec.engine.step_record import StepRecord
 
 
 def steps(pattern: list[tuple[bool, float, int, int, int]], gap_after: dict[int, float] | None = None,

@@ -20,7 +20,8 @@ from tests.engine_driver import generate
 from tests.tiny_models import EOS_TOKEN_ID, make_tiny_llama
 from verifier_svc.builder import VerifierConfig, build_engine
 from verifier_svc.drafting.drafter_pool import DraftRequest
-from specdec.engine.engine import Engine, StepRecord
+from specdec.engine.engine import Engine
+from specdec.engine.step_record import StepRecord
 from verifier_svc.speculation import probe_schedule
 
 # Prompts with repeats, so the ngram drafter finds matches.
@@ -108,7 +109,7 @@ async def test_greedy_invariance_with_ngram(tiny_model: Path, device, expected, 
 async def test_adaptive_speculation_keeps_outputs(tiny_model: Path, device, expected) -> None:
     async with EngineHarness(tiny_model, str(device), k=3, adaptive_speculation=True) as engine:
         outputs = await asyncio.gather(*(generate(engine, p, greedy()) for p in PROMPTS))
-        policy = engine.policy
+        policy = engine.speculation.policy
         assert policy is not None and policy.verify_cost.has_data
         assert not policy._stats, "finished sequences are forgotten"
     assert list(outputs) == expected
@@ -119,7 +120,7 @@ async def test_decode_steps_tell_the_policy_what_drafting_realized(tiny_model: P
     """Each decode step reports its sequences, whether it drafted, its tokens and its wall
     time (verifier_svc/speculation/realized.py); steps with a prefill chunk do not."""
     async with EngineHarness(tiny_model, str(device), k=3, adaptive_speculation=True) as engine:
-        policy = engine.policy
+        policy = engine.speculation.policy
         assert policy is not None
         reported: list[tuple[int, bool, int, float]] = []
         observe = policy.observe_step
@@ -147,7 +148,7 @@ async def test_a_text_drafter_is_asked_for_its_cap_and_its_drafts_cut_by_evidenc
     the verified drafts' confidences calibrate it. Outputs unchanged."""
     monkeypatch.setattr(probe_schedule, "MAX_PROBE_INTERVAL", 1)  # probes at the back-off
     async with EngineHarness(tiny_model, str(device), k=3, adaptive_speculation=True) as engine:
-        policy, pool = engine.policy, engine.drafter_pool
+        policy, pool = engine.speculation.policy, engine.drafter_pool
         assert policy is not None and pool is not None
         asked: list[int] = []
         offered: list[list[int]] = []
@@ -189,7 +190,7 @@ async def test_a_prompt_reaches_the_drafter_as_its_prefill_starts(tiny_model: Pa
     step is cheaper than a round trip, still asks after drafting stopped."""
     monkeypatch.setattr(probe_schedule, "MAX_PROBE_INTERVAL", 1)  # no priced wait
     async with EngineHarness(tiny_model, str(device), k=3, adaptive_speculation=True) as engine:
-        policy, pool = engine.policy, engine.drafter_pool
+        policy, pool = engine.speculation.policy, engine.drafter_pool
         assert policy is not None and pool is not None
         timed: list[float] = []
         first_asks: list[int] = []

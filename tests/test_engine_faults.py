@@ -100,9 +100,9 @@ async def test_a_raising_scheduler_fails_every_request_in_flight(tiny_model: Pat
 async def test_a_raising_policy_fails_every_request_in_flight(tiny_model: Path, device) -> None:
     async with EngineHarness(tiny_model, str(device), k=3, adaptive_speculation=True) as engine:
         before = await generate(engine, PROMPTS[3], greedy())
-        assert engine.policy is not None
-        fault = RaiseOnce(engine.policy.plan)
-        engine.policy.plan = fault  # type: ignore[method-assign]
+        assert engine.speculation.policy is not None
+        fault = RaiseOnce(engine.speculation.policy.plan)
+        engine.speculation.policy.plan = fault  # type: ignore[method-assign]
         outcomes = await fault_in_flight(engine, fault)
         assert fault.num_raised == 1
         assert all(isinstance(result, EngineError) for result in outcomes), outcomes

@@ -46,9 +46,9 @@ def measured_that_drafting_does_not_pay(policy: SpeculationPolicy) -> None:
 async def test_a_request_the_policy_does_not_draft_for_is_told_why(
         tiny_model: Path, device, caplog: pytest.LogCaptureFixture) -> None:
     async with served_engine(tiny_model, NGRAM, str(device), adaptive_speculation=True) as engine:
-        assert engine.policy is not None
-        measured_that_drafting_does_not_pay(engine.policy)
-        with caplog.at_level(logging.INFO, logger="specdec.engine.engine"):
+        assert engine.speculation.policy is not None
+        measured_that_drafting_does_not_pay(engine.speculation.policy)
+        with caplog.at_level(logging.INFO, logger="specdec.engine.adaptive_speculation"):
             specs = []
             for _ in range(2):
                 _, queue = engine.add_request("r", [5, 6, 7, 5, 6, 7, 5, 6], SamplingParams(

@@ -22,7 +22,7 @@ from specdec.engine.sequence import Sequence
 from tests.engine_driver import generate
 from tests.test_engine import EngineHarness
 from tests.tiny_models import make_tiny_llama
-from specdec.engine.engine import StepRecord
+from specdec.engine.step_record import StepRecord
 from verifier_svc.requests import collect_outputs
 
 BLOCK = 4

@@ -130,14 +130,14 @@ def fail_draft_cut(engine: Engine, seq_id: int) -> None:
 
 
 def fail_stop_handling(engine: Engine, seq_id: int) -> None:
-    append = engine._append_tokens
+    append = engine.appender.append_tokens
 
     def failing(seq: Any, *args: Any, **kwargs: Any) -> None:
         if seq.seq_id == seq_id and seq.num_output_tokens >= 2:
             raise RuntimeError("injected in stop handling")
         append(seq, *args, **kwargs)
 
-    engine._append_tokens = failing  # type: ignore[method-assign]
+    engine.appender.append_tokens = failing  # type: ignore[method-assign]
 
 
 @pytest.fixture(scope="module")

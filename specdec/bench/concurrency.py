@@ -62,7 +62,8 @@ from specdec.errors import ConfigError
 from specdec.layers.batch_invariance import batch_invariant_requested
 from specdec.models.cpu_stack import CpuDecoderStack
 from specdec.models.model_files import load_tokenizer, resolve_model
-from specdec.engine.engine import Engine, StepRecord
+from specdec.engine.engine import Engine
+from specdec.engine.step_record import StepRecord
 
 logger = logging.getLogger(__name__)
 

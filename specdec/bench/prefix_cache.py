@@ -40,7 +40,8 @@ from specdec.cli import (
 from specdec.config import SpeculativeConfig
 from specdec.engine.sampling_params import SamplingParams
 from specdec.models.model_files import load_tokenizer, resolve_model
-from specdec.engine.engine import Engine, StepRecord
+from specdec.engine.engine import Engine
+from specdec.engine.step_record import StepRecord
 from verifier_svc.requests import collect_outputs
 
 logger = logging.getLogger(__name__)

@@ -38,7 +38,8 @@ from specdec.cli import (
 from specdec.config import SpeculativeConfig
 from specdec.engine.sampling_params import SamplingParams
 from specdec.models.model_files import load_tokenizer, resolve_model
-from specdec.engine.engine import Engine, StepRecord
+from specdec.engine.engine import Engine
+from specdec.engine.step_record import StepRecord
 
 logger = logging.getLogger(__name__)
 

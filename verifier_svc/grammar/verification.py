@@ -86,6 +86,27 @@ class GrammarService:
             await self._backend.close()
 
 
+class NoGrammarService(GrammarService):
+    """The grammar service of an engine built without a grammar backend: no request has a
+    grammar (each one that asks for one is refused), so the engine never times one."""
+
+    def __init__(self) -> None:
+        super().__init__(_no_backend)
+
+    def start_warm_up(self) -> None:
+        pass
+
+    async def compile(self, kind: str, value: str, *, param: str = "grammar") -> CompiledGrammar:
+        raise InvalidRequestError("this verifier has no grammar backend", param=param)
+
+    def new_state(self, compiled: CompiledGrammar) -> GrammarState:
+        raise InvalidRequestError("this verifier has no grammar backend", param="grammar")
+
+
+def _no_backend() -> GrammarBackend:
+    raise InvalidRequestError("this verifier has no grammar backend", param="grammar")
+
+
 def mask_rows(logits: torch.Tensor, jobs: list[tuple[int, GrammarState, list[int]]],
               vocab_size: int) -> list[tuple[int, Exception]]:
     """Masks, in place, each job's rows of the step's logits: (first row, state, draft)
