@@ -98,7 +98,7 @@ def grammar_text(kind: str, value: str, *, param: str = "grammar",
 
         try:
             lark = any_to_lark(value)
-        except Exception as error:  # noqa: BLE001 - the GBNF converter raises plain exceptions
+        except Exception as error:
             raise InvalidRequestError(f"invalid grammar: {error}", param=param) from None
         return llguidance.LLMatcher.grammar_from_lark(lark)
     raise InvalidRequestError(

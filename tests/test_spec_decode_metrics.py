@@ -4,7 +4,6 @@ in vLLM's field names and place, beside specdec's own usage.speculation (issue 4
 
 from __future__ import annotations
 
-from pathlib import Path
 
 import pytest
 from openai import OpenAI

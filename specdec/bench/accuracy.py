@@ -145,7 +145,7 @@ async def ask(client: httpx.AsyncClient, model: str | None, task: Task, max_toke
         speculation = (payload.get("usage") or {}).get("speculation")
         drafts = speculation.get("num_drafts") if isinstance(speculation, dict) else None
         return Answer(text=text, num_drafts=drafts)
-    except Exception as exc:  # noqa: BLE001  (one bad request must not end the run)
+    except Exception as exc:
         return Answer(error=describe_error(exc))
 
 
@@ -169,7 +169,7 @@ async def run_accuracy(base_url: str, tasks: list[Task], *, model: str | None = 
             with tqdm(total=len(tasks), desc=name, unit="task", file=sys.stderr,
                       disable=not progress) as bar:
 
-                async def one(task: Task) -> None:
+                async def one(task: Task, report: RunReport = report, extra: dict = extra) -> None:
                     async with semaphore:
                         report.answers[task.id] = await ask(client, model, task, max_tokens, extra)
                     bar.update()

@@ -190,7 +190,7 @@ async def build_systems(args: argparse.Namespace, specs: list[SpeculativeConfig]
                 spec = assisted_by_name[name]
                 try:
                     assistant = load_assistant(resolve_model(str(spec.model)), target)
-                except Exception as exc:  # noqa: BLE001  (a draft HF cannot load: skipped)
+                except Exception as exc:
                     unavailable.append(Unavailable(name, "transformers", f"{exc}"))
                     continue
                 built[name] = TransformersSystem(
@@ -213,7 +213,7 @@ async def build_systems(args: argparse.Namespace, specs: list[SpeculativeConfig]
         try:
             built[name] = LlamaCppSystem(name, gguf, args.threads, max_model_len,
                                          lookup if name.endswith("prompt-lookup") else None)
-        except Exception as exc:  # noqa: BLE001  (llama.cpp refuses the file: say why)
+        except Exception as exc:
             unavailable.append(Unavailable(name, "llama.cpp", f"{type(exc).__name__}: {exc}"))
     return [built[name] for name in selected if name in built], unavailable
 

@@ -186,7 +186,8 @@ def at_common_size(decode: list[tuple[StepRecord, float]]) -> dict[str, Any] | N
     result: dict[str, Any] = {"sequences": size}
     for name, items in groups.items():
         rate = _rate(items)
-        result[name] = {**rate_fields(rate), "tokens_per_step": round(rate.tokens / rate.steps, 3) if rate.steps else None}
+        tokens_per_step = round(rate.tokens / rate.steps, 3) if rate.steps else None
+        result[name] = {**rate_fields(rate), "tokens_per_step": tokens_per_step}
     return result
 
 
@@ -241,7 +242,8 @@ def format_summary(concurrency: int, num_requests: int, seconds: float, period_s
             if not row["steps"]:
                 return "no steps"
             slots = f", {row['draft_slots'] / row['steps']:.1f} draft tokens" if row["draft_slots"] else ""
-            return f"{row['tokens_per_s']:.2f} tok/s ({row['steps']} steps, {row['tokens_per_step']:.2f} tokens{slots} a step)"
+            return (f"{row['tokens_per_s']:.2f} tok/s "
+                    f"({row['steps']} steps, {row['tokens_per_step']:.2f} tokens{slots} a step)")
         lines.append(f"  at {common['sequences']} sequences: off {group('off')}")
         lines.append(f"    on without drafts {group('on_without_drafts')}")
         lines.append(f"    on with drafts {group('on_with_drafts')}")

@@ -173,7 +173,7 @@ async def fetch_model(client: httpx.AsyncClient) -> str | None:
         response = await client.get("/v1/models")
         response.raise_for_status()
         return response.json()["data"][0]["id"]
-    except Exception as exc:  # noqa: BLE001
+    except Exception as exc:
         logger.warning("cannot list models (%s); sending requests without a model name",
                        describe_error(exc))
         return None
@@ -186,7 +186,7 @@ async def scrape_speculation(client: httpx.AsyncClient, url: str = "/metrics",
         response = await client.get(url)
         response.raise_for_status()
         return parse_speculation_metrics(response.text)
-    except Exception as exc:  # noqa: BLE001
+    except Exception as exc:
         logger.debug("cannot read /metrics: %s", describe_error(exc))
         return None
 

@@ -177,7 +177,7 @@ async def send_request(client: httpx.AsyncClient, request: BenchRequest, model: 
             result.finish_reason = choice.get("finish_reason")
             _take_usage(answer.get("usage"), result)
         result.success = True
-    except Exception as exc:  # noqa: BLE001 - a benchmark reports a failure, it never dies of one
+    except Exception as exc:
         result.success = False
         result.error = describe_error(exc)
     result.e2e_s = time.perf_counter() - started

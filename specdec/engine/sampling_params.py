@@ -93,7 +93,8 @@ class SamplingParams:
         if self.seed is not None and not _is_int(self.seed):
             raise InvalidRequestError(f"seed must be an integer or null, got {self.seed!r}", param="seed")
         if not _is_int(self.max_tokens) or self.max_tokens < 1:
-            raise InvalidRequestError(f"max_tokens must be an integer >= 1, got {self.max_tokens!r}", param="max_tokens")
+            raise InvalidRequestError(f"max_tokens must be an integer >= 1, got {self.max_tokens!r}",
+                                      param="max_tokens")
         stop_token_ids = tuple(self.stop_token_ids)
         if any(not _is_int(token_id) or token_id < 0 for token_id in stop_token_ids):
             raise InvalidRequestError(

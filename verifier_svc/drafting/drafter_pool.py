@@ -61,7 +61,7 @@ logger = logging.getLogger(__name__)
 @dataclass(slots=True)
 class DraftRequest:
     seq_id: int
-    token_ids: list[int]          # the whole verified context (prompt + output so far); read, never copied by the caller
+    token_ids: list[int]          # the whole verified context (prompt + output so far); read, never copied
     num_accepted_tokens: int      # of this sequence's previous draft
     num_speculative_tokens: int   # 0 = just sync state
     # Target hidden states of context positions [0, rows), [rows, width]; rows is
