@@ -49,7 +49,7 @@ def sampling_params_from_proto(message: specdec_pb2.SamplingParams, max_model_le
         presence_penalty=message.presence_penalty,
         frequency_penalty=message.frequency_penalty,
         min_tokens=message.min_tokens,
-        logit_bias=dict(message.logit_bias),
+        logit_bias=tuple(message.logit_bias.items()),
         min_p=message.min_p,
         logprobs=message.logprobs if message.HasField("logprobs") else None,
     )
