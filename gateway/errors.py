@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import logging
+from collections.abc import Mapping
 from typing import Any
 
 import grpc
@@ -115,7 +116,7 @@ def error_response(exc: BaseException) -> JSONResponse:
 
 def plain_error_response(status: int, message: str, param: str | None = None,
                          code: str | None = None,
-                         headers: dict[str, str] | None = None) -> JSONResponse:
+                         headers: Mapping[str, str] | None = None) -> JSONResponse:
     return ErrorJSONResponse(error_body(status, message, param, code), status_code=status,
                              headers=headers)
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator
 from dataclasses import dataclass, field
 
 from gateway.detokenizer import IncrementalDetokenizer, StopStringMatcher
@@ -138,7 +138,7 @@ def choice_requests(request: specdec_pb2.GenerateRequest,
 
 async def stream_text(stream: GenerationStream, detokenizer: IncrementalDetokenizer,
                       stop_matcher: StopStringMatcher, result: GenerationResult,
-                      min_tokens: int = 0) -> AsyncIterator[TextDelta]:
+                      min_tokens: int = 0) -> AsyncGenerator[TextDelta, None]:
     """Yields text deltas (see TextDelta); sets result.finish_reason before returning.
     Stop strings are looked for once `min_tokens` tokens are out (as vLLM, which checks no
     stop condition before then).

@@ -6,7 +6,7 @@ from __future__ import annotations
 import functools
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncGenerator, Callable
 from dataclasses import dataclass
 
 from gateway.choices import Choice, CollectedChoice, merged_deltas
@@ -160,7 +160,7 @@ class Output:
 
 
 async def chat_chunks(output: Output, choices: list[Choice],
-                      include_usage: bool) -> AsyncIterator[dict]:
+                      include_usage: bool) -> AsyncGenerator[dict, None]:
     chunk = functools.partial(chat_chunk, output.response_id, output.created, output.model)
     readers = {choice.index: output.new_tool_output() for choice in choices}
     for choice in choices:
@@ -196,7 +196,7 @@ async def chat_chunks(output: Output, choices: list[Choice],
 
 
 async def completion_chunks(output: Output, choices: list[Choice],
-                            include_usage: bool) -> AsyncIterator[dict]:
+                            include_usage: bool) -> AsyncGenerator[dict, None]:
     chunk = functools.partial(completion_chunk, output.response_id, output.created, output.model)
     texts = output.token_texts
     builders = ({choice.index: CompletionLogprobs(texts) for choice in choices}
