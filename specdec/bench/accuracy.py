@@ -45,8 +45,8 @@ logger = logging.getLogger(__name__)
 DEFAULT_BASE_URL = f"http://127.0.0.1:{DEFAULT_GATEWAY_PORT}"
 BUILTIN_TASKS = "builtin"
 # Run name -> the extra body fields of its requests.
-RUNS_WITH_FIELD = {"speculation": {}, "no_speculation": {"speculation": False}}
-RUNS_WITHOUT_FIELD = {"default": {}}
+RUNS_WITH_FIELD: dict[str, dict[str, Any]] = {"speculation": {}, "no_speculation": {"speculation": False}}
+RUNS_WITHOUT_FIELD: dict[str, dict[str, Any]] = {"default": {}}
 _ARTICLES = re.compile(r"\b(a|an|the)\b")
 _PUNCTUATION = str.maketrans("", "", string.punctuation)
 

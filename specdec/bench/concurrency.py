@@ -283,6 +283,7 @@ def _prompt_ids(request: BenchRequest, tokenizer: Any) -> list[int]:
     """The ids the gateway would give the verifier for this request."""
     if request.messages is not None:
         return render_chat_prompt(tokenizer, request.messages)
+    assert request.prompt is not None  # a request has messages or a prompt
     return tokenize_prompt(tokenizer, request.prompt)
 
 
@@ -291,8 +292,8 @@ async def _switch(engine: Engine, period_s: float, compare: str) -> None:
         if compare == "speculation":
             engine.speculation_enabled = not engine.speculation_enabled
         else:
-            stack = engine.runner.forward
-            stack.batch_invariant = not stack.batch_invariant  # type: ignore[union-attr]
+            stack = _cpu_stack(engine)
+            stack.batch_invariant = not stack.batch_invariant
         await asyncio.sleep(period_s)
 
 
@@ -302,9 +303,17 @@ def _recorder(engine: Engine, records: list[StepRecord], compare: str) -> Callab
     the setting when the step ends is the one its forward ran with), as "on" / "off"."""
     if compare == "speculation":
         return records.append
-    stack = engine.runner.forward
+    stack = _cpu_stack(engine)
     return lambda record: records.append(dataclasses.replace(
-        record, speculation_enabled=stack.batch_invariant))  # type: ignore[union-attr]
+        record, speculation_enabled=stack.batch_invariant))
+
+
+def _cpu_stack(engine: Engine) -> CpuDecoderStack:
+    """The C++ decoder stack whose batch_invariant --compare batch-invariance switches
+    (`_run` refuses an engine without one before any of this runs)."""
+    stack = engine.runner.forward
+    assert isinstance(stack, CpuDecoderStack)
+    return stack
 
 
 async def _run(args: argparse.Namespace, levels: list[int],
@@ -337,7 +346,7 @@ async def _run(args: argparse.Namespace, levels: list[int],
             records: list[StepRecord] = []
             engine.speculation_enabled = args.compare == "speculation"  # the switch turns it off first
             if args.compare == "batch-invariance":
-                engine.runner.forward.batch_invariant = True  # type: ignore[union-attr]
+                _cpu_stack(engine).batch_invariant = True
             engine.step_listener = _recorder(engine, records, args.compare)
             switch = asyncio.create_task(_switch(engine, args.period, args.compare))
             started = time.perf_counter()
@@ -348,7 +357,7 @@ async def _run(args: argparse.Namespace, levels: list[int],
                 engine.step_listener = None
                 engine.speculation_enabled = True
                 if args.compare == "batch-invariance":
-                    engine.runner.forward.batch_invariant = batch_invariant_requested()  # type: ignore[union-attr]
+                    _cpu_stack(engine).batch_invariant = batch_invariant_requested()
             seconds = time.perf_counter() - started
             summary = summarise(records, args.seed)
             print(format_summary(concurrency, len(prompts), seconds, args.period, summary, args.compare),
@@ -357,7 +366,7 @@ async def _run(args: argparse.Namespace, levels: list[int],
                             "seconds": round(seconds, 3), **summary})
     finally:
         await engine.stop()
-        await stop_drafter_server(drafter)  # type: ignore[arg-type]
+        await stop_drafter_server(drafter)
     return results
 
 

@@ -332,7 +332,9 @@ def main(argv: list[str] | None = None) -> int:
                              request_rate=args.request_rate, max_concurrency=args.max_concurrency,
                              api_key=args.api_key, timeout_s=args.timeout, seed=args.seed,
                              progress=not args.disable_tqdm, metrics_url=args.metrics_url)
-        settings = parse_settings(args.speculation) if args.speculation is not None else [None]
+        # None: the one run sends no speculation field.
+        settings: list[str | None] = (list(parse_settings(args.speculation))
+                                      if args.speculation is not None else [None])
         if args.rounds < 1:
             raise ValueError(f"--rounds must be >= 1, got {args.rounds}")
         if args.rounds > 1 and len(settings) < 2:
@@ -350,6 +352,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.no_stream:
         requests_for = {setting: [dataclasses.replace(request, stream=False) for request in requests]
                         for setting, requests in requests_for.items()}
+    # Paired or compared runs have two or more settings, all parsed names (none is None).
     if args.paired:
         return _paired_settings(args, config, settings, requests_for)  # type: ignore[arg-type]
     if len(settings) > 1:

@@ -121,7 +121,8 @@ def _parse_line(line: str, where: str, endpoint: str, max_tokens: int | None,
         if endpoint != "chat":
             if not as_transcript:
                 raise ValueError(f'{where}: "messages" needs --endpoint chat')
-            messages, prompt = None, transcript(messages)
+            prompt = transcript(messages)
+            messages = None
     elif isinstance(prompt, str) and prompt:
         if endpoint == "chat":
             messages, prompt = [{"role": "user", "content": prompt}], None
