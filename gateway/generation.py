@@ -67,11 +67,14 @@ def build_generate_request(prompt_token_ids: list[int], sampling: SamplingOption
             "completion.", prompt_param)
     max_tokens = sampling.max_tokens
     if max_tokens is None:
-        max_tokens = max_model_len - num_prompt_tokens
+        room = max_model_len - num_prompt_tokens
+        max_tokens = room if sampling.default_max_tokens is None else min(sampling.default_max_tokens, room)
         if sampling.min_tokens > max_tokens:
+            what = ("the room left in the context" if max_tokens == room
+                    else "the default max_tokens")
             raise InvalidRequestError(
-                f"min_tokens ({sampling.min_tokens}) must be at most the room left in the "
-                f"context ({max_tokens} tokens).", "min_tokens")
+                f"min_tokens ({sampling.min_tokens}) must be at most {what} ({max_tokens} "
+                "tokens); set max_tokens.", "min_tokens")
     elif num_prompt_tokens + max_tokens > max_model_len:
         raise InvalidRequestError(
             f"This model's maximum context length is {max_model_len} tokens. However, you "
