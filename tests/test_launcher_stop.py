@@ -4,8 +4,9 @@ Fault injected: SIGTERM to `python -m specdec serve` (a tiny model) at random mo
 its first instant to a few seconds past "ready": while the model is resolved, while the
 children import, build, wait for their drafter, and while a request streams. After each
 stop the launcher must have stopped every child by SIGTERM (never "did not stop ...;
-killing it"), the drafter after the verifier (no "stream broke" warning), and no process the stack made (children, and whatever they started) may
-remain once the launcher has exited.
+killing it"), the drafter after the verifier (no "stream broke" warning), and no process
+the stack made (children, and whatever they started) may remain once the launcher has
+exited.
 """
 
 from __future__ import annotations
