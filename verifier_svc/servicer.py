@@ -17,7 +17,7 @@ import grpc
 from specdec.engine.sampling_params import SamplingParams
 from specdec.engine.sequence import FinishReason, SpeculationCounters
 from specdec.errors import SpecdecError
-from specdec.rpc.grpc_status import error_details, status_for
+from specdec.rpc.grpc_status import abort_with
 from specdec.v1 import specdec_pb2, specdec_pb2_grpc
 from verifier_svc.builder import ServedModel
 from verifier_svc.engine import Engine
@@ -102,7 +102,7 @@ class VerifierServicer(specdec_pb2_grpc.VerifierServicer):
             seq_id, queue = self.engine.add_request(request_id, prompt, params, num_spec,
                                                     grammar, request.cache_salt)
         except SpecdecError as exc:
-            await context.abort(status_for(exc), error_details(exc))
+            await abort_with(context, exc)
             return
         deadline, deadline_message = self._deadline(context)
         steps_sent = 0  # of output.spec.steps, with record_steps
@@ -118,7 +118,7 @@ class VerifierServicer(specdec_pb2_grpc.VerifierServicer):
                         await context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, deadline_message)
                         return
                 if isinstance(output, SpecdecError):
-                    await context.abort(status_for(output), error_details(output))
+                    await abort_with(context, output)
                     return
                 response = specdec_pb2.GenerateResponse(
                     token_ids=output.token_ids,
