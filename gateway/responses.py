@@ -10,7 +10,7 @@ from collections.abc import AsyncGenerator, Callable
 from dataclasses import dataclass
 
 from gateway.choices import Choice, CollectedChoice, merged_deltas
-from gateway.generation import GenerationResult, TextDelta, sum_speculation, usage
+from gateway.generation import GenerationResult, TextDelta, usage
 from gateway.logprobs import CompletionLogprobs, TokenTexts, chat_logprobs_content
 from gateway.spec_decode_metrics import metrics_body
 from gateway.tool_chat import ToolOutput
@@ -134,8 +134,7 @@ class Output:
 
     def with_metrics(self, body: dict, results: list[GenerationResult]) -> dict:
         """`body` with vLLM's per-request `metrics` when asked for (gateway.spec_decode_metrics)."""
-        metrics = metrics_body(self.spec_decode_metrics, sum_speculation(results),
-                               self.num_speculative_tokens)
+        metrics = metrics_body(self.spec_decode_metrics, results, self.num_speculative_tokens)
         if metrics is not None:
             body["metrics"] = metrics
         return body
