@@ -64,6 +64,6 @@ class Forward:
         jobs = [(forward.batch.logit_offsets[index], seq.grammar, drafted.drafts[index].token_ids)
                 for index, seq in constrained]
         with Timer(self.grammars):
-            failures = mask_rows(forward.logits, jobs, self.vocab_size)  # type: ignore[arg-type]
+            failures = mask_rows(forward.logits, jobs, self.vocab_size)
         for job_index, exc in failures:
             self.faults.fail(constrained[job_index][1], exc)
