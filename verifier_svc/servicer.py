@@ -60,7 +60,8 @@ def speculation_to_proto(spec: SpeculationCounters) -> specdec_pb2.SpeculationSt
         num_drafts=spec.num_drafts, num_draft_tokens=spec.num_draft_tokens,
         num_accepted_tokens=spec.num_accepted_tokens,
         accepted_per_position=spec.accepted_per_position,
-        num_forced_tokens=spec.num_forced_tokens, policy=spec.policy)
+        num_forced_tokens=spec.num_forced_tokens, policy=spec.policy,
+        policy_state=spec.policy_state)
 
 
 class VerifierServicer(specdec_pb2_grpc.VerifierServicer):

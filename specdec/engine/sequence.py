@@ -46,6 +46,9 @@ class SpeculationCounters:
     # Per request: why the speculation policy last planned no draft for it, with the
     # figures it measured ("" while it drafts; see SpeculationPolicy.off_reasons).
     policy: str = ""
+    # Per request: the policy's state when it last decided, one of
+    # verifier_svc/speculation/policy.py's POLICY_STATES ("" when no adaptive policy decides).
+    policy_state: str = ""
 
     def record(self, num_draft_tokens: int, num_accepted_tokens: int) -> None:
         if num_draft_tokens == 0:
