@@ -12,7 +12,8 @@ from pathlib import Path
 import pytest
 
 from specdec.bench import replay as bench_replay
-from specdec.bench.replay import StreamRequest, compare, load_stream, replay, save_stream
+from specdec.bench.replay import compare, replay
+from specdec.bench.replay_stream import StreamRequest, load_stream, save_stream
 from specdec.bench.replay_proposers import SpecdecSuffix, SuffixSettings
 from specdec.bench.replay_synthetic import synthetic_streams
 
@@ -95,3 +96,17 @@ def test_the_command_prints_and_writes_the_replay(tmp_path: Path, capsys: pytest
                      "ms_per_step": rows[0]["ms_per_step"]}]
     assert "tiny" in capsys.readouterr().out
 
+
+def test_specdec_drafts_at_least_as_well_as_the_recorded_reference() -> None:
+    recorded = json.loads(REFERENCE.read_text())
+    reference = {(row["stream"], row["k"]): row for row in recorded["rows"]}
+    ks = sorted({k for _, k in reference})
+    streams = synthetic_streams()
+    assert set(streams) == {stream for stream, _ in reference} and ks == [8, 24]
+    rows = compare(streams, ks, {"specdec": SpecdecSuffix})
+    assert len(rows) == len(reference)
+    for row in rows:
+        theirs = reference[(row["stream"], row["k"])]
+        assert row["tokens"] == theirs["tokens"]  # the same stream
+        assert row["tokens_per_step"] >= theirs["tokens_per_step"], row
+        assert row["wasted_rows"] <= theirs["wasted_rows"], row

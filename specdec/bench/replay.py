@@ -2,7 +2,7 @@
 
 A stream is a list of requests, each its prompt ids and the target's greedy answer ids
 (collected from a server with speculation off, or generated here from a built-in workload:
-specdec/bench/replay_stream.py). The requests are replayed one after another through each
+specdec/bench/replay_workloads.py). The requests are replayed one after another through each
 proposer (specdec/bench/replay_proposers.py), which learns from the earlier answers as a
 served one does, and every draft is verified greedily against the answer: a draft's
 accepted tokens are its longest prefix that the answer continues with, and the step yields
@@ -36,15 +36,10 @@ from specdec.bench.replay_proposers import (
     SuffixSettings,
     reference_available,
 )
+from specdec.bench.replay_stream import StreamRequest, load_stream
 from specdec.cli import DefaultsHelpFormatter, add_logging_args, setup_logging
 
 logger = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True, slots=True)
-class StreamRequest:
-    prompt_ids: list[int]
-    answer_ids: list[int]
 
 
 @dataclass(slots=True)
@@ -114,26 +109,6 @@ def replay(stream: Sequence[StreamRequest], proposer: ReplayProposer,
     return counts
 
 
-def load_stream(path: Path) -> list[StreamRequest]:
-    """A JSONL file of {"prompt_ids": [...], "answer_ids": [...]} lines."""
-    stream = []
-    for number, line in enumerate(path.read_text("utf-8").splitlines(), 1):
-        if not line.strip():
-            continue
-        try:
-            fields = json.loads(line)
-            stream.append(StreamRequest([int(t) for t in fields["prompt_ids"]],
-                                        [int(t) for t in fields["answer_ids"]]))
-        except (ValueError, KeyError, TypeError) as exc:
-            raise ValueError(f"{path} line {number}: want {{\"prompt_ids\": [...], "
-                             f"\"answer_ids\": [...]}}: {exc}") from None
-    return stream
-
-
-def save_stream(stream: Sequence[StreamRequest], path: Path) -> None:
-    path.write_text("".join(json.dumps(asdict(request)) + "\n" for request in stream), "utf-8")
-
-
 ProposerFactory = Callable[[SuffixSettings], ReplayProposer]
 
 
@@ -201,10 +176,10 @@ def add_replay_args(parser: argparse.ArgumentParser) -> None:
 def _streams(args: argparse.Namespace) -> dict[str, list[StreamRequest]]:
     streams = {Path(path).stem: load_stream(Path(path)) for path in args.stream or ()}
     if args.workload:
-        from specdec.bench import replay_stream
-        names = replay_stream.workload_names(args.workload)
+        from specdec.bench import replay_workloads
+        names = replay_workloads.workload_names(args.workload)
         stream_dir = Path(args.stream_dir) if args.stream_dir else None
-        streams.update(replay_stream.workload_streams(names, stream_dir, args.model,
+        streams.update(replay_workloads.workload_streams(names, stream_dir, args.model,
                                                       args.max_num_seqs))
     if args.synthetic:
         from specdec.bench.replay_synthetic import synthetic_streams

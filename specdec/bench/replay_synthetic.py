@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import random
 
-from specdec.bench.replay import StreamRequest
+from specdec.bench.replay_stream import StreamRequest
 
 SEED = 20261205
 NUM_REQUESTS = 24
