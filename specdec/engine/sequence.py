@@ -49,6 +49,9 @@ class SpeculationCounters:
     # Per request: the policy's state when it last decided, one of
     # verifier_svc/speculation/policy.py's POLICY_STATES ("" when no adaptive policy decides).
     policy_state: str = ""
+    # Per request: (draft tokens checked, accepted) of each drafting step, in order (vLLM's
+    # detailed per-request metrics); None for the engine's totals, which would only grow.
+    steps: list[tuple[int, int]] | None = None
 
     def record(self, num_draft_tokens: int, num_accepted_tokens: int) -> None:
         if num_draft_tokens == 0:
@@ -61,6 +64,8 @@ class SpeculationCounters:
                 [0] * (num_draft_tokens - len(self.accepted_per_position)))
         for position in range(num_accepted_tokens):
             self.accepted_per_position[position] += 1
+        if self.steps is not None:
+            self.steps.append((num_draft_tokens, num_accepted_tokens))
 
 
 @dataclass(slots=True)
@@ -100,7 +105,7 @@ class Sequence:
     num_drafter_calls: int = 0
     # Output tokens that ended the sequence but are not streamed (EOS, stop ids).
     num_hidden_output_tokens: int = 0
-    spec: SpeculationCounters = field(default_factory=SpeculationCounters)
+    spec: SpeculationCounters = field(default_factory=lambda: SpeculationCounters(steps=[]))
     # Target hidden states the drafter needs, row t for context position t,
     # [prompt_len + max_tokens, width]; valid up to num_computed_tokens. None when not
     # captured (no drafter needs them, or the sequence began before one said so).
