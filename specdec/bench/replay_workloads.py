@@ -15,14 +15,16 @@ import asyncio
 import logging
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
-from gateway.chat import render_chat_prompt, tokenize_prompt
+from gateway.chat import render_chat_prompt
 from specdec.bench.replay_stream import StreamRequest, load_stream, save_stream
 from specdec.bench.serve_requests import load_requests
 from specdec.bench.workloads import WORKLOADS
 from specdec.engine.sampling_params import SamplingParams
 from specdec.models.model_files import DEFAULT_MODEL, load_tokenizer, resolve_model
 from verifier_svc.builder import VerifierConfig, build_engine
+from verifier_svc.engine import Engine
 from verifier_svc.requests import collect_outputs
 
 logger = logging.getLogger(__name__)
@@ -78,17 +80,19 @@ async def _generate_streams(names: Sequence[str], model: str, max_num_seqs: int,
         await engine.stop()
 
 
-async def _answer_all(engine: object, tokenizer: object, name: str,
+async def _answer_all(engine: Engine, tokenizer: Any, name: str,
                       max_num_seqs: int) -> list[StreamRequest]:
-    requests = load_requests(name, None, response_format=False)
-    prompts = [render_chat_prompt(tokenizer, request.messages) if request.messages is not None
-               else tokenize_prompt(tokenizer, request.prompt) for request in requests]
+    requests = load_requests(name, None, response_format=False)  # chat requests
+    prompts = []
+    for request in requests:
+        assert request.messages is not None
+        prompts.append(render_chat_prompt(tokenizer, request.messages))
     limit = asyncio.Semaphore(max_num_seqs)
 
     async def answer(index: int) -> list[int]:
         async with limit:
             params = SamplingParams(temperature=0.0, max_tokens=requests[index].max_tokens)
-            _, queue = engine.add_request(f"replay-{name}-{index}", prompts[index], params)  # type: ignore[attr-defined]
+            _, queue = engine.add_request(f"replay-{name}-{index}", prompts[index], params)
             token_ids, _ = await collect_outputs(queue)
             logger.debug("%s request %d: %d answer tokens", name, index, len(token_ids))
             return list(token_ids)
