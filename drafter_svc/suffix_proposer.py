@@ -99,7 +99,7 @@ class GlobalSuffixCache:
         self.lead_in_tree = SuffixTree(max_depth)
         self.max_cached_requests = max_cached_requests
         self.max_cached_tokens = max_cached_tokens
-        self.num_tokens = 0  # held, lead-ins included
+        self.num_tokens = 0  # held, lead-ins and the lead-in trie's output heads included
         # Keyed by output id (the verifier's, >= 0) or, for locally published outputs, by a
         # negative counter: a key already held is not inserted again. Each value: the tokens
         # inserted (lead-in and output) and how many of them are the lead-in.
@@ -132,17 +132,25 @@ class GlobalSuffixCache:
         elif output_id in self._outputs:
             return  # replayed: held already
         tokens = [int(token) for token in (*lead_in, *output)]
-        if len(tokens) > self.max_cached_tokens:
+        num_held = self._num_held(tokens, len(lead_in))
+        if num_held > self.max_cached_tokens:
             return  # would evict everything and still not fit
         self._insert(tokens, len(lead_in))
         self._outputs[output_id] = (tokens, len(lead_in))
-        self.num_tokens += len(tokens)
+        self.num_tokens += num_held
         while (len(self._outputs) > self.max_cached_requests
                or self.num_tokens > self.max_cached_tokens):
             _, (oldest, oldest_lead_in) = self._outputs.popitem(last=False)
             self._remove(oldest, oldest_lead_in)
-            self.num_tokens -= len(oldest)
+            self.num_tokens -= self._num_held(oldest, oldest_lead_in)
         self.version += 1
+
+    def _num_held(self, tokens: list[int], lead_in_len: int) -> int:
+        """Tokens an output holds: lead-in and output, and the output's head again in the
+        lead-in trie."""
+        if not lead_in_len:
+            return len(tokens)
+        return len(tokens) + min(len(tokens) - lead_in_len, self.tree.max_depth - 1)
 
     def _insert(self, tokens: list[int], lead_in_len: int) -> None:
         self.tree.insert(tokens[lead_in_len:])
