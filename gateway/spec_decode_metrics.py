@@ -15,7 +15,8 @@ from __future__ import annotations
 from specdec.errors import ConfigError
 from specdec.v1 import specdec_pb2
 
-# Of the flag's choices (specdec.cli.add_spec_decode_metrics_arg), those served.
+# vLLM's choices for the flag (gateway.app.GatewayConfig), and those served.
+MODES = ("none", "summary", "detailed")
 SUPPORTED_MODES = ("none", "summary")
 
 

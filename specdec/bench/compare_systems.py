@@ -33,6 +33,7 @@ from specdec.device import resolve_device, resolve_dtype
 from specdec.engine.sampling_params import SamplingParams
 from specdec.engine.sequence import SpeculationCounters
 from specdec.errors import ConfigError, SpecdecError
+from specdec.config_flags import build_config
 from verifier_svc.builder import VerifierConfig, build_engine
 from verifier_svc.engine import Engine
 from verifier_svc.requests import collect_outputs
@@ -96,11 +97,11 @@ class SpecdecEngine:
             targets = (f"127.0.0.1:{port}",)
         # One sequence at a time: the pool needs one max-length sequence plus a draft.
         num_blocks = -(-max_model_len // 16) + 2
-        config = VerifierConfig(model=str(model_dir), dtype=dtype, device=device,
-                                max_model_len=max_model_len, max_num_seqs=1,
-                                num_gpu_blocks_override=num_blocks, speculative_config=spec,
-                                drafter_targets=targets, compile=compile_forward,
-                                quantization=quantization)
+        config = build_config(VerifierConfig, model=str(model_dir), dtype=dtype, device=device,
+                              max_model_len=max_model_len, max_num_seqs=1,
+                              num_kv_blocks=num_blocks, speculative_config=spec,
+                              drafter_targets=targets, compile=compile_forward,
+                              quantization=quantization)
         try:
             engine, _ = build_engine(config)
             await engine.start()
