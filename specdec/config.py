@@ -396,6 +396,13 @@ class EngineConfig:
         "what logprobs report: the model's log-probabilities before any sampling parameter "
         "(default, as vLLM) or after the request's penalties, bias, temperature and "
         "top-k/top-p/min-p", choices=LOGPROBS_MODES))
+    # vLLM's --seed: seeds the random stream of the requests that give no seed of their own,
+    # so a server started again answers the same requests, sent in the same order, alike.
+    # A seeded request keeps its own stream (specdec/engine/position_random.py); greedy
+    # requests draw nothing. None: unseeded requests differ from run to run.
+    seed: int | None = field(default=None, metadata=flag(
+        "random seed for the requests that give no seed of their own (default: none, a new "
+        "stream each run)"))
     # The drafter matches text (ngram, suffix) rather than running a model. Such a drafter
     # takes a context in as it arrives, so a new request's prompt is sent to it as the
     # prefill starts (no drafts asked) and its first ask carries only the tokens verified

@@ -279,6 +279,8 @@ def build_engine(config: VerifierConfig, enter_phase: Callable[[str], None] = la
                     grammars=GrammarService(functools.partial(
                         GrammarBackend, tokenizer, model_config.vocab_size,
                         eos_token_ids=eos_token_ids, limits=config.grammar_limits)))
+    if engine_config.seed is not None:
+        torch.manual_seed(engine_config.seed)  # the stream of the requests that bring no seed
     logger.info("verifier: model %s on %s in %s (%s), tensor parallel %d, max_model_len %d, %d KV "
                 "blocks of %d tokens (%d tokens), speculation %s", model_dir, device, dtype,
                 _forward_name(runner.forward), config.tensor_parallel_size, max_model_len,
