@@ -61,6 +61,7 @@ from specdec.cli import DEFAULT_PORTS
 from specdec.config_flags import flag, nested
 from specdec.errors import ConfigError
 from specdec.grammar_checker import GrammarChecker, GrammarLimits
+from specdec.rpc.address import parse_host_port
 
 logger = logging.getLogger(__name__)
 
@@ -118,10 +119,7 @@ class GatewayConfig:
                               param="tool_call_parser")
         object.__setattr__(self, "verifier_addresses", tuple(self.verifier_addresses))
         for address in self.verifier_addresses:
-            host, _, port = address.rpartition(":")
-            if not host or not port.isdigit() or not 0 < int(port) < 65536:
-                raise ConfigError(f"--verifier must be host:port, got {address!r}",
-                                  param="verifier")
+            parse_host_port(address, "--verifier")
         if self.max_model_len is not None and self.max_model_len < 1:
             raise ConfigError(f"--max-model-len must be >= 1, got {self.max_model_len}",
                               param="max_model_len")
