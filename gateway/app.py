@@ -102,8 +102,8 @@ class GatewayConfig:
     # vLLM's per-request speculative metrics in responses (gateway.spec_decode_metrics).
     per_request_spec_decode_metrics: str = field(default="none", metadata=flag(
         "vLLM's per-request speculative metrics in each response's top-level `metrics` "
-        "(summary: acceptance length and rate, acceptance histogram; detailed is refused: no "
-        "per-step record is kept)", choices=SPEC_DECODE_METRICS_MODES))
+        "(summary: acceptance length and rate, acceptance histogram; detailed: also each "
+        "drafting step's drafted and accepted counts)", choices=SPEC_DECODE_METRICS_MODES))
     # What one structured-output constraint may cost (specdec.grammar_checker).
     grammar_limits: GrammarLimits = field(default_factory=GrammarLimits, metadata=nested())
 
@@ -188,8 +188,9 @@ async def _open_generation(request: Request, prompt_token_ids: list[int],
     info = await state.verifier.get_info()
     max_model_len = state.config.max_model_len or info.max_model_len
     prompt_token_ids = truncate_prompt(prompt_token_ids, prompt_options, max_model_len)
-    generate_request = build_generate_request(prompt_token_ids, sampling, info, max_model_len,
-                                              prompt_param)
+    generate_request = build_generate_request(
+        prompt_token_ids, sampling, info, max_model_len, prompt_param,
+        record_steps=state.config.per_request_spec_decode_metrics == "detailed")
     echoed = echo_text(prompt_token_ids) if echo_text is not None else ""
     choices = await open_choices(state.verifier, choice_requests(generate_request, sampling.n),
                                  state.tokenizer, prompt_token_ids, sampling.stop, started_at,

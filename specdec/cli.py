@@ -58,15 +58,6 @@ def add_shutdown_args(parser: argparse.ArgumentParser) -> None:
                              f"(default: {DEFAULT_SHUTDOWN_GRACE_S:g})")
 
 
-def add_spec_decode_metrics_arg(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--per-request-spec-decode-metrics", default="none",
-                        choices=["none", "summary", "detailed"],
-                        help="vLLM's per-request speculative metrics in each response's "
-                             "top-level `metrics` (summary: acceptance length and rate, "
-                             "acceptance histogram; detailed is refused: no per-step record "
-                             "is kept)")
-
-
 LOG_LEVELS = ("critical", "error", "warning", "info", "debug")
 
 

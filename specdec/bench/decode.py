@@ -39,6 +39,7 @@ from specdec.device import resolve_device, resolve_dtype
 from specdec.engine.sampling_params import SamplingParams
 from specdec.engine.sequence import SpeculationCounters
 from specdec.models.model_files import load_tokenizer, resolve_model
+from specdec.rpc.grpc_server import GrpcServer
 from verifier_svc.builder import VerifierConfig, build_engine
 from verifier_svc.engine import Engine
 from verifier_svc.requests import collect_outputs
@@ -136,12 +137,12 @@ async def serve_all(engine: Engine, jobs: list[ServeJob], concurrency: int) -> i
 
 
 async def start_engine(args: argparse.Namespace, spec: SpeculativeConfig, model_dir: Path,
-                 max_num_seqs: int = 4, adaptive: bool | None = None) -> tuple[Engine, object]:
+                 max_num_seqs: int = 4, adaptive: bool | None = None) -> tuple[Engine, GrpcServer]:
     """A drafter server and an engine using it, the other settings from the verifier's
     flags in `args`; `adaptive` None: the --speculation-policy flag."""
     options = ModelOptions(target_model=str(model_dir), dtype=args.dtype, device=args.device)
     drafter, drafter_port = await start_drafter_server(spec, "127.0.0.1", 0, options=options)
-    given = {} if adaptive is None else {"adaptive_speculation": adaptive}
+    given: dict[str, object] = {} if adaptive is None else {"adaptive_speculation": adaptive}
     config = build_config(
         VerifierConfig, args, model=str(model_dir), max_model_len=args.max_model_len or 2048,
         max_num_seqs=max_num_seqs, num_kv_blocks=args.num_gpu_blocks_override or 512,
@@ -176,7 +177,7 @@ async def _bench(args: argparse.Namespace) -> list[dict[str, object]]:
             rows.append(_summarise(name, runs, spec.method))
     finally:
         await engine.stop()
-        await stop_drafter_server(drafter)  # type: ignore[arg-type]
+        await stop_drafter_server(drafter)
     return rows
 
 
@@ -220,7 +221,6 @@ def _draft_specs(value: str, k: int, token_map: str | None = None) -> list[tuple
         if name in SHIPPED_DRAFTS:
             raw["method"] = SHIPPED_DRAFTS[name]
         spec = SpeculativeConfig.parse(raw)
-        assert spec is not None
         specs.append((name, spec))
         if token_map is not None and spec.method in TOKEN_MAP_METHODS:
             specs.append((f"{name} +map", SpeculativeConfig.parse({**raw, "method": spec.method,
@@ -296,7 +296,7 @@ async def _bench_drafts(args: argparse.Namespace) -> list[dict[str, object]]:
                 rows.append(row)
         finally:
             await engine.stop()
-            await stop_drafter_server(drafter)  # type: ignore[arg-type]
+            await stop_drafter_server(drafter)
     return rows
 
 
