@@ -51,7 +51,7 @@ class Flag:
     required: bool = False
 
 
-def flag(help: str, **options: Any) -> dict[str, Flag]:  # noqa: A002  (argparse's word)
+def flag(help: str, **options: Any) -> dict[str, Flag]:
     """Field metadata that makes a config field a command-line flag."""
     return {_FLAG_KEY: Flag(help, **options)}
 

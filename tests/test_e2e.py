@@ -61,10 +61,10 @@ async def run_invariance(model_dir: Path, device: str, dtype: str,
     drafter, port = await start_drafter_server(spec, "127.0.0.1", 0)
     # bf16 runs compiled, as the CPU default serves it (fp32 runs eagerly).
     config = build_config(VerifierConfig, model=str(model_dir), device=device, dtype=dtype,
-                            compile=dtype == "bfloat16" and device == "cpu",
-                            max_model_len=1024, max_num_seqs=4, num_kv_blocks=256,
-                            speculative_config=spec, drafter_targets=(f"127.0.0.1:{port}",),
-                            draft_timeout_s=1.0)
+                          compile=dtype == "bfloat16" and device == "cpu",
+                          max_model_len=1024, max_num_seqs=4, num_kv_blocks=256,
+                          speculative_config=spec, drafter_targets=(f"127.0.0.1:{port}",),
+                          draft_timeout_s=1.0)
     engine, _ = build_engine(config)
     await engine.start()
     await engine.drafter_pool.wait_for_healthy()

@@ -398,20 +398,20 @@ def test_kv_pool_is_sized_from_the_memory_budget(tiny_model: Path, device) -> No
     model_config = load_model_config(tiny_model)
     per_block = KVCache.bytes_per_block(model_config, 4, torch.float32)
     config = build_config(VerifierConfig, model=str(tiny_model), device=str(device), dtype="float32",
-                            max_model_len=64, max_num_seqs=64, block_size=4,
-                            kv_cache_memory_bytes=100 * per_block + per_block // 2)
+                          max_model_len=64, max_num_seqs=64, block_size=4,
+                          kv_cache_memory_bytes=100 * per_block + per_block // 2)
     engine, _ = build_engine(config)
     assert engine.scheduler.block_manager.num_blocks == 100
     assert engine.runner.kv_cache.num_blocks == 100
     # Capped at what the limits can ever use: 2 sequences x 16 blocks.
     engine, _ = build_engine(build_config(VerifierConfig, model=str(tiny_model), device=str(device),
-                                            dtype="float32", max_model_len=64, max_num_seqs=2,
-                                            block_size=4, kv_cache_memory_bytes=100 * per_block))
+                                          dtype="float32", max_model_len=64, max_num_seqs=2,
+                                          block_size=4, kv_cache_memory_bytes=100 * per_block))
     assert engine.scheduler.block_manager.num_blocks == 32
     with pytest.raises(ConfigError) as info:
         build_engine(build_config(VerifierConfig, model=str(tiny_model), device=str(device), dtype="float32",
-                                    max_model_len=64, block_size=4,
-                                    kv_cache_memory_bytes=10 * per_block))
+                                  max_model_len=64, block_size=4,
+                                  kv_cache_memory_bytes=10 * per_block))
     assert info.value.param == "max_model_len"
 
 

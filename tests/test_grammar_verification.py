@@ -203,7 +203,7 @@ async def test_seeded_sampling_under_a_grammar_does_not_depend_on_speculation(mo
 
 async def test_a_bad_grammar_is_an_invalid_request(model_dir) -> None:
     engine, _ = build_engine(build_config(VerifierConfig, model=str(model_dir), device="cpu", dtype="float32",
-                                            max_model_len=128, num_kv_blocks=64))
+                                          max_model_len=128, num_kv_blocks=64))
     try:
         with pytest.raises(InvalidRequestError) as info:
             await engine.compile_grammar("json_schema", '{"type": "object", "properties": 3}')
@@ -256,7 +256,7 @@ async def test_a_tokenizer_without_grammar_support_is_a_clear_invalid_request(tm
 
     model = make_tiny_llama(tmp_path / "word-level")  # llguidance cannot read its decoder
     engine, _ = build_engine(build_config(VerifierConfig, model=str(model), device="cpu", dtype="float32",
-                                            max_model_len=128, num_kv_blocks=64))
+                                          max_model_len=128, num_kv_blocks=64))
     try:
         for _ in range(2):  # the failure is remembered, and said the same way each time
             with pytest.raises(InvalidRequestError) as info:

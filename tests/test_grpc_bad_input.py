@@ -26,7 +26,7 @@ def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture
 async def verifier(tiny_model: Path, device):
-    running = await start_verifier(build_config(VerifierConfig, 
+    running = await start_verifier(build_config(VerifierConfig,
         model=str(tiny_model), device=str(device), dtype="float32", max_model_len=128,
         block_size=4, num_kv_blocks=64), "127.0.0.1", 0)
     yield running

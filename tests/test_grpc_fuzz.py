@@ -133,7 +133,7 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
         specdec_pb2_grpc.add_DrafterServicer_to_server(
             DrafterServicer(eagle_factory, eagle_factory().info), eagle_server.server)
         eagle_port = await eagle_server.start("127.0.0.1", 0)
-        verifier = await start_verifier(build_config(VerifierConfig, 
+        verifier = await start_verifier(build_config(VerifierConfig,
             model=str(model), device="cpu", dtype="float32", max_model_len=MAX_MODEL_LEN,
             block_size=4, num_kv_blocks=NUM_BLOCKS, speculative_config=NGRAM,
             drafter_targets=(f"127.0.0.1:{ngram_port}",), drafter_wait_s=30.0), "127.0.0.1", 0)

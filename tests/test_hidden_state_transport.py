@@ -130,10 +130,10 @@ async def test_engine_sends_the_target_states_of_every_position(tmp_path, device
     servicer = HiddenRecordingServicer((-1, 1))
     server, port = await start(servicer)
     config = build_config(VerifierConfig, model=str(model_dir), device=str(device), dtype="float32",
-                            max_model_len=128, block_size=4, num_kv_blocks=64,
-                            max_num_batched_tokens=8,  # the prompt prefills in chunks
-                            speculative_config=CONFIG, drafter_targets=(f"127.0.0.1:{port}",),
-                            draft_timeout_s=1.0)
+                          max_model_len=128, block_size=4, num_kv_blocks=64,
+                          max_num_batched_tokens=8,  # the prompt prefills in chunks
+                          speculative_config=CONFIG, drafter_targets=(f"127.0.0.1:{port}",),
+                          draft_timeout_s=1.0)
     engine, _ = build_engine(config)
     await engine.start()
     try:

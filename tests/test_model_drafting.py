@@ -61,7 +61,7 @@ async def serve_and_generate(target: Path, device: str, spec: dict | None,
                                num_blocks=256, block_size=4, **drafter_options)
         drafter, port = await start_drafter_server(config, "127.0.0.1", 0, options=options)
         targets = (f"127.0.0.1:{port}",)
-    engine, _ = build_engine(build_config(VerifierConfig, 
+    engine, _ = build_engine(build_config(VerifierConfig,
         model=str(target), device=device, dtype="float32", max_model_len=128, block_size=4,
         num_kv_blocks=256, max_num_batched_tokens=16, speculative_config=config,
         drafter_targets=targets, draft_timeout_s=2.0,

@@ -70,7 +70,7 @@ async def _outputs(target: Path, prompts: list[list[int]], spec: SpeculativeConf
                                num_blocks=64, block_size=16)
         drafter, port = await start_drafter_server(spec, "127.0.0.1", 0, options=options)
         targets = (f"127.0.0.1:{port}",)
-    engine, _ = build_engine(build_config(VerifierConfig, 
+    engine, _ = build_engine(build_config(VerifierConfig,
         model=str(target), dtype="float32", device="cpu", max_model_len=256, max_num_seqs=4,
         num_kv_blocks=64, speculative_config=spec, drafter_targets=targets,
         draft_timeout_s=30.0, adaptive_speculation=False))  # k drafts every step

@@ -140,7 +140,7 @@ async def test_requests_outliving_the_grace_end_with_unavailable(tiny_model: Pat
     # The short request's 10 steps fit in the grace however slow the machine (up to ~0.45 s
     # of compute a step), the long one's 200 never do (at least 10 s of sleeps).
     grace_s = 5.0
-    verifier = await start_verifier(build_config(VerifierConfig, 
+    verifier = await start_verifier(build_config(VerifierConfig,
         model=str(tiny_model), device=str(device), dtype="float32", max_model_len=256,
         block_size=4, num_kv_blocks=NUM_BLOCKS), "127.0.0.1", 0)
     engine = verifier.engine

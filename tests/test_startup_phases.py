@@ -69,7 +69,7 @@ async def test_a_starting_verifier_tells_its_phase_and_refuses_requests(
     monkeypatch.setattr(verifier_server, "build_engine", build_held_while_loading)
     port = free_port()
     config = build_config(VerifierConfig, model=str(tiny_model), device="cpu", dtype="float32",
-                            max_model_len=128, num_kv_blocks=64)
+                          max_model_len=128, num_kv_blocks=64)
     starting = asyncio.ensure_future(start_verifier(config, "127.0.0.1", port))
     client = VerifierClient([f"127.0.0.1:{port}"], reprobe_interval_s=0.05)
     try:

@@ -251,7 +251,7 @@ async def run_stack(target: Path, device: str, spec: dict | None,
         options = ModelOptions(target_model=str(target), device=device)
         drafter, port = await start_drafter_server(config, "127.0.0.1", 0, options=options)
         targets = (f"127.0.0.1:{port}",)
-    engine, _ = build_engine(build_config(VerifierConfig, 
+    engine, _ = build_engine(build_config(VerifierConfig,
         model=str(target), device=device, dtype="float32", max_model_len=128, block_size=4,
         num_kv_blocks=256, max_num_batched_tokens=16, speculative_config=config,
         drafter_targets=targets, draft_timeout_s=2.0, adaptive_speculation=False))

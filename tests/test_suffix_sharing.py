@@ -215,7 +215,7 @@ async def start_replicas(target: Path, device: str, count: int, **fields) -> lis
 
 async def start_engine(target: Path, device: str, replicas: list[Replica] | None) -> Engine:
     config = suffix() if replicas else None
-    engine, _ = build_engine(build_config(VerifierConfig, 
+    engine, _ = build_engine(build_config(VerifierConfig,
         model=str(target), device=device, dtype="float32", max_model_len=128, block_size=4,
         num_kv_blocks=256, max_num_batched_tokens=16, speculative_config=config,
         drafter_targets=tuple(f"127.0.0.1:{r.port}" for r in replicas or ()),

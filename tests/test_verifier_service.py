@@ -26,7 +26,7 @@ def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.fixture
 async def verifier(tiny_model: Path, device) -> RunningVerifier:
     config = build_config(VerifierConfig, model=str(tiny_model), device=str(device), dtype="float32",
-                            max_model_len=128, block_size=4, num_kv_blocks=NUM_BLOCKS)
+                          max_model_len=128, block_size=4, num_kv_blocks=NUM_BLOCKS)
     running = await start_verifier(config, "127.0.0.1", 0)
     yield running
     await running.stop()
@@ -113,7 +113,7 @@ async def test_metrics_endpoint(tiny_model: Path, device) -> None:
     import httpx
 
     config = build_config(VerifierConfig, model=str(tiny_model), device=str(device), dtype="float32",
-                            max_model_len=128, block_size=4, num_kv_blocks=NUM_BLOCKS)
+                          max_model_len=128, block_size=4, num_kv_blocks=NUM_BLOCKS)
     running = await start_verifier(config, "127.0.0.1", 0, metrics_port=0)
     try:
         async with grpc.aio.insecure_channel(f"127.0.0.1:{running.port}") as channel:

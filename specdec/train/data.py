@@ -77,7 +77,7 @@ async def _generate(options: GenerateOptions, prompts: list[str]) -> int:
         logger.info("all %d answers already in %s", len(done), options.output)
         return 0
     max_model_len = min(1024, load_model_config(model_dir).max_position_embeddings)
-    engine, _ = build_engine(build_config(VerifierConfig, 
+    engine, _ = build_engine(build_config(VerifierConfig,
         model=str(model_dir), dtype=options.dtype, max_model_len=max_model_len,
         max_num_seqs=options.batch_size, max_num_batched_tokens=4096,
         num_kv_blocks=options.batch_size * (max_model_len // 16) + 64))
