@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import socket
 import sys
 
 import uvicorn
@@ -67,8 +68,9 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     app = create_app(config, tokenizer, verifier_client)
     freeze_startup_heap()
-    uvicorn.Server(uvicorn_config(app, config.host, config.port, log_level=args.log_level,
-                                  limits=limits)).run()
+    server = uvicorn.Server(uvicorn_config(app, config.host, config.port,
+                                           log_level=args.log_level, limits=limits))
+    server.run(sockets=None if args.listen_fd is None else [socket.socket(fileno=args.listen_fd)])
     return 0
 
 

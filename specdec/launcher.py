@@ -216,6 +216,7 @@ def serve(args: argparse.Namespace, started: float | None = None) -> int:
     signal.signal(signal.SIGINT, request_stop)
     children: list[tuple[str, subprocess.Popen[bytes]]] = []
     environments = _child_environments(api_key, generate_token())
+    listen_fd: int | None = None  # the launcher's /health socket, handed to the gateway
     try:
         for name, command in _child_commands(args, model_path):
             if name == "gateway":
@@ -224,12 +225,17 @@ def serve(args: argparse.Namespace, started: float | None = None) -> int:
                 verifier = children[-1][1]
                 _wait_until_listening(int(verifier.args[verifier.args.index("--port") + 1]),
                                       verifier, lambda: stop_requested)
-                startup_health.close()
+                listen_fd = startup_health.hand_over()
+                if listen_fd is not None:
+                    command = [*command, "--listen-fd", str(listen_fd)]
             logger.info("starting %s: %s", name, " ".join(command))
             # Own process group: a terminal's Ctrl-C reaches the launcher, which stops
             # the children in order.
-            children.append((name, subprocess.Popen(command, env=environments[name],
-                                                    start_new_session=True)))
+            children.append((name, subprocess.Popen(
+                command, env=environments[name], start_new_session=True,
+                pass_fds=(listen_fd,) if name == "gateway" and listen_fd is not None else ())))
+            if name == "gateway":
+                startup_health.close()
         ready = False
         children_started = time.monotonic()
         health_url = f"http://{args.host}:{args.port}/health"

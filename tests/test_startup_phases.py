@@ -14,6 +14,7 @@ import json
 import os
 import re
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -128,9 +129,34 @@ def test_the_launchers_health_tells_its_phase_until_the_gateway_takes_over() -> 
     StartupHealth("127.0.0.1", port).close()  # the address is free again
 
 
-def _health(port: int) -> dict | None:
+def test_the_launcher_hands_its_listening_socket_over() -> None:
+    """Between the launcher's last answer and the gateway's first, a poll waits in the
+    socket's backlog instead of finding the address closed."""
+    port = free_port()
+    health = StartupHealth("127.0.0.1", port)
+    try:
+        listen_fd = health.hand_over()
+        assert listen_fd is not None
+        # What the gateway inherits: a copy of the listening socket.
+        inherited = socket.socket(fileno=os.dup(listen_fd))
+    finally:
+        health.close()
+    with inherited, socket.create_connection(("127.0.0.1", port), timeout=5) as early:
+        early.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n")
+        accepted, _ = inherited.accept()  # the gateway starts serving
+        with accepted:
+            assert accepted.recv(1024).startswith(b"GET /health")
+
+
+def _health(port: int, refusals: list[float] | None = None) -> dict | None:
+    """The body of /health; None when there is none yet. A refused connection is recorded
+    in `refusals`."""
     try:
         return httpx.get(f"http://127.0.0.1:{port}/health", timeout=2).json()
+    except httpx.ConnectError:
+        if refusals is not None:
+            refusals.append(time.monotonic())
+        return None
     except (httpx.HTTPError, json.JSONDecodeError):
         return None
 
@@ -152,6 +178,7 @@ def test_the_default_stack_goes_through_starting_to_ok_without_a_warning(tmp_pat
         launcher = subprocess.Popen(command, cwd=ROOT, env={**ENV, MARK_ENV: mark},
                                     stdout=out, stderr=subprocess.STDOUT)
     seen: list[dict] = []
+    refusals: list[float] = []  # connections refused once /health had answered
     try:
         # Holding the drafter (SIGSTOP as soon as it exists) keeps the verifier in its last
         # phase, waiting for it, however fast the rest starts here.
@@ -165,14 +192,14 @@ def test_the_default_stack_goes_through_starting_to_ok_without_a_warning(tmp_pat
                        and seen[-1]["verifiers"].get("verifier-0")
                        == f"starting: {PHASE_WAITING_FOR_DRAFTER}"):
                 assert launcher.poll() is None and time.monotonic() < deadline, seen[-3:]
-                if (body := _health(port)) is not None:
+                if (body := _health(port, refusals if seen else None)) is not None:
                     seen.append(body)
                 time.sleep(0.1)
         finally:
             os.kill(drafter, signal.SIGCONT)
         while not (seen and seen[-1]["status"] == "ok"):
             assert launcher.poll() is None and time.monotonic() < deadline, seen[-3:]
-            if (body := _health(port)) is not None:
+            if (body := _health(port, refusals if seen else None)) is not None:
                 seen.append(body)
             time.sleep(0.1)
         while "specdec ready in" not in log.read_text():
@@ -186,5 +213,7 @@ def test_the_default_stack_goes_through_starting_to_ok_without_a_warning(tmp_pat
     assert all(s == "serving" or s.startswith("starting: ") for s in statuses), statuses
     assert all(body["status"] == "starting" for body in seen if "phase" in body)
     assert all(body["problems"] == [] for body in seen)
+    # The gateway took the launcher's socket over: the address never closed in between.
+    assert not refusals, f"{len(refusals)} polls refused after the first answer"
     start_log = log.read_text().split("specdec ready in")[0]
     assert not re.findall(r".*\bWARNING\b.*", start_log), re.findall(r".*\bWARNING\b.*", start_log)
