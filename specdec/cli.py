@@ -56,7 +56,9 @@ def served_model_name(model: str, served_model_name: str | None = None) -> str:
 def add_engine_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--dtype", default="auto",
                         help="auto | float32 | bfloat16 | float16 (auto: bfloat16; float32 on a cpu "
-                             "without bf16 kernels; float32 makes greedy speculation bit-exact)")
+                             "without bf16 kernels; float32 makes greedy speculation bit-exact). "
+                             "A .gguf --model at auto runs on its quantized blocks; a dtype "
+                             "given dequantises it")
     parser.add_argument("--device", default="auto", help="auto | cpu | cuda | npu")
     parser.add_argument("--max-model-len", type=int, default=None,
                         help="context length (default: the model's)")
@@ -98,10 +100,13 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--request-timeout-s", type=float, default=None,
                         help="end a request that runs longer with DEADLINE_EXCEEDED (default: "
                              "no limit; a client's gRPC deadline applies either way)")
-    parser.add_argument("--quantization", choices=["int8"], default=None,
+    parser.add_argument("--quantization", choices=["int8", "gguf"], default=None,
                         help="int8: weight-only int8 linears, quantised at load per output "
                              "channel (CPU; lossy against the checkpoint, speculation stays "
-                             "lossless against the quantised model)")
+                             "lossless against the quantised model). gguf: a GGUF model's "
+                             "Q8_0/Q4_0/Q4_1/Q4_K/Q6_K matrices run on the file's own blocks "
+                             "(CPU; what a .gguf --model at --dtype auto does anyway; the default "
+                             "model needs it asked)")
     parser.add_argument("--enforce-eager", action="store_true",
                         help="never compile. By default, on the CPU with one rank and a C++ "
                              "compiler at hand, the verifier compiles its forward with "

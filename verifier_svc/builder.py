@@ -31,6 +31,8 @@ from specdec.grammar_checker import GrammarLimits
 from specdec.layers.batch_invariance import deterministic_reason
 from specdec.models.compiled_forward import CompiledForward, linears_to_pack, warm_up
 from specdec.models.cpu_stack import CpuDecoderStack, make_cpu_stack
+from specdec.models.gguf_linear import GgufLinear
+from specdec.models.gguf_model import load_gguf_model, native_gguf_file
 from specdec.models.loader import load_model, load_model_config
 from specdec.models.model_files import (
     load_tokenizer,
@@ -157,7 +159,12 @@ def build_engine(config: VerifierConfig, enter_phase: Callable[[str], None] = la
         parallel = ParallelContext(rank=0, world_size=config.tensor_parallel_size)
         device = rank_device(device, 0)
     # With tensor parallelism, `model` and its config are rank 0's shard (heads / N).
-    model = load_model(model_dir, dtype, device, parallel=parallel)
+    native_gguf = native_gguf_file(config.model, config.dtype, config.quantization, device, dtype,
+                                   config.tensor_parallel_size)
+    if native_gguf is not None:
+        model = load_gguf_model(native_gguf, model_dir, dtype, device)
+    else:
+        model = load_model(model_dir, dtype, device, parallel=parallel)
     model_config = model.config
     tokenizer = load_tokenizer(model_dir)
 
@@ -272,7 +279,8 @@ def _deterministic(runner: ModelRunner, dtype: torch.dtype, tensor_parallel_size
     lm_head = runner.model.lm_head
     reason = deterministic_reason(
         forward_is_cpu_stack=isinstance(runner.forward, CpuDecoderStack),
-        lm_head_row_invariant=isinstance(lm_head, PackedLinear) and (lm_head.kernel == "cpu" or lm_head.own_int8),
+        lm_head_row_invariant=isinstance(lm_head, GgufLinear)
+        or (isinstance(lm_head, PackedLinear) and (lm_head.kernel == "cpu" or lm_head.own_int8)),
         dtype=dtype, tensor_parallel_size=tensor_parallel_size)
     if reason is not None:
         logger.warning("deterministic serving is off: %s; a greedy or seeded answer may change "
@@ -322,7 +330,8 @@ def _num_kv_blocks(config: VerifierConfig, model: torch.nn.Module, dtype: torch.
         return config.num_gpu_blocks_override
     model_config = model.config
     bytes_per_block = KVCache.bytes_per_block(model_config, config.block_size, dtype)
-    weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    # Buffers too: a GGUF model's quantized blocks are its GgufLinears' buffers.
+    weight_bytes = sum(t.numel() * t.element_size() for t in (*model.parameters(), *model.buffers()))
     element = torch.tensor([], dtype=dtype).element_size()
     activation_bytes = (config.max_num_batched_tokens * element
                         * (4 * model_config.hidden_size + 2 * model_config.intermediate_size)

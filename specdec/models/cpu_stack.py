@@ -29,6 +29,7 @@ from specdec.engine.kv_cache import KVCache
 from specdec.layers.attention import AttentionMetadata
 from specdec.layers.batch_invariance import batch_invariant_requested
 from specdec.layers.cpu_extension import linear_supports, load_extension
+from specdec.models.gguf_linear import GgufLinear
 from specdec.models.llama import LlamaForCausalLM, check_aux_layer_ids
 from specdec.models.packed_linear import PackedLinear
 from specdec.models.weight_arena import move_into_arena
@@ -40,10 +41,13 @@ CPU_STACK_ENV = "SPECDEC_CPU_STACK"
 
 
 def _operands(linear: nn.Module) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None] | None:
-    """The weight (packed by `pack_weight` or `pack_weight_int8`, or [out, in] to pack), int8
-    scales and bias of a linear the C++ kernel can run, or None."""
+    """The weight (packed by `pack_weight` or `pack_weight_int8`, a GGUF linear's blocks, or
+    [out, in] to pack), int8 scales (a GGUF linear's block table) and bias of a linear the C++
+    kernel can run, or None."""
     scales = None
-    if isinstance(linear, PackedLinear):
+    if isinstance(linear, GgufLinear):
+        weight, scales, bias = linear.packed, linear.table, linear.bias
+    elif isinstance(linear, PackedLinear):
         if linear.kernel == "cpu":
             weight, bias = linear.packed, linear.bias
         elif linear.kernel == "int8" and linear.own_int8:
@@ -62,7 +66,7 @@ def _operands(linear: nn.Module) -> tuple[torch.Tensor, torch.Tensor | None, tor
 def _packed(linear: nn.Module) -> torch.Tensor:
     """A linear's weight as the C++ kernel reads it: a `PackedLinear`'s own tensor object (so
     that moving it moves the layer's), or a plain linear's packed here (a copy)."""
-    if isinstance(linear, PackedLinear):
+    if isinstance(linear, (PackedLinear, GgufLinear)):
         return linear.packed
     weight, _, _ = _operands(linear)  # type: ignore[misc]
     return torch.ops.specdec_cpu.pack_weight(weight)
@@ -72,7 +76,7 @@ def _streamed_weights(packed_layers: list[list[torch.Tensor]], lm_head: nn.Modul
     """The matrices a decode step reads, in the order it reads them: each layer's qkv, o,
     gate_up and down projections, then the LM head's (packed, or the weight it multiplies)."""
     tensors = [weight for layer in packed_layers for weight in layer]
-    if isinstance(lm_head, PackedLinear):
+    if isinstance(lm_head, (PackedLinear, GgufLinear)):
         tensors.append(lm_head.packed)
     elif isinstance(lm_head, nn.Linear):
         tensors.append(lm_head.weight)  # the parameter itself, so that moving it moves the head's
