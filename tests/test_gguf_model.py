@@ -14,7 +14,7 @@ import torch
 from specdec.engine.sampling_params import SamplingParams
 from specdec.errors import ConfigError
 from specdec.models.cpu_stack import CpuDecoderStack
-from specdec.models.gguf_linear import GgufLinear, gguf_kernel_supports
+from specdec.models.gguf_linear import GgufEmbedding, GgufLinear, gguf_kernel_supports
 from specdec.models.gguf_model import load_gguf_model, native_gguf_file
 from specdec.models.gguf_writer import write_llama_gguf
 from specdec.models.loader import load_model
@@ -85,12 +85,21 @@ def test_the_blocks_hold_the_dequantised_weights(gguf_files: dict[str, Path], pr
         assert native.model.layers[1].mlp.down_proj.qtypes == ("Q6_K",)
     # The LM head tied to the embedding: on the embedding's blocks.
     assert native.lm_head.qtypes == (precision[:4],)
+    # The embedding stays in its blocks too; a looked-up row is the dense model's.
+    assert isinstance(native.model.embed_tokens, GgufEmbedding)
+    token_ids = torch.tensor([[0, 7, 259], [3, 3, 100]])
+    assert torch.equal(native.model.embed_tokens(token_ids), dense.model.embed_tokens(token_ids))
     # What stays resident: the blocks, about the size of the file's (Q4_K's 6-bit scales and
     # mins take a byte each, 148 bytes a super-block instead of 144; a matrix's last block of
-    # 32 rows is padded whole), and the dense tensors.
+    # 32 rows is padded whole; the tied LM head's blocks beside the embedding's), and the
+    # norms. Nothing dense of a matrix's size.
     blocks = sum(native.get_submodule(name).packed.numel() for name in names)
-    in_file = sum(int(t.n_bytes) for t in gguf.GGUFReader(gguf_files[precision]).tensors if t.data.ndim == 2)
-    assert in_file <= blocks <= in_file * 1.05
+    blocks += native.model.embed_tokens.blocks.numel()
+    tensors = gguf.GGUFReader(gguf_files[precision]).tensors
+    in_file = sum(int(t.n_bytes) for t in tensors if t.data.ndim == 2)
+    embedding = next(int(t.n_bytes) for t in tensors if t.name == "token_embd.weight")
+    assert in_file <= blocks <= (in_file + embedding) * 1.05
+    assert all(p.dim() == 1 for p in native.parameters())
 
 
 @needs_kernel

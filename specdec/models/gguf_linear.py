@@ -19,7 +19,7 @@ import torch
 from torch import nn
 
 from specdec.layers.cpu_extension import load_extension
-from specdec.models.gguf_blocks import TYPE_NAMES, QuantFields, dequantize_fields, pack_rows
+from specdec.models.gguf_blocks import TYPE_NAMES, QuantFields, dequantize_fields, pack_rows, unpack
 
 
 def gguf_kernel_supports(dtype: torch.dtype) -> bool:
@@ -56,3 +56,25 @@ class GgufLinear(nn.Module):
 def dequantized_weight(parts: list[QuantFields]) -> torch.Tensor:
     """The float32 weight [out, in] that `GgufLinear(parts)` multiplies by."""
     return torch.from_numpy(np.concatenate([dequantize_fields(part) for part in parts]))
+
+
+class GgufEmbedding(nn.Module):
+    """`nn.Embedding`'s lookup on a GGUF file's quantized embedding: the file's rows (blocks)
+    kept as they are, each looked-up row dequantised (as transformers dequantises the file)
+    and rounded to `dtype`, so the table costs the file's bytes, not 16 bits a weight."""
+
+    def __init__(self, raw_rows: np.ndarray, qtype: int, embedding_dim: int, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.qtype, self.embedding_dim, self.dtype = qtype, embedding_dim, dtype
+        self.num_embeddings = raw_rows.shape[0]
+        # A copy: the file's mapping is read-only and closes with its reader.
+        self.register_buffer("blocks", torch.from_numpy(np.array(raw_rows, copy=True)), persistent=False)
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:  # [...] -> [..., dim]
+        flat = input_ids.reshape(-1).cpu()
+        rows = self.blocks.index_select(0, flat).numpy()
+        values = torch.from_numpy(dequantize_fields(unpack(rows, self.qtype, self.embedding_dim)))
+        return values.to(self.dtype).reshape(*input_ids.shape, self.embedding_dim)
+
+    def extra_repr(self) -> str:
+        return f"{self.num_embeddings}, {self.embedding_dim}, type={TYPE_NAMES[self.qtype]}"

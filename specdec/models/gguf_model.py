@@ -7,9 +7,10 @@ more memory. `load_gguf_model` builds the model from the converted directory
 norms, biases, any matrix in a type the kernel does not read) and, for every linear whose
 matrices the file holds as Q8_0, Q4_0, Q4_1, Q4_K or Q6_K, a `GgufLinear` over the file's
 own blocks (the projections fused as the model fuses them; llama.cpp's per-head q/k row
-order undone, as transformers undoes it). Those weights are never dequantised: the
-resident weights are the file's blocks plus the dense tensors (of which the embedding, in
-the model's dtype, is the largest).
+order undone, as transformers undoes it), and a quantized embedding stays in its blocks too
+(`GgufEmbedding` dequantises the rows a step looks up). Those weights are never
+dequantised whole: the resident weights are the file's blocks plus the dense tensors
+(norms, biases, matrices in other types).
 
 When: a GGUF file served at `--dtype auto` on a CPU whose kernels read the blocks runs as
 the file is, unless `--quantization int8` asks otherwise; an explicit `--dtype` (bfloat16,
@@ -29,7 +30,7 @@ import torch
 
 from specdec.errors import ConfigError
 from specdec.models.gguf_blocks import TYPE_NAMES, QuantFields, unpack
-from specdec.models.gguf_linear import GgufLinear, gguf_kernel_supports
+from specdec.models.gguf_linear import GgufEmbedding, GgufLinear, gguf_kernel_supports
 from specdec.models.gguf_writer import rope_permutation
 from specdec.models.llama import LlamaForCausalLM
 from specdec.models.loader import load_model, load_model_config
@@ -121,8 +122,17 @@ def load_gguf_model(gguf_path: Path, model_dir: Path, dtype: torch.dtype, device
     config = load_model_config(model_dir)
     plan = native_linears(reader, config)
     tied_head = config.tie_word_embeddings and "output.weight" not in {t.name for t in reader.tensors}
-    leave_out = frozenset(f"{module}.weight" for module in plan if not (module == "lm_head" and tied_head))
-    model = load_model(model_dir, dtype, device, max_positions=max_positions, leave_out=leave_out)
+    leave_out = {f"{module}.weight" for module in plan if not (module == "lm_head" and tied_head)}
+    embedding = next((t for t in reader.tensors if t.name == "token_embd.weight"), None)
+    if embedding is not None and int(embedding.tensor_type) in TYPE_NAMES:
+        leave_out.add("model.embed_tokens.weight")
+    else:
+        embedding = None
+    model = load_model(model_dir, dtype, device, max_positions=max_positions, leave_out=frozenset(leave_out))
+    if embedding is not None:
+        dense = model.model.embed_tokens
+        model.model.embed_tokens = GgufEmbedding(np.asarray(embedding.data).reshape(dense.num_embeddings, -1),
+                                                 int(embedding.tensor_type), dense.embedding_dim, dtype)
     llama_order = str(reader.fields["general.architecture"].contents()) == "llama"
     rope_heads = {"attn_q": config.num_attention_heads, "attn_k": config.num_key_value_heads}
     num_bytes = 0
