@@ -102,8 +102,8 @@ def _write_weights(preset: ScalePreset, vocab_size: int, directory: Path, seed: 
         save_file(tensors, str(directory / file_name), metadata={"format": "pt"})
         weight_map.update({name: file_name for name in tensors})
     total = sum(tensor.numel() * 2 for tensors in shards for tensor in tensors.values())
-    index = {"metadata": {"total_size": total}, "weight_map": weight_map}
-    (directory / "model.safetensors.index.json").write_text(json.dumps(index))
+    index_json = {"metadata": {"total_size": total}, "weight_map": weight_map}
+    (directory / "model.safetensors.index.json").write_text(json.dumps(index_json))
 
 
 def build_hf_model(name: str, cache_dir: Path, tokenizer_dir: Path, seed: int = 0) -> Path:

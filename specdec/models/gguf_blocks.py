@@ -127,19 +127,16 @@ def dequantize_fields(fields: QuantFields) -> np.ndarray:
     num_rows, in_features = fields.codes.shape
     header = [field.astype(np.float32) for field in fields.header]
     codes = fields.codes.astype(np.float32)
+    values: np.ndarray
     if fields.qtype in (Q8_0, Q4_0, Q4_1):
-        grouped = codes.reshape(num_rows, -1, 32)
-        if fields.qtype == Q4_0:
-            grouped = grouped - 8
-        values = header[0] * grouped + (header[1] if fields.qtype == Q4_1 else 0)
+        groups = codes.reshape(num_rows, -1, 32) - (8 if fields.qtype == Q4_0 else 0)
+        values = header[0] * groups + (header[1] if fields.qtype == Q4_1 else 0)
     elif fields.qtype == Q4_K:
         d, dmin, scales, mins = header
-        grouped = codes.reshape(num_rows, -1, 8, 32)
-        values = (d * scales)[..., None] * grouped - (dmin * mins)[..., None]
+        values = (d * scales)[..., None] * codes.reshape(num_rows, -1, 8, 32) - (dmin * mins)[..., None]
     else:
         d, scales = header
-        grouped = codes.reshape(num_rows, -1, 16, 16) - 32
-        values = (d * scales)[..., None] * grouped
+        values = (d * scales)[..., None] * (codes.reshape(num_rows, -1, 16, 16) - 32)
     return values.reshape(num_rows, in_features).astype(np.float32)
 
 
@@ -169,6 +166,7 @@ def _code_bytes(fields: QuantFields, padded: np.ndarray, units: int) -> np.ndarr
     """A block's codes, per unit: [b, units, bytes]."""
     unit_inputs = _UNIT_INPUTS[fields.qtype]
     words = _pair_rows(padded, units, unit_inputs)
+    rows: np.ndarray
     if fields.qtype == Q8_0:
         rows = words.astype(np.int8).view(np.uint8)
     else:

@@ -33,6 +33,10 @@ def gguf_kernel_supports(dtype: torch.dtype) -> bool:
 class GgufLinear(nn.Module):
     """`y = x @ W.T + b`, W the row-concatenation of `parts` (each in its own GGUF type)."""
 
+    packed: torch.Tensor  # uint8 [bytes]: the kernel's blocks
+    table: torch.Tensor  # int64 [blocks, 4]: each block's offset, GGML type, first column, columns
+    bias: torch.Tensor | None
+
     def __init__(self, parts: list[QuantFields], bias: torch.Tensor | None = None) -> None:
         super().__init__()
         packed, table = pack_rows(parts)
@@ -62,6 +66,8 @@ class GgufEmbedding(nn.Module):
     """`nn.Embedding`'s lookup on a GGUF file's quantized embedding: the file's rows (blocks)
     kept as they are, each looked-up row dequantised (as transformers dequantises the file)
     and rounded to `dtype`, so the table costs the file's bytes, not 16 bits a weight."""
+
+    blocks: torch.Tensor  # uint8 [num_embeddings, row bytes]: the file's rows
 
     def __init__(self, raw_rows: np.ndarray, qtype: int, embedding_dim: int, dtype: torch.dtype) -> None:
         super().__init__()

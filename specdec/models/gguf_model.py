@@ -131,8 +131,9 @@ def load_gguf_model(gguf_path: Path, model_dir: Path, dtype: torch.dtype, device
     model = load_model(model_dir, dtype, device, max_positions=max_positions, leave_out=frozenset(leave_out))
     if embedding is not None:
         dense = model.model.embed_tokens
-        model.model.embed_tokens = GgufEmbedding(np.asarray(embedding.data).reshape(dense.num_embeddings, -1),
-                                                 int(embedding.tensor_type), dense.embedding_dim, dtype)
+        lookup = GgufEmbedding(np.asarray(embedding.data).reshape(dense.num_embeddings, -1),
+                               int(embedding.tensor_type), dense.embedding_dim, dtype)
+        model.model.embed_tokens = lookup  # type: ignore[assignment]  # the same call, no dense weight
     llama_order = str(reader.fields["general.architecture"].contents()) == "llama"
     rope_heads = {"attn_q": config.num_attention_heads, "attn_k": config.num_key_value_heads}
     num_bytes = 0
