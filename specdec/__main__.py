@@ -38,6 +38,9 @@ def main(argv: list[str] | None = None) -> int:
     if argv[:2] == ["bench", "structured"]:  # and structured decoding with / without drafts
         from specdec.bench import structured as bench_structured
         return bench_structured.main(argv[2:])
+    if argv[:2] == ["bench", "replay"]:  # and suffix drafts replayed offline against answers
+        from specdec.bench import replay as bench_replay
+        return bench_replay.main(argv[2:])
     parser = argparse.ArgumentParser(prog="python -m specdec",
                                      formatter_class=DefaultsHelpFormatter)
     commands = parser.add_subparsers(dest="command", required=True)
@@ -56,7 +59,8 @@ def main(argv: list[str] | None = None) -> int:
                       "`bench prefix-cache --help`: prefix caching's TTFT and throughput, "
                       "`bench scale --help`: against llama.cpp by model size and GGUF format; "
                       "and the cost of logprobs; `bench structured --help`: JSON and tool "
-                      "calls under a grammar, with and without speculation")
+                      "calls under a grammar, with and without speculation; `bench replay "
+                      "--help`: suffix drafts replayed offline against known answers")
     bench.add_bench_args(bench_parser)
     from specdec.train import cli as train_cli
 
