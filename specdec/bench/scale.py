@@ -90,18 +90,18 @@ async def measure(preset: str, precision: str, args: argparse.Namespace, tokeniz
     return row
 
 
-def format_table(rows: list[dict[str, Any]]) -> str:
-    lines = ["| model | format | file MB | MB read a token | specdec tok/s (GB/s) | llama.cpp tok/s (GB/s) | ratio |",
-             "|---|---|---|---|---|---|---|"]
-    for row in rows:
-        cells = []
-        for name in ("specdec", "llama.cpp"):
-            speed = row.get(name)
-            cells.append("-" if speed is None else f"{speed:.1f} ({speed * row['decode_mb'] / 1e3:.1f})")
-        ratio = f"{row['specdec'] / row['llama.cpp']:.2f}x" if row.get("llama.cpp") else "-"
-        lines.append(f"| {row['preset']} | {row['format']} | {row['file_mb']:.0f} | {row['decode_mb']:.0f} | "
-                     f"{cells[0]} | {cells[1]} | {ratio} |")
-    return "\n".join(lines)
+TABLE_HEADER = ("| model | format | file MB | MB read a token | specdec tok/s (GB/s) | llama.cpp tok/s (GB/s) | ratio |\n"
+                "|---|---|---|---|---|---|---|")
+
+
+def format_row(row: dict[str, Any]) -> str:
+    cells = []
+    for name in ("specdec", "llama.cpp"):
+        speed = row.get(name)
+        cells.append("-" if speed is None else f"{speed:.1f} ({speed * row['decode_mb'] / 1e3:.1f})")
+    ratio = f"{row['specdec'] / row['llama.cpp']:.2f}x" if row.get("llama.cpp") else "-"
+    return (f"| {row['preset']} | {row['format']} | {row['file_mb']:.0f} | {row['decode_mb']:.0f} | "
+            f"{cells[0]} | {cells[1]} | {ratio} |")
 
 
 def add_scale_args(parser: argparse.ArgumentParser) -> None:
@@ -133,6 +133,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.llama_cpp and not llama_cpp_installed():
         print(f"llama.cpp: {LLAMA_CPP_MISSING}; measuring specdec alone", file=sys.stderr)
     tokenizer_dir = resolve_model(args.tokenizer_model)
-    rows = [asyncio.run(measure(preset, precision, args, tokenizer_dir)) for preset in presets for precision in formats]
-    print(format_table(rows))
+    # Row by row, so that a long run (or a crash inside llama.cpp) leaves what it measured.
+    print(TABLE_HEADER, flush=True)
+    for preset in presets:
+        for precision in formats:
+            print(format_row(asyncio.run(measure(preset, precision, args, tokenizer_dir))), flush=True)
     return 0
