@@ -110,7 +110,7 @@ def native_linears(reader: Any, config: ModelConfig) -> dict[str, list[Any]]:
 
 
 def load_gguf_model(gguf_path: Path, model_dir: Path, dtype: torch.dtype, device: torch.device,
-                    max_positions: int | None = None) -> LlamaForCausalLM:
+                    max_positions: int | None = None, attention_backend: str | None = None) -> LlamaForCausalLM:
     """The model of `model_dir` (the conversion of `gguf_path`) with its quantized linears on
     the file's blocks; see the module docstring."""
     import gguf
@@ -128,7 +128,8 @@ def load_gguf_model(gguf_path: Path, model_dir: Path, dtype: torch.dtype, device
         leave_out.add("model.embed_tokens.weight")
     else:
         embedding = None
-    model = load_model(model_dir, dtype, device, max_positions=max_positions, leave_out=frozenset(leave_out))
+    model = load_model(model_dir, dtype, device, max_positions=max_positions, leave_out=frozenset(leave_out),
+                       attention_backend=attention_backend)
     if embedding is not None:
         dense = model.model.embed_tokens
         lookup = GgufEmbedding(np.asarray(embedding.data).reshape(dense.num_embeddings, -1),

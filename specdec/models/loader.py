@@ -121,6 +121,7 @@ def load_model(
     model_dir: Path, dtype: torch.dtype, device: torch.device, max_positions: int | None = None,
     parallel: ParallelContext | None = None, borrow_from: Path | None = None,
     leave_out: frozenset[str] = frozenset(),
+    attention_backend: str | None = None,
 ) -> LlamaForCausalLM:
     """Build the model described by `model_dir/config.json` and fill it from the checkpoint.
 
@@ -132,7 +133,7 @@ def load_model(
     lacks are read from there instead, with the same shape checks. Parameters named in
     `leave_out` (ours, e.g. `model.layers.0.self_attn.qkv_proj.weight`) are neither read nor
     required: the caller replaces their modules (their memory, never written, is never
-    resident).
+    resident). `attention_backend`: see `make_attention_backend`.
     """
     model_dir = Path(model_dir)
     started = time.perf_counter()
@@ -141,7 +142,7 @@ def load_model(
         config = rank_config(config, parallel.world_size)
     files = _weight_files(model_dir)
     backend = make_attention_backend(device, config.num_attention_heads, config.num_key_value_heads,
-                                     config.head_dim)
+                                     config.head_dim, attention_backend)
     with torch.device("meta"):
         model = LlamaForCausalLM(config, max_positions=max_positions, attention_backend=backend)
     if parallel is not None:
