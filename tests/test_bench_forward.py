@@ -11,7 +11,9 @@ import torch
 from specdec.__main__ import main
 from specdec.bench.forward import significant
 from specdec.layers.cpu_extension import linear_supports
-from tests.tiny_models import make_tiny_llama
+from specdec.models.gguf_linear import gguf_kernel_supports
+from specdec.models.gguf_writer import write_llama_gguf
+from tests.tiny_models import make_gguf_ready_llama, make_tiny_llama
 
 
 def test_prints_each_path_and_shape(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
@@ -66,3 +68,17 @@ def test_a_prefill_shape_and_the_sdpa_stack(tmp_path: Path, capsys: pytest.Captu
     rows = [line.split() for line in capsys.readouterr().out.splitlines() if line.split()[:1] in [[n] for n in names]]
     assert sorted((row[0], int(row[1])) for row in rows) == sorted(
         (name, tokens) for name in names for tokens in (1, 4, 70))
+
+
+@pytest.mark.skipif(not gguf_kernel_supports(torch.bfloat16), reason="no GGUF kernel here")
+def test_a_gguf_path_reads_the_files_blocks(tmp_path: Path, capsys: pytest.CaptureFixture[str],
+                                            monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("SPECDEC_CACHE_DIR", str(tmp_path / "cache"))
+    gguf_file = write_llama_gguf(make_gguf_ready_llama(tmp_path / "hf"), tmp_path / "tiny.Q4_0.gguf", "Q4_0")
+    assert main(["bench", "forward", "--model", str(gguf_file), "--paths", "bf16-stack,bf16-gguf-stack",
+                 "--repeats", "2", "--context-len", "40"]) == 0
+    rows = {(row[0], int(row[1])): float(row[4]) for row in (line.split() for line in capsys.readouterr().out.splitlines())
+            if row[:1] in (["bf16-stack"], ["bf16-gguf-stack"])}
+    # The bound: the dense tensors (the bf16 embedding, read as the tied LM head on the dense
+    # path) plus 4.5 bits a weight for the layers and the head on the file's blocks.
+    assert rows[("bf16-gguf-stack", 1)] < rows[("bf16-stack", 1)] * 0.7

@@ -37,6 +37,8 @@ from specdec.layers.attention import (
 from specdec.layers.batch_invariance import deterministic_reason
 from specdec.models.compiled_forward import CompiledForward, linears_to_pack, warm_up
 from specdec.models.cpu_stack import CpuDecoderStack, cpu_stack_from_env, make_cpu_stack
+from specdec.models.gguf_linear import GgufLinear
+from specdec.models.gguf_model import load_gguf_model, native_gguf_file
 from specdec.models.loader import load_model, load_model_config
 from specdec.models.model_files import (
     DEFAULT_MODEL,
@@ -84,7 +86,8 @@ class VerifierConfig:
         "accepted for vLLM compatibility; specdec never runs model code"))
     dtype: str = field(default="auto", metadata=flag(
         "auto | float32 | bfloat16 | float16 (auto: bfloat16; float32 on a cpu without bf16 "
-        "kernels; float32 makes greedy speculation bit-exact)"))
+        "kernels; float32 makes greedy speculation bit-exact). A .gguf --model at auto runs on "
+        "its quantized blocks; a dtype given dequantises it"))
     device: str = field(default="auto", metadata=flag("auto | cpu | cuda | npu"))
     engine: EngineConfig = field(default_factory=EngineConfig, metadata=nested())
     gpu_memory_utilization: float = field(default=0.9, metadata=flag(
@@ -98,11 +101,14 @@ class VerifierConfig:
     cpu_kv_cache_space_gib: float = field(default_factory=env_default(
         CPU_KV_CACHE_SPACE_ENV, float, CPU_KV_CACHE_DEFAULT_GIB))
     tensor_parallel_size: int = field(default=1, metadata=flag("ranks the model is split over"))
-    # None or "int8" (weight-only); see specdec.models.packed_linear.
+    # None, "int8" (weight-only; see specdec.models.packed_linear) or "gguf" (a GGUF's own
+    # blocks; see specdec.models.gguf_model).
     quantization: str | None = field(default=None, metadata=flag(
         "int8: weight-only int8 linears, quantised at load per output channel (CPU; lossy "
-        "against the checkpoint, speculation stays lossless against the quantised model)",
-        choices=("int8",)))
+        "against the checkpoint, speculation stays lossless against the quantised model). "
+        "gguf: a GGUF model's Q8_0/Q4_0/Q4_1/Q4_K/Q6_K matrices run on the file's own blocks "
+        "(CPU; what a .gguf --model at --dtype auto does anyway; the default model needs it "
+        "asked)", choices=("int8", "gguf")))
     enforce_eager: bool = field(default=False, metadata=flag(
         "never compile. By default, on the CPU with one rank and a C++ compiler at hand, the "
         "verifier compiles its forward with torch.compile at start-up (about a minute and a "
@@ -195,8 +201,13 @@ def build_engine(config: VerifierConfig, enter_phase: Callable[[str], None] = la
         parallel = ParallelContext(rank=0, world_size=config.tensor_parallel_size)
         device = rank_device(device, 0)
     # With tensor parallelism, `model` and its config are rank 0's shard (heads / N).
-    model = load_model(model_dir, dtype, device, parallel=parallel,
-                       attention_backend=config.attention_backend)
+    native_gguf = native_gguf_file(config.model, config.dtype, config.quantization, device, dtype,
+                                   config.tensor_parallel_size)
+    if native_gguf is not None:
+        model = load_gguf_model(native_gguf, model_dir, dtype, device, attention_backend=config.attention_backend)
+    else:
+        model = load_model(model_dir, dtype, device, parallel=parallel,
+                           attention_backend=config.attention_backend)
     model_config = model.config
     tokenizer = load_tokenizer(model_dir)
 
@@ -307,7 +318,8 @@ def _deterministic(runner: ModelRunner, dtype: torch.dtype, tensor_parallel_size
     lm_head = runner.model.lm_head
     reason = deterministic_reason(
         forward_is_cpu_stack=isinstance(runner.forward, CpuDecoderStack),
-        lm_head_row_invariant=isinstance(lm_head, PackedLinear) and (lm_head.kernel == "cpu" or lm_head.own_int8),
+        lm_head_row_invariant=isinstance(lm_head, GgufLinear)
+        or (isinstance(lm_head, PackedLinear) and (lm_head.kernel == "cpu" or lm_head.own_int8)),
         dtype=dtype, tensor_parallel_size=tensor_parallel_size)
     if reason is not None:
         logger.warning("deterministic serving is off: %s; a greedy or seeded answer may change "
@@ -359,7 +371,8 @@ def _num_kv_blocks(config: VerifierConfig, model: torch.nn.Module, dtype: torch.
     model_config = model.config
     block_size = engine.block_size
     bytes_per_block = KVCache.bytes_per_block(model_config, block_size, dtype)
-    weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    # Buffers too: a GGUF model's quantized blocks are its GgufLinears' buffers.
+    weight_bytes = sum(t.numel() * t.element_size() for t in (*model.parameters(), *model.buffers()))
     element = torch.tensor([], dtype=dtype).element_size()
     activation_bytes = (engine.max_num_batched_tokens * element
                         * (4 * model_config.hidden_size + 2 * model_config.intermediate_size)
