@@ -117,3 +117,27 @@ def test_the_quiet_speed_is_the_undisturbed_steps() -> None:
     assert 1.0 <= (base + 2 * slope) / quiet_round_trip_s(2) < 1.8
     assert sum(ratios) / len(ratios) > 4.0
     assert 1.0 <= sum(verify.fit()) / quiet_verify_s(1, 1) < 1.3
+
+
+def test_load_on_the_drafter_alone_is_not_read_as_drafting_losing() -> None:
+    """Plain steps of one sequence take 4 ms; drafting steps verify in 5 ms and yield 3
+    tokens, their round trips 2 ms quiet but delayed up to 7x. At its quiet cost drafting
+    yields 3 tokens in 7 ms against 1.75 for plain steps in that time: the realized check
+    leaves drafting's cost as fitted, where the wall times (3 tokens in ~13 ms against
+    ~3.2) would have scaled it up."""
+    rng = random.Random(4)
+    load = delayed(3.0)
+    policy = SpeculationPolicy(K)
+    for num_tokens in range(1, 9):
+        policy.observe_verify(num_tokens, 1 if num_tokens > 1 else 0,
+                              quiet_verify_s(num_tokens, 1 if num_tokens > 1 else 0))
+    for _ in range(40):
+        policy.observe_step(1, False, 1, 4 * MS)
+    wall_seconds, tokens = 0.0, 0
+    for _ in range(300):
+        round_trip = 2 * MS * load(rng)
+        policy.observe_drafting(K, round_trip)
+        policy.observe_step(1, True, 3, 5 * MS + round_trip)
+        wall_seconds, tokens = wall_seconds + 5 * MS + round_trip, tokens + 3
+    assert tokens / wall_seconds < 1 / (4 * MS)  # by the wall clock drafting lost
+    assert policy.realized.cost_scale(1) == 1.0
