@@ -28,7 +28,10 @@ What is measured, not assumed:
   decode steps' verify times (inputs, forward, logits, rejection sampling) against the
   tokens verified N and the sequences with drafts S: a sequence's first draft costs more
   than its later ones;
-- drafting time against the longest draft asked, fit the same way;
+- drafting time against the longest draft asked, fit the same way; both fits priced at
+  the machine's quiet speed (step_cost.QuietSpeed: a low quantile of recent timings over
+  the fit's prediction for their counted work), since another process's load delays the
+  drafter's round trip far more than the verify step and would price drafting out;
 - apart from it, what a sequence's first ask (its whole context: for EAGLE and draft models
   the drafter prefills it) adds to a round trip, a median over recent ones: it is charged to
   a never-asked sequence's first draft (the shipped draft model's first ask cost 14-28 ms
