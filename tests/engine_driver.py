@@ -9,6 +9,7 @@ from pathlib import Path
 from drafter_svc.proposer import ModelOptions
 from drafter_svc.server import start_drafter_server, stop_drafter_server
 from specdec.config import SpeculativeConfig
+from specdec.config_flags import build_config
 from specdec.engine.sampling_params import SamplingParams
 from verifier_svc.builder import VerifierConfig, build_engine
 from verifier_svc.engine import Engine
@@ -43,7 +44,7 @@ async def served_engine(model_dir: Path, spec: dict | None, device: str,
         speculative_config=speculative_config, drafter_targets=targets, draft_timeout_s=2.0,
         adaptive_speculation=False)
     values.update(config)
-    engine, _ = build_engine(VerifierConfig(**values))  # type: ignore[arg-type]
+    engine, _ = build_engine(build_config(VerifierConfig, **values))  # type: ignore[arg-type]
     await engine.start()
     try:
         if engine.drafter_pool is not None:

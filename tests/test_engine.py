@@ -14,6 +14,7 @@ import torch
 
 from drafter_svc.server import start_drafter_server, stop_drafter_server
 from specdec.config import SpeculativeConfig
+from specdec.config_flags import build_config
 from specdec.engine.sampling_params import SamplingParams
 from specdec.errors import InvalidRequestError
 from tests.engine_driver import generate
@@ -67,12 +68,12 @@ class EngineHarness:
             targets = (f"127.0.0.1:{port}",)
         values: dict[str, object] = dict(
             model=str(self.model_dir), device=self.device, dtype="float32", max_model_len=256,
-            max_num_seqs=8, max_num_batched_tokens=64, block_size=4, num_gpu_blocks_override=256,
+            max_num_seqs=8, max_num_batched_tokens=64, block_size=4, num_kv_blocks=256,
             speculative_config=spec, drafter_targets=targets, draft_timeout_s=1.0,
             # Fixed k: these tests need drafts every step; adaptive k has tests of its own.
             adaptive_speculation=False)
         values.update(self.overrides)
-        self.engine, _ = build_engine(VerifierConfig(**values))  # type: ignore[arg-type]
+        self.engine, _ = build_engine(build_config(VerifierConfig, **values))  # type: ignore[arg-type]
         await self.engine.start()
         if self.drafter is not None:
             # Drafts from the first step on: a seeded sample depends on which drafts came.
@@ -236,7 +237,7 @@ async def test_concurrent_batch_equals_one_at_a_time(tiny_model: Path, device, e
 
 async def test_preemption_under_a_small_pool_keeps_outputs(tiny_model: Path, device, expected) -> None:
     # 14 blocks of 4 tokens: the four sequences (up to 42 tokens each) cannot all fit.
-    async with EngineHarness(tiny_model, str(device), k=3, num_gpu_blocks_override=14,
+    async with EngineHarness(tiny_model, str(device), k=3, num_kv_blocks=14,
                              max_model_len=56) as engine:
         outputs = await asyncio.gather(*(generate(engine, p, greedy()) for p in PROMPTS))
         assert engine.scheduler.num_preemptions > 0
@@ -396,21 +397,21 @@ def test_kv_pool_is_sized_from_the_memory_budget(tiny_model: Path, device) -> No
 
     model_config = load_model_config(tiny_model)
     per_block = KVCache.bytes_per_block(model_config, 4, torch.float32)
-    config = VerifierConfig(model=str(tiny_model), device=str(device), dtype="float32",
-                            max_model_len=64, max_num_seqs=64, block_size=4,
-                            kv_cache_memory_bytes=100 * per_block + per_block // 2)
+    config = build_config(VerifierConfig, model=str(tiny_model), device=str(device), dtype="float32",
+                          max_model_len=64, max_num_seqs=64, block_size=4,
+                          kv_cache_memory_bytes=100 * per_block + per_block // 2)
     engine, _ = build_engine(config)
     assert engine.scheduler.block_manager.num_blocks == 100
     assert engine.runner.kv_cache.num_blocks == 100
     # Capped at what the limits can ever use: 2 sequences x 16 blocks.
-    engine, _ = build_engine(VerifierConfig(model=str(tiny_model), device=str(device),
-                                            dtype="float32", max_model_len=64, max_num_seqs=2,
-                                            block_size=4, kv_cache_memory_bytes=100 * per_block))
+    engine, _ = build_engine(build_config(VerifierConfig, model=str(tiny_model), device=str(device),
+                                          dtype="float32", max_model_len=64, max_num_seqs=2,
+                                          block_size=4, kv_cache_memory_bytes=100 * per_block))
     assert engine.scheduler.block_manager.num_blocks == 32
     with pytest.raises(ConfigError) as info:
-        build_engine(VerifierConfig(model=str(tiny_model), device=str(device), dtype="float32",
-                                    max_model_len=64, block_size=4,
-                                    kv_cache_memory_bytes=10 * per_block))
+        build_engine(build_config(VerifierConfig, model=str(tiny_model), device=str(device), dtype="float32",
+                                  max_model_len=64, block_size=4,
+                                  kv_cache_memory_bytes=10 * per_block))
     assert info.value.param == "max_model_len"
 
 

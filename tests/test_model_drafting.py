@@ -20,6 +20,7 @@ import torch
 from drafter_svc.proposer import ModelOptions
 from drafter_svc.server import start_drafter_server, stop_drafter_server
 from specdec.config import SpeculativeConfig
+from specdec.config_flags import build_config
 from specdec.engine.sampling_params import SamplingParams
 from specdec.models.cpu_stack import CPU_STACK_ENV
 from tests.draft_checkpoints import make_draft_model, make_eagle3_head, make_eagle_head
@@ -60,9 +61,9 @@ async def serve_and_generate(target: Path, device: str, spec: dict | None,
                                num_blocks=256, block_size=4, **drafter_options)
         drafter, port = await start_drafter_server(config, "127.0.0.1", 0, options=options)
         targets = (f"127.0.0.1:{port}",)
-    engine, _ = build_engine(VerifierConfig(
+    engine, _ = build_engine(build_config(VerifierConfig,
         model=str(target), device=device, dtype="float32", max_model_len=128, block_size=4,
-        num_gpu_blocks_override=256, max_num_batched_tokens=16, speculative_config=config,
+        num_kv_blocks=256, max_num_batched_tokens=16, speculative_config=config,
         drafter_targets=targets, draft_timeout_s=2.0,
         # Drafts every step: a seeded sample with drafted probabilities depends on which
         # drafts came, and the adaptive policy's choices depend on measured times.
