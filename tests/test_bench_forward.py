@@ -77,7 +77,8 @@ def test_a_gguf_path_reads_the_files_blocks(tmp_path: Path, capsys: pytest.Captu
     gguf_file = write_llama_gguf(make_gguf_ready_llama(tmp_path / "hf"), tmp_path / "tiny.Q4_0.gguf", "Q4_0")
     assert main(["bench", "forward", "--model", str(gguf_file), "--paths", "bf16-stack,bf16-gguf-stack",
                  "--repeats", "2", "--context-len", "40"]) == 0
-    rows = {(row[0], int(row[1])): float(row[4]) for row in (line.split() for line in capsys.readouterr().out.splitlines())
+    lines = capsys.readouterr().out.splitlines()
+    rows = {(row[0], int(row[1])): float(row[4]) for row in (line.split() for line in lines)
             if row[:1] in (["bf16-stack"], ["bf16-gguf-stack"])}
     # The bound: the dense tensors (the bf16 embedding, read as the tied LM head on the dense
     # path) plus 4.5 bits a weight for the layers and the head on the file's blocks.

@@ -90,7 +90,8 @@ async def measure(preset: str, precision: str, args: argparse.Namespace, tokeniz
     return row
 
 
-TABLE_HEADER = ("| model | format | file MB | MB read a token | specdec tok/s (GB/s) | llama.cpp tok/s (GB/s) | ratio |\n"
+TABLE_HEADER = ("| model | format | file MB | MB read a token | specdec tok/s (GB/s) "
+                "| llama.cpp tok/s (GB/s) | ratio |\n"
                 "|---|---|---|---|---|---|---|")
 
 

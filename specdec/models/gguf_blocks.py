@@ -10,8 +10,10 @@ along the input):
 | Q8_0 | 32 | d f16, q int8 [32] | d q |
 | Q4_0 | 32 | d f16, 16 bytes of 4-bit u (inputs 0-15 low nibbles, 16-31 high) | d (u - 8) |
 | Q4_1 | 32 | d f16, m f16, u as Q4_0 | d u + m |
-| Q4_K | 256 | d f16, dmin f16, 12 bytes of 6-bit sc and m for 8 groups of 32, 128 bytes of u (each 32 bytes: a group in the low nibbles, the next in the high) | d sc_j u - dmin m_j |
+| Q4_K | 256 | d f16, dmin f16, 12 bytes of 6-bit sc and m for 8 groups of 32, 128 bytes of u (*) | d sc_j u - dmin m_j |
 | Q6_K | 256 | 128 bytes of low 4 bits, 64 of high 2 bits, sc int8 [16] (groups of 16), d f16 | d sc_j (q - 32) |
+
+(*) each 32 bytes hold a group in the low nibbles and the next group in the high ones.
 
 `unpack` turns a tensor's raw rows into `QuantFields` (codes and per-group header fields);
 `pack_rows` lays row-concatenated parts out as the kernel's blocks of 32 output columns
@@ -175,7 +177,8 @@ def _code_bytes(fields: QuantFields, padded: np.ndarray, units: int) -> np.ndarr
         if fields.qtype == Q6_K:
             high_bits = (index >> 4) & 0x03  # position 16 L + i -> byte i, bits 2 L
             quarters = high_bits.reshape(*index.shape[:-1], 4, 16)
-            high = quarters[..., 0, :] | (quarters[..., 1, :] << 2) | (quarters[..., 2, :] << 4) | (quarters[..., 3, :] << 6)
+            high = (quarters[..., 0, :] | (quarters[..., 1, :] << 2)
+                    | (quarters[..., 2, :] << 4) | (quarters[..., 3, :] << 6))
             rows = np.concatenate([low, high], axis=-1)
         else:
             rows = low
