@@ -10,7 +10,7 @@ along the input):
 | Q8_0 | 32 | d f16, q int8 [32] | d q |
 | Q4_0 | 32 | d f16, 16 bytes of 4-bit u (inputs 0-15 low nibbles, 16-31 high) | d (u - 8) |
 | Q4_1 | 32 | d f16, m f16, u as Q4_0 | d u + m |
-| Q4_K | 256 | d f16, dmin f16, 12 bytes of 6-bit sc and m for 8 groups of 32, 128 bytes of u (*) | d sc_j u - dmin m_j |
+| Q4_K | 256 | d f16, dmin f16, 12 bytes of 6-bit sc and m (8 groups of 32), 128 bytes of u (*) | d sc_j u - dmin m_j |
 | Q6_K | 256 | 128 bytes of low 4 bits, 64 of high 2 bits, sc int8 [16] (groups of 16), d f16 | d sc_j (q - 32) |
 
 (*) each 32 bytes hold a group in the low nibbles and the next group in the high ones.
