@@ -26,6 +26,7 @@ import sys
 import time
 import urllib.request
 from collections.abc import Callable
+from typing import cast
 
 from drafter_svc.proposer import ModelOptions
 from gateway.app import GatewayConfig
@@ -223,7 +224,8 @@ def serve(args: argparse.Namespace, started: float | None = None) -> int:
                 # Once the verifier listens, so that the gateway's /health tells its start-up
                 # phase from the first answer, never "unreachable" on a normal start.
                 verifier = children[-1][1]
-                _wait_until_listening(int(verifier.args[verifier.args.index("--port") + 1]),
+                verifier_args = _command_of(verifier)
+                _wait_until_listening(int(verifier_args[verifier_args.index("--port") + 1]),
                                       verifier, lambda: stop_requested)
                 listen_fd = startup_health.hand_over()
                 if listen_fd is not None:
@@ -264,6 +266,11 @@ def serve(args: argparse.Namespace, started: float | None = None) -> int:
     finally:
         startup_health.close()
         _stop_all(children, args.shutdown_grace_s + STOP_MARGIN_S)
+
+
+def _command_of(proc: subprocess.Popen[bytes]) -> list[str]:
+    """The command a child was started with (always a list of str here)."""
+    return cast(list[str], proc.args)
 
 
 def _wait_until_listening(port: int, proc: subprocess.Popen[bytes],
@@ -320,5 +327,5 @@ class _RestartWithBackoff:
         self._backoff_s = min(2 * self._backoff_s, RESTART_BACKOFF_S[1])
         self.num_restarts += 1
         logger.info("restarting %s (restart %d): %s", self.name, self.num_restarts,
-                    " ".join(proc.args))
+                    " ".join(_command_of(proc)))
         return subprocess.Popen(proc.args, env=self.env, start_new_session=True)
