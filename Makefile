@@ -24,7 +24,7 @@ serve: install
 bench: install
 	$(PYTHON) -m specdec bench
 
-# Regenerates the committed gRPC stubs; tests/test_protos.py fails when they are stale.
+# Regenerates the committed gRPC stubs; tests/service/test_protos.py fails when they are stale.
 protos:
 	$(PYTHON) -m grpc_tools.protoc -I protos --python_out=. --pyi_out=. --grpc_python_out=. \
 		protos/specdec/v1/specdec.proto

@@ -2,7 +2,7 @@
 
 `pytest --device cuda` (or npu) runs the model tests on an accelerator; the default is cpu.
 With `SPECDEC_REQUIRE_CPU_KERNELS=1` (CI) a C++ CPU kernel build that fails is a failed run,
-not a run of skipped kernel tests (tests/cpu_kernels.py).
+not a run of skipped kernel tests (tests/support/cpu_kernels.py).
 """
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests import cpu_kernels
+from tests.support import cpu_kernels
 
 
 def pytest_report_header(config: pytest.Config) -> str:
