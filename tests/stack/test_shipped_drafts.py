@@ -96,7 +96,6 @@ async def _outputs(target: Path, prompts: list[list[int]], spec: SpeculativeConf
     return list(outputs), engine.spec
 
 
-@pytest.mark.slow
 @pytest.mark.timeout(900)  # the default model, loaded (and fetched on first use) once per shipped draft
 def test_shipped_drafts_keep_greedy_output_on_the_default_model() -> None:
     target = resolve_model(DEFAULT_MODEL)
