@@ -17,7 +17,7 @@ from specdec.models.compiled_forward import CompiledForward, linears_to_pack, wa
 from specdec.models.cpu_stack import CPU_STACK_ENV
 from specdec.models.loader import load_model
 from specdec.models.packed_linear import choose_kernel, mkldnn_supported, pack_linears
-from tests.support.engine_driver import generate
+from tests.support.engine_harness import generate
 from tests.service.test_engine import PROMPTS, EngineHarness, greedy, plain_outputs
 from tests.support.tiny_models import make_tiny_llama
 from verifier_svc import builder

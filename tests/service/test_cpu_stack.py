@@ -22,7 +22,7 @@ from specdec.models.cpu_stack import (
 )
 from specdec.models.loader import load_model
 from specdec.models.packed_linear import pack_linears
-from tests.support.engine_driver import generate
+from tests.support.engine_harness import generate
 from tests.service.test_engine import PROMPTS, EngineHarness, greedy
 from tests.support.tiny_models import make_tiny_llama
 from verifier_svc.builder import VerifierConfig, build_engine

@@ -16,7 +16,7 @@ from drafter_svc.server import start_drafter_server, stop_drafter_server
 from specdec.config import SpeculativeConfig
 from specdec.engine.sampling_params import SamplingParams
 from specdec.errors import InvalidRequestError
-from tests.support.engine_driver import generate
+from tests.support.engine_harness import generate
 from tests.support.tiny_models import EOS_TOKEN_ID, make_tiny_llama
 from verifier_svc.builder import VerifierConfig, build_engine
 from verifier_svc.drafting.drafter_pool import DraftRequest

@@ -18,7 +18,7 @@ import pytest
 from gateway.errors import error_from_grpc, error_payload
 from specdec.errors import SpecdecError
 from specdec.v1 import specdec_pb2, specdec_pb2_grpc
-from tests.support.engine_driver import generate
+from tests.support.engine_harness import generate
 from tests.service.test_engine import PROMPTS, EngineHarness, greedy
 from tests.support.tiny_models import make_tiny_llama
 from tests.support.verifier_harness import request, verifier_starter

@@ -18,7 +18,7 @@ import torch
 from transformers import LlamaForCausalLM
 
 from specdec.engine.sampling_params import SamplingParams
-from tests.support.engine_driver import generate
+from tests.support.engine_harness import generate
 from tests.service.test_engine import EngineHarness
 from tests.support.tiny_models import make_tiny_llama
 

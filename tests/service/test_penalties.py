@@ -20,7 +20,7 @@ from specdec.engine.rejection_sampler import needs_only_argmax
 from specdec.engine.sampling_params import SamplingParams
 from specdec.errors import InvalidRequestError
 from specdec.v1 import specdec_pb2
-from tests.support.engine_driver import generate
+from tests.support.engine_harness import generate
 from tests.service.test_engine import PROMPTS, EngineHarness
 from tests.support.tiny_models import make_tiny_llama
 from verifier_svc.requests import check_request

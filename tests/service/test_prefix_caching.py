@@ -19,7 +19,7 @@ import torch
 from specdec.engine.block_manager import BlockManager, block_hash, extend_block_hashes
 from specdec.engine.sampling_params import SamplingParams
 from specdec.engine.sequence import Sequence
-from tests.support.engine_driver import generate
+from tests.support.engine_harness import generate
 from tests.service.test_engine import EngineHarness
 from tests.support.tiny_models import make_tiny_llama
 from verifier_svc.engine import StepRecord

@@ -16,7 +16,7 @@ from drafter_svc.suffix_proposer import SuffixMethod
 from specdec.config import SpeculativeConfig
 from specdec.engine.sampling_params import SamplingParams
 from specdec.errors import ConfigError
-from tests.support.engine_driver import generate
+from tests.support.engine_harness import generate
 from tests.support.tiny_models import make_tiny_llama
 from verifier_svc.builder import VerifierConfig, build_engine
 from verifier_svc.engine import Engine

@@ -28,7 +28,7 @@ from specdec.errors import ConfigError
 from specdec.layers.attention import AttentionMetadata
 from specdec.models.loader import load_model
 from specdec.models.parallel import ParallelContext, shard_tensor
-from tests.support.engine_driver import generate
+from tests.support.engine_harness import generate
 from tests.support.tiny_models import make_tiny_llama
 from verifier_svc import tp_worker
 from verifier_svc.builder import VerifierConfig, build_engine

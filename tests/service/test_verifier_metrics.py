@@ -17,7 +17,7 @@ from specdec.cli import served_model_name
 from specdec.config import SpeculativeConfig
 from specdec.engine.sampling_params import SamplingParams
 from specdec.v1 import specdec_pb2, specdec_pb2_grpc
-from tests.support.engine_driver import generate
+from tests.support.engine_harness import generate
 from tests.support.tiny_models import make_tiny_llama
 from verifier_svc.builder import VerifierConfig, build_engine
 from verifier_svc.drafting.drafter_errors import DrafterErrors

@@ -27,7 +27,7 @@ from specdec.models.packed_linear import (
     mkldnn_supported,
     pack_linears,
 )
-from tests.support.engine_driver import generate
+from tests.support.engine_harness import generate
 from tests.service.test_engine import PROMPTS, EngineHarness, greedy
 from tests.support.tiny_models import make_tiny_llama
 

@@ -29,7 +29,7 @@ from specdec.config import SpeculativeConfig
 from specdec.engine.sampling_params import SamplingParams
 from specdec.layers.cpu_extension import linear_supports
 from specdec.models.model_files import DEFAULT_MODEL, load_tokenizer, resolve_model
-from tests.support.engine_driver import generate
+from tests.support.engine_harness import generate
 from verifier_svc.builder import VerifierConfig, build_engine
 from verifier_svc.engine import Engine
 

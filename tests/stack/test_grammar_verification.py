@@ -23,7 +23,7 @@ from specdec.engine.rejection_sampler import verify
 from specdec.engine.sampling_params import SamplingParams
 from specdec.errors import InvalidRequestError
 from specdec.models.model_files import DEFAULT_MODEL, load_tokenizer, resolve_model
-from tests.support.engine_driver import served_engine
+from tests.support.engine_harness import served_engine
 from tests.support.grammar_decode import PADDED_VOCAB, make_padded_tiny_model
 from verifier_svc.builder import VerifierConfig, build_engine
 from verifier_svc.drafting.drafter_pool import Draft

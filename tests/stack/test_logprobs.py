@@ -23,7 +23,7 @@ from specdec.engine.logprobs import (
 )
 from specdec.engine.sampling_params import SamplingParams
 from specdec.errors import InvalidRequestError
-from tests.support.engine_driver import served_engine
+from tests.support.engine_harness import served_engine
 from tests.support.tiny_models import make_tiny_llama
 from verifier_svc.engine import Engine
 

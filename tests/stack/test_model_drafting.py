@@ -23,7 +23,7 @@ from specdec.config import SpeculativeConfig
 from specdec.engine.sampling_params import SamplingParams
 from specdec.models.cpu_stack import CPU_STACK_ENV
 from tests.support.draft_checkpoints import make_draft_model, make_eagle3_head, make_eagle_head
-from tests.support.engine_driver import generate
+from tests.support.engine_harness import generate
 from tests.support.tiny_models import make_tiny_llama
 from verifier_svc.builder import VerifierConfig, build_engine
 from verifier_svc.engine import Engine

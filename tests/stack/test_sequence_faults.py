@@ -20,7 +20,7 @@ import pytest
 from specdec.engine.sampling_params import SamplingParams
 from specdec.errors import InvalidRequestError, SpecdecError
 from specdec.models.model_files import DEFAULT_MODEL, load_tokenizer, resolve_model
-from tests.support.engine_driver import served_engine
+from tests.support.engine_harness import served_engine
 from tests.support.grammar_decode import make_padded_tiny_model
 from verifier_svc.drafting.drafter_pool import Draft, DraftRequest
 from verifier_svc.engine import Engine

@@ -21,7 +21,7 @@ from specdec.drafts import SHIPPED_DRAFTS, drafts_root, shipped_draft_dir
 from specdec.engine.sampling_params import SamplingParams
 from specdec.models.model_files import DEFAULT_MODEL, load_tokenizer, resolve_model
 from specdec.train.prompts import heldout_prompts
-from tests.support.engine_driver import generate
+from tests.support.engine_harness import generate
 from verifier_svc.requests import collect_outputs
 from verifier_svc.builder import VerifierConfig, build_engine
 
