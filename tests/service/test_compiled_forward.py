@@ -17,8 +17,7 @@ from specdec.models.compiled_forward import CompiledForward, linears_to_pack, wa
 from specdec.models.cpu_stack import CPU_STACK_ENV
 from specdec.models.loader import load_model
 from specdec.models.packed_linear import choose_kernel, mkldnn_supported, pack_linears
-from tests.support.engine_harness import generate
-from tests.service.test_engine import PROMPTS, EngineHarness, greedy, plain_outputs
+from tests.support.engine_harness import PROMPTS, generate, greedy, ngram_engine, plain_outputs
 from tests.support.tiny_models import make_tiny_llama
 from verifier_svc import builder
 from verifier_svc.builder import VerifierConfig, compile_by_default
@@ -199,7 +198,7 @@ def test_a_warm_step_that_needs_a_new_graph_compiles_it(tiny_model: Path, caplog
 
 async def test_compiled_speculation_is_plain_decoding(tiny_model: Path) -> None:
     plain = await plain_outputs(tiny_model, "cpu")
-    async with EngineHarness(tiny_model, "cpu", k=3, compile=True) as engine:
+    async with ngram_engine(tiny_model, "cpu", k=3, compile=True) as engine:
         speculative = [await generate(engine, prompt, greedy()) for prompt in PROMPTS]
         assert engine.spec.num_accepted_tokens > 0, "ngram never helped"
     assert speculative == plain
@@ -226,12 +225,12 @@ async def test_a_failed_compile_runs_eagerly(tiny_model: Path, monkeypatch: pyte
         raise RuntimeError("InductorError: no C++ compiler\nmore lines")
 
     monkeypatch.setattr(builder, "warm_up", fail)
-    async with EngineHarness(tiny_model, "cpu", dtype="bfloat16", compile=True) as engine:
+    async with ngram_engine(tiny_model, "cpu", dtype="bfloat16", compile=True) as engine:
         assert engine.runner.forward is engine.runner.model  # eager
         # The layers' linears got the packing the compiler would have done.
         assert all(not isinstance(module, torch.nn.Linear) for module in engine.runner.model.modules())
         compiled_failed = [await generate(engine, prompt, greedy()) for prompt in PROMPTS]
-    async with EngineHarness(tiny_model, "cpu", dtype="bfloat16") as engine:
+    async with ngram_engine(tiny_model, "cpu", dtype="bfloat16") as engine:
         eager = [await generate(engine, prompt, greedy()) for prompt in PROMPTS]
     assert compiled_failed == eager
     assert "compiling the forward failed (RuntimeError: InductorError: no C++ compiler); " \

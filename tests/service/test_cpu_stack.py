@@ -22,8 +22,7 @@ from specdec.models.cpu_stack import (
 )
 from specdec.models.loader import load_model
 from specdec.models.packed_linear import pack_linears
-from tests.support.engine_harness import generate
-from tests.service.test_engine import PROMPTS, EngineHarness, greedy
+from tests.support.engine_harness import PROMPTS, generate, greedy, ngram_engine
 from tests.support.tiny_models import make_tiny_llama
 from verifier_svc.builder import VerifierConfig, build_engine
 
@@ -278,22 +277,22 @@ async def test_the_verifier_runs_the_stack_on_the_cpu(model_dir: Path, monkeypat
     too, where the int8 kernel is built (else the model)."""
     outputs = {}
     with caplog.at_level("INFO"):
-        async with EngineHarness(model_dir, "cpu", k=3, compile=True) as engine:
+        async with ngram_engine(model_dir, "cpu", k=3, compile=True) as engine:
             assert isinstance(engine.runner.forward, CpuDecoderStack)
             outputs["stack"] = [await generate(engine, prompt, greedy()) for prompt in PROMPTS]
             assert engine.spec.num_accepted_tokens > 0
     assert "(C++ decoder stack)" in caplog.text
-    async with EngineHarness(model_dir, "cpu", k=3, quantization="int8") as engine:
+    async with ngram_engine(model_dir, "cpu", k=3, quantization="int8") as engine:
         own_int8 = linear_supports(torch.float32, int8_weights=True)
         assert isinstance(engine.runner.forward, CpuDecoderStack) == own_int8
         for prompt in PROMPTS:  # fp32: speculation changes no token of the quantised model's
             plain = await generate(engine, prompt, greedy(), num_speculative_tokens=0)
             assert await generate(engine, prompt, greedy()) == plain
     monkeypatch.setenv(CPU_STACK_ENV, "0")
-    async with EngineHarness(model_dir, "cpu", compile=True) as engine:
+    async with ngram_engine(model_dir, "cpu", compile=True) as engine:
         assert isinstance(engine.runner.forward, CompiledForward)
         outputs["compiled"] = [await generate(engine, prompt, greedy()) for prompt in PROMPTS]
-    async with EngineHarness(model_dir, "cpu") as engine:
+    async with ngram_engine(model_dir, "cpu") as engine:
         assert engine.runner.forward is engine.runner.model
         outputs["eager"] = [await generate(engine, prompt, greedy()) for prompt in PROMPTS]
     assert outputs["stack"] == outputs["compiled"] == outputs["eager"]

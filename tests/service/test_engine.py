@@ -12,82 +12,27 @@ from pathlib import Path
 import pytest
 import torch
 
-from drafter_svc.server import start_drafter_server, stop_drafter_server
 from specdec.config import SpeculativeConfig
 from specdec.engine.sampling_params import SamplingParams
 from specdec.errors import InvalidRequestError
-from tests.support.engine_harness import generate
+from tests.support.engine_harness import (
+    MAX_TOKENS,
+    PROMPTS,
+    generate,
+    greedy,
+    ngram_engine,
+    ngram_spec,
+    plain_outputs,
+)
 from tests.support.tiny_models import EOS_TOKEN_ID, make_tiny_llama
 from verifier_svc.builder import VerifierConfig, build_engine
 from verifier_svc.drafting.drafter_pool import DraftRequest
-from verifier_svc.engine import Engine, StepRecord
+from verifier_svc.engine import StepRecord
 from verifier_svc.speculation import probe_schedule
-
-# Prompts with repeats, so the ngram drafter finds matches.
-PROMPTS = [
-    [5, 6, 7, 8, 9, 5, 6, 7, 8, 9, 5, 6, 7],
-    [10, 11, 12, 13, 10, 11, 12, 13, 10, 11],
-    [20, 21, 22, 23, 24, 25, 26, 27, 28, 29, 30, 31, 32, 33, 20, 21, 22, 23],
-    [40, 41, 40, 41, 40, 41, 40],
-]
-MAX_TOKENS = 24
-
 
 @pytest.fixture(scope="module")
 def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return make_tiny_llama(tmp_path_factory.mktemp("tiny-llama"))
-
-
-def spec_config(k: int) -> SpeculativeConfig:
-    config = SpeculativeConfig.parse({"method": "ngram", "num_speculative_tokens": k,
-                                      "prompt_lookup_min": 1, "prompt_lookup_max": 3})
-    assert config is not None
-    return config
-
-
-def greedy(max_tokens: int = MAX_TOKENS) -> SamplingParams:
-    return SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
-
-
-class EngineHarness:
-    """An engine (and, with speculation, a drafter service) started for one test."""
-
-    def __init__(self, model_dir: Path, device: str, k: int | None = None, **overrides: object):
-        self.model_dir = model_dir
-        self.device = device
-        self.k = k
-        self.overrides = overrides
-        self.drafter = None
-
-    async def __aenter__(self) -> Engine:
-        spec = spec_config(self.k) if self.k else None
-        targets: tuple[str, ...] = ()
-        if spec is not None:
-            self.drafter, port = await start_drafter_server(spec, "127.0.0.1", 0)
-            targets = (f"127.0.0.1:{port}",)
-        values: dict[str, object] = dict(
-            model=str(self.model_dir), device=self.device, dtype="float32", max_model_len=256,
-            max_num_seqs=8, max_num_batched_tokens=64, block_size=4, num_gpu_blocks_override=256,
-            speculative_config=spec, drafter_targets=targets, draft_timeout_s=1.0,
-            # Fixed k: these tests need drafts every step; adaptive k has tests of its own.
-            adaptive_speculation=False)
-        values.update(self.overrides)
-        self.engine, _ = build_engine(VerifierConfig(**values))  # type: ignore[arg-type]
-        await self.engine.start()
-        if self.drafter is not None:
-            # Drafts from the first step on: a seeded sample depends on which drafts came.
-            assert await self.engine.drafter_pool.wait_for_healthy(1, timeout_s=5)
-        return self.engine
-
-    async def __aexit__(self, *exc: object) -> None:
-        await self.engine.stop()
-        if self.drafter is not None:
-            await stop_drafter_server(self.drafter)
-
-
-async def plain_outputs(model_dir: Path, device: str) -> list[list[int]]:
-    async with EngineHarness(model_dir, device) as engine:
-        return [await generate(engine, prompt, greedy()) for prompt in PROMPTS]
 
 
 @pytest.fixture(scope="module")
@@ -97,7 +42,7 @@ def expected(tiny_model: Path, device) -> list[list[int]]:
 
 @pytest.mark.parametrize("k", [1, 3, 5])
 async def test_greedy_invariance_with_ngram(tiny_model: Path, device, expected, k: int) -> None:
-    async with EngineHarness(tiny_model, str(device), k=k) as engine:
+    async with ngram_engine(tiny_model, str(device), k=k) as engine:
         outputs = [await generate(engine, prompt, greedy()) for prompt in PROMPTS]
         spec = engine.spec
     assert outputs == expected
@@ -106,7 +51,7 @@ async def test_greedy_invariance_with_ngram(tiny_model: Path, device, expected, 
 
 
 async def test_adaptive_speculation_keeps_outputs(tiny_model: Path, device, expected) -> None:
-    async with EngineHarness(tiny_model, str(device), k=3, adaptive_speculation=True) as engine:
+    async with ngram_engine(tiny_model, str(device), k=3, adaptive_speculation=True) as engine:
         outputs = await asyncio.gather(*(generate(engine, p, greedy()) for p in PROMPTS))
         policy = engine.policy
         assert policy is not None and policy.verify_cost.has_data
@@ -118,7 +63,7 @@ async def test_decode_steps_tell_the_policy_what_drafting_realized(tiny_model: P
                                                                    expected) -> None:
     """Each decode step reports its sequences, whether it drafted, its tokens and its wall
     time (verifier_svc/speculation/realized.py); steps with a prefill chunk do not."""
-    async with EngineHarness(tiny_model, str(device), k=3, adaptive_speculation=True) as engine:
+    async with ngram_engine(tiny_model, str(device), k=3, adaptive_speculation=True) as engine:
         policy = engine.policy
         assert policy is not None
         reported: list[tuple[int, bool, int, float]] = []
@@ -146,7 +91,7 @@ async def test_a_text_drafter_is_asked_for_its_cap_and_its_drafts_cut_by_evidenc
     is cut to the policy's evidence_lengths (here: one token less than each draft), and
     the verified drafts' confidences calibrate it. Outputs unchanged."""
     monkeypatch.setattr(probe_schedule, "MAX_PROBE_INTERVAL", 1)  # probes at the back-off
-    async with EngineHarness(tiny_model, str(device), k=3, adaptive_speculation=True) as engine:
+    async with ngram_engine(tiny_model, str(device), k=3, adaptive_speculation=True) as engine:
         policy, pool = engine.policy, engine.drafter_pool
         assert policy is not None and pool is not None
         asked: list[int] = []
@@ -188,7 +133,7 @@ async def test_a_prompt_reaches_the_drafter_as_its_prefill_starts(tiny_model: Pa
     out their back-off only here (no wait priced beyond it), so that the tiny model, whose
     step is cheaper than a round trip, still asks after drafting stopped."""
     monkeypatch.setattr(probe_schedule, "MAX_PROBE_INTERVAL", 1)  # no priced wait
-    async with EngineHarness(tiny_model, str(device), k=3, adaptive_speculation=True) as engine:
+    async with ngram_engine(tiny_model, str(device), k=3, adaptive_speculation=True) as engine:
         policy, pool = engine.policy, engine.drafter_pool
         assert policy is not None and pool is not None
         timed: list[float] = []
@@ -228,7 +173,7 @@ async def test_a_prompt_reaches_the_drafter_as_its_prefill_starts(tiny_model: Pa
 
 
 async def test_concurrent_batch_equals_one_at_a_time(tiny_model: Path, device, expected) -> None:
-    async with EngineHarness(tiny_model, str(device), k=3, max_num_batched_tokens=16) as engine:
+    async with ngram_engine(tiny_model, str(device), k=3, max_num_batched_tokens=16) as engine:
         outputs = await asyncio.gather(*(generate(engine, p, greedy()) for p in PROMPTS))
         assert engine.scheduler.block_manager.num_free_blocks == 256
     assert list(outputs) == expected
@@ -236,8 +181,8 @@ async def test_concurrent_batch_equals_one_at_a_time(tiny_model: Path, device, e
 
 async def test_preemption_under_a_small_pool_keeps_outputs(tiny_model: Path, device, expected) -> None:
     # 14 blocks of 4 tokens: the four sequences (up to 42 tokens each) cannot all fit.
-    async with EngineHarness(tiny_model, str(device), k=3, num_gpu_blocks_override=14,
-                             max_model_len=56) as engine:
+    async with ngram_engine(tiny_model, str(device), k=3, num_gpu_blocks_override=14,
+                            max_model_len=56) as engine:
         outputs = await asyncio.gather(*(generate(engine, p, greedy()) for p in PROMPTS))
         assert engine.scheduler.num_preemptions > 0
         assert engine.scheduler.block_manager.num_free_blocks == 14
@@ -246,16 +191,16 @@ async def test_preemption_under_a_small_pool_keeps_outputs(tiny_model: Path, dev
 
 async def test_dead_drafter_costs_speed_not_output(tiny_model: Path, device, expected) -> None:
     # Nothing listens on the drafter address: every step decodes one token.
-    async with EngineHarness(tiny_model, str(device), max_model_len=256,
-                             speculative_config=spec_config(3),
-                             drafter_targets=("127.0.0.1:1",), draft_timeout_s=0.01) as engine:
+    async with ngram_engine(tiny_model, str(device), max_model_len=256,
+                            speculative_config=ngram_spec(3),
+                            drafter_targets=("127.0.0.1:1",), draft_timeout_s=0.01) as engine:
         outputs = [await generate(engine, prompt, greedy()) for prompt in PROMPTS]
         assert engine.spec.num_draft_tokens == 0
     assert outputs == expected
 
 
 async def test_speculation_override_per_request(tiny_model: Path, device, expected) -> None:
-    async with EngineHarness(tiny_model, str(device), k=3) as engine:
+    async with ngram_engine(tiny_model, str(device), k=3) as engine:
         output = await generate(engine, PROMPTS[0], greedy(), num_speculative_tokens=0)
         assert engine.spec.num_drafts == 0
     assert output == expected[0]
@@ -269,7 +214,7 @@ async def test_speculation_switched_off_for_the_engine(tiny_model: Path, device,
     wait out their back-off only (the tiny model's step is cheaper than a round trip, so
     priced waits would outlast these short requests)."""
     monkeypatch.setattr(probe_schedule, "MAX_PROBE_INTERVAL", 1)
-    async with EngineHarness(tiny_model, str(device), k=3, adaptive_speculation=adaptive) as engine:
+    async with ngram_engine(tiny_model, str(device), k=3, adaptive_speculation=adaptive) as engine:
         records: list[StepRecord] = []
         engine.step_listener = records.append
         engine.speculation_enabled = False
@@ -302,8 +247,8 @@ async def run_two_short_two_long(tiny_model: Path, device, adaptive: bool, **spe
     each step's record (four running, then two)."""
     spec = SpeculativeConfig.parse({"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1,
                                     "prompt_lookup_max": 3, **spec_fields})
-    async with EngineHarness(tiny_model, str(device), k=3, speculative_config=spec,
-                             adaptive_speculation=adaptive) as engine:
+    async with ngram_engine(tiny_model, str(device), k=3, speculative_config=spec,
+                            adaptive_speculation=adaptive) as engine:
         records: list[StepRecord] = []
         engine.step_listener = records.append
         outputs = await asyncio.gather(*(generate(engine, prompt, greedy(SHORT if index < 2 else MAX_TOKENS))
@@ -338,7 +283,7 @@ async def test_num_speculative_tokens_per_batch_size_caps_each_steps_drafts(
 async def test_seeded_sampling_is_reproducible(tiny_model: Path, device) -> None:
     params = SamplingParams(temperature=0.8, top_p=0.9, top_k=20, seed=1234, max_tokens=16,
                             ignore_eos=True)
-    async with EngineHarness(tiny_model, str(device), k=3) as engine:
+    async with ngram_engine(tiny_model, str(device), k=3) as engine:
         first = await generate(engine, PROMPTS[1], params)
         second = await generate(engine, PROMPTS[1], params)
         other = await generate(engine, PROMPTS[1], SamplingParams(
@@ -350,7 +295,7 @@ async def test_seeded_sampling_is_reproducible(tiny_model: Path, device) -> None
 async def test_stop_token_ids_and_eos(tiny_model: Path, device, expected) -> None:
     stop_id = expected[0][5]
     cut = expected[0].index(stop_id)
-    async with EngineHarness(tiny_model, str(device), k=3) as engine:
+    async with ngram_engine(tiny_model, str(device), k=3) as engine:
         seq_id, queue = engine.add_request(
             "s", PROMPTS[0], SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS,
                                             stop_token_ids=(stop_id,)))
@@ -365,7 +310,7 @@ async def test_stop_token_ids_and_eos(tiny_model: Path, device, expected) -> Non
 
 
 async def test_abort_frees_blocks(tiny_model: Path, device) -> None:
-    async with EngineHarness(tiny_model, str(device), k=3) as engine:
+    async with ngram_engine(tiny_model, str(device), k=3) as engine:
         seq_id, queue = engine.add_request("a", PROMPTS[2], greedy(max_tokens=200))
         await queue.get()
         assert engine.scheduler.block_manager.num_free_blocks < 256
@@ -381,7 +326,7 @@ async def test_abort_frees_blocks(tiny_model: Path, device) -> None:
     ([5, 6], greedy(max_tokens=255), "max_tokens"),
 ])
 async def test_invalid_requests_are_refused(tiny_model: Path, device, prompt, params, param) -> None:
-    async with EngineHarness(tiny_model, str(device)) as engine:
+    async with ngram_engine(tiny_model, str(device)) as engine:
         with pytest.raises(InvalidRequestError) as info:
             engine.add_request("bad", prompt, params)
         assert info.value.param == param
@@ -417,7 +362,7 @@ def test_kv_pool_is_sized_from_the_memory_budget(tiny_model: Path, device) -> No
 async def test_seeded_sample_does_not_depend_on_speculation(tiny_model: Path, device) -> None:
     """One draw per emitted token: the drafts (or their absence) never change a seeded
     request's tokens."""
-    async with EngineHarness(tiny_model, str(device), k=3) as engine:
+    async with ngram_engine(tiny_model, str(device), k=3) as engine:
         for seed in (1, 2, 3):
             params = SamplingParams(temperature=0.7, top_p=0.95, seed=seed, max_tokens=24,
                                     ignore_eos=True)

@@ -18,14 +18,13 @@ import pytest
 from gateway.errors import error_from_grpc, error_payload
 from specdec.errors import SpecdecError
 from specdec.v1 import specdec_pb2, specdec_pb2_grpc
-from tests.support.engine_harness import generate
-from tests.service.test_engine import PROMPTS, EngineHarness, greedy
+from tests.support.engine_harness import PROMPTS, generate, greedy, ngram_engine
 from tests.support.tiny_models import make_tiny_llama
 from tests.support.verifier_harness import request, verifier_starter
 from verifier_svc.engine import Engine
 from verifier_svc.requests import EngineError, RequestOutput, collect_outputs
 
-NUM_BLOCKS = 256  # EngineHarness's num_gpu_blocks_override
+NUM_BLOCKS = 256  # ngram_engine's num_gpu_blocks_override
 # Only a guard against a hang (the old engine retried forever): never reached when it works.
 HANG_GUARD_S = 60.0
 
@@ -83,7 +82,7 @@ def assert_nothing_left(engine: Engine) -> None:
 
 
 async def test_a_raising_scheduler_fails_every_request_in_flight(tiny_model: Path, device) -> None:
-    async with EngineHarness(tiny_model, str(device)) as engine:
+    async with ngram_engine(tiny_model, str(device)) as engine:
         before = await generate(engine, PROMPTS[3], greedy())
         fault = RaiseOnce(engine.scheduler.schedule)
         engine.scheduler.schedule = fault  # type: ignore[method-assign]
@@ -98,7 +97,7 @@ async def test_a_raising_scheduler_fails_every_request_in_flight(tiny_model: Pat
 
 
 async def test_a_raising_policy_fails_every_request_in_flight(tiny_model: Path, device) -> None:
-    async with EngineHarness(tiny_model, str(device), k=3, adaptive_speculation=True) as engine:
+    async with ngram_engine(tiny_model, str(device), k=3, adaptive_speculation=True) as engine:
         before = await generate(engine, PROMPTS[3], greedy())
         assert engine.policy is not None
         fault = RaiseOnce(engine.policy.plan)
@@ -114,7 +113,7 @@ async def test_a_raising_policy_fails_every_request_in_flight(tiny_model: Path, 
 
 async def test_a_scheduler_that_always_raises_does_not_spin(tiny_model: Path, device) -> None:
     """Each request fails at once; with nothing left the loop waits instead of retrying."""
-    async with EngineHarness(tiny_model, str(device)) as engine:
+    async with ngram_engine(tiny_model, str(device)) as engine:
         calls = 0
 
         def broken(*args: object) -> object:
@@ -136,7 +135,7 @@ async def test_a_scheduler_that_always_raises_does_not_spin(tiny_model: Path, de
 async def test_a_raising_step_listener_fails_only_its_step(tiny_model: Path, device) -> None:
     """A fault after the plan knows the step's sequences fails those; the listener is the
     last thing a step runs."""
-    async with EngineHarness(tiny_model, str(device)) as engine:
+    async with ngram_engine(tiny_model, str(device)) as engine:
         fault = RaiseOnce(lambda record: None)
         engine.step_listener = fault
         outcomes = await fault_in_flight(engine, fault)

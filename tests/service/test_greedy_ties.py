@@ -18,8 +18,7 @@ import torch
 from transformers import LlamaForCausalLM
 
 from specdec.engine.sampling_params import SamplingParams
-from tests.support.engine_harness import generate
-from tests.service.test_engine import EngineHarness
+from tests.support.engine_harness import generate, ngram_engine
 from tests.support.tiny_models import make_tiny_llama
 
 FIRST, SECOND = 10, 20  # tied at the top where h . w > 0; else 0 and 1 lead the tied rest
@@ -51,9 +50,9 @@ PARAMS = {"greedy": SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignor
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 async def test_verification_breaks_an_exact_tie_as_plain_decoding_does(tied_model: Path, dtype: str,
                                                                       params: str) -> None:
-    async with EngineHarness(tied_model, "cpu", dtype=dtype) as engine:
+    async with ngram_engine(tied_model, "cpu", dtype=dtype) as engine:
         plain = await generate(engine, PROMPT, PARAMS[params])
-    async with EngineHarness(tied_model, "cpu", k=3, dtype=dtype) as engine:
+    async with ngram_engine(tied_model, "cpu", k=3, dtype=dtype) as engine:
         speculated = await generate(engine, PROMPT, PARAMS[params])
         drafted, accepted = engine.spec.num_draft_tokens, engine.spec.num_accepted_tokens
     assert set(plain) <= {FIRST, 0}, f"the first of the tied tokens wins: {plain}"

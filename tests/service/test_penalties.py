@@ -20,8 +20,7 @@ from specdec.engine.rejection_sampler import needs_only_argmax
 from specdec.engine.sampling_params import SamplingParams
 from specdec.errors import InvalidRequestError
 from specdec.v1 import specdec_pb2
-from tests.support.engine_harness import generate
-from tests.service.test_engine import PROMPTS, EngineHarness
+from tests.support.engine_harness import PROMPTS, generate, ngram_engine
 from tests.support.tiny_models import make_tiny_llama
 from verifier_svc.requests import check_request
 from verifier_svc.servicer import sampling_params_from_proto
@@ -173,7 +172,7 @@ MAX_TOKENS = 20
 
 
 async def _outputs(model_dir: Path, device: str, k: int | None, params: SamplingParams) -> tuple[list[list[int]], int]:
-    async with EngineHarness(model_dir, device, k=k) as engine:
+    async with ngram_engine(model_dir, device, k=k) as engine:
         outputs = [await generate(engine, prompt, params) for prompt in PROMPTS]
         return outputs, engine.spec.num_accepted_tokens
 

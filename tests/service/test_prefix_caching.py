@@ -19,8 +19,7 @@ import torch
 from specdec.engine.block_manager import BlockManager, block_hash, extend_block_hashes
 from specdec.engine.sampling_params import SamplingParams
 from specdec.engine.sequence import Sequence
-from tests.support.engine_harness import generate
-from tests.service.test_engine import EngineHarness
+from tests.support.engine_harness import generate, ngram_engine
 from tests.support.tiny_models import make_tiny_llama
 from verifier_svc.engine import StepRecord
 from verifier_svc.requests import collect_outputs
@@ -201,8 +200,8 @@ def greedy(max_tokens: int = 16) -> SamplingParams:
 
 async def sequential_outputs(model: Path, device: str, caching: bool, **overrides: object
                              ) -> tuple[list[list[int]], list[int]]:
-    async with EngineHarness(model, device, k=3, enable_prefix_caching=caching,
-                             **overrides) as engine:
+    async with ngram_engine(model, device, k=3, enable_prefix_caching=caching,
+                            **overrides) as engine:
         outputs, cached = [], []
         for tail in TAILS + TAILS:
             _, queue = engine.add_request("r", SYSTEM + tail, greedy())
@@ -233,8 +232,8 @@ async def test_eviction_under_pressure_keeps_outputs(tiny_model, device) -> None
     # 24 blocks of 4 tokens: a few requests' worth, so cached blocks are evicted all along.
     uncached, _ = await sequential_outputs(tiny_model, str(device), caching=False,
                                            num_gpu_blocks_override=24, max_model_len=64)
-    async with EngineHarness(tiny_model, str(device), k=3, num_gpu_blocks_override=24,
-                             max_model_len=64) as engine:
+    async with ngram_engine(tiny_model, str(device), k=3, num_gpu_blocks_override=24,
+                            max_model_len=64) as engine:
         outputs = []
         for tail in TAILS + TAILS:
             outputs.append(await generate(engine, SYSTEM + tail, greedy()))
@@ -245,7 +244,7 @@ async def test_eviction_under_pressure_keeps_outputs(tiny_model, device) -> None
 
 
 async def test_a_cached_block_is_never_written_again(tiny_model, device) -> None:
-    async with EngineHarness(tiny_model, str(device), k=3) as engine:
+    async with ngram_engine(tiny_model, str(device), k=3) as engine:
         await generate(engine, SYSTEM + TAILS[0], greedy())
         manager = engine.scheduler.block_manager
         cached_ids = sorted(block for block in range(manager.num_blocks) if manager.is_cached(block))
@@ -265,7 +264,7 @@ async def test_a_cached_block_is_never_written_again(tiny_model, device) -> None
 
 async def test_requests_arriving_together_share_one_prefill(tiny_model, device) -> None:
     prompt = SYSTEM * 3 + TAILS[1]  # 72 tokens, 17 full blocks
-    async with EngineHarness(tiny_model, str(device), k=3) as engine:
+    async with ngram_engine(tiny_model, str(device), k=3) as engine:
         prefill_tokens = 0
 
         def count(record: StepRecord) -> None:
@@ -284,8 +283,8 @@ async def test_no_block_leaks_after_mixed_requests(tiny_model, device) -> None:
     """A few hundred requests: shared and distinct prefixes, speculation, cancellations at
     random points, and a pool small enough to preempt; every block comes back once."""
     rng = random.Random(1)
-    async with EngineHarness(tiny_model, str(device), k=3, num_gpu_blocks_override=40,
-                             max_model_len=80, max_num_seqs=6) as engine:
+    async with ngram_engine(tiny_model, str(device), k=3, num_gpu_blocks_override=40,
+                            max_model_len=80, max_num_seqs=6) as engine:
         manager = engine.scheduler.block_manager
 
         async def one(index: int) -> None:

@@ -26,7 +26,7 @@ from specdec.train.eagle_trainer import EagleTrainer
 from specdec.train.features import FeatureSet, choose_draft_vocab, extract_features
 from specdec.train.loop import TrainOptions, train
 from specdec.train.prompts import builtin_prompts, heldout_prompts, training_prompts
-from tests.stack.test_model_drafting import NUM_LAYERS, K, serve_and_generate
+from tests.support.model_drafting import NUM_LAYERS, K, serve_and_generate
 from tests.support.tiny_models import make_tiny_llama
 
 DRAFT_VOCAB = 40

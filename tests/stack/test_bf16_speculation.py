@@ -27,8 +27,7 @@ from specdec.models.packed_linear import (
     mkldnn_supported,
     pack_linears,
 )
-from tests.support.engine_harness import generate
-from tests.service.test_engine import PROMPTS, EngineHarness, greedy
+from tests.support.engine_harness import PROMPTS, generate, greedy, ngram_engine
 from tests.support.tiny_models import make_tiny_llama
 
 
@@ -56,7 +55,7 @@ def top_two_gap(engine, context: list[int]) -> tuple[float, float]:
 
 @pytest.mark.skipif(not mkldnn_supported(torch.bfloat16), reason="no oneDNN bf16 on this CPU")
 async def test_bf16_divergences_are_near_ties_only(tiny_model: Path, device) -> None:
-    async with EngineHarness(tiny_model, str(device), k=3, dtype="bfloat16") as engine:
+    async with ngram_engine(tiny_model, str(device), k=3, dtype="bfloat16") as engine:
         divergences = []
         for prompt in PROMPTS:
             plain = await generate(engine, prompt, greedy(), num_speculative_tokens=0)
@@ -133,8 +132,8 @@ async def test_bf16_speculation_is_exact_with_the_cpu_kernels(tiny_model: Path, 
         pytest.skip("no int8 kernel without AVX512-VBMI")
     if not kind.startswith("stack"):
         monkeypatch.setenv(CPU_STACK_ENV, "0")
-    async with EngineHarness(tiny_model, "cpu", k=3, dtype="bfloat16", compile=kind == "compiled",
-                             quantization=quantization) as engine:
+    async with ngram_engine(tiny_model, "cpu", k=3, dtype="bfloat16", compile=kind == "compiled",
+                            quantization=quantization) as engine:
         assert isinstance(engine.runner.forward, CpuDecoderStack) == kind.startswith("stack")
         lm_head = engine.runner.model.lm_head
         assert isinstance(lm_head, PackedLinear) and lm_head.kernel == (quantization or "cpu")

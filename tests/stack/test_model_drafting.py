@@ -17,66 +17,17 @@ from pathlib import Path
 import pytest
 import torch
 
-from drafter_svc.proposer import ModelOptions
-from drafter_svc.server import start_drafter_server, stop_drafter_server
-from specdec.config import SpeculativeConfig
 from specdec.engine.sampling_params import SamplingParams
 from specdec.models.cpu_stack import CPU_STACK_ENV
 from tests.support.draft_checkpoints import make_draft_model, make_eagle3_head, make_eagle_head
-from tests.support.engine_harness import generate
+from tests.support.model_drafting import MAX_TOKENS, NUM_LAYERS, PROMPTS, K, serve_and_generate
 from tests.support.tiny_models import make_tiny_llama
-from verifier_svc.builder import VerifierConfig, build_engine
 from verifier_svc.engine import Engine
-
-K = 3
-NUM_LAYERS = 8  # eagle3's default layers (2, L/2, L-3) are then distinct: (2, 4, 5)
-PROMPTS = [
-    [5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17],
-    [30, 31, 32, 30, 31, 32, 33],
-    [50, 60, 70, 80, 90, 50, 60, 70, 80, 90, 50, 60, 70, 80, 90, 51, 52, 53],
-]
-MAX_TOKENS = 20
 
 
 @pytest.fixture(scope="module")
 def target(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return make_tiny_llama(tmp_path_factory.mktemp("target"), num_layers=NUM_LAYERS)
-
-
-def greedy() -> SamplingParams:
-    return SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
-
-
-async def serve_and_generate(target: Path, device: str, spec: dict | None,
-                             params: SamplingParams | None = None, expect_healthy: bool = True,
-                             compile_forward: bool = False,
-                             **drafter_options: object) -> tuple[list[list[int]], Engine]:
-    """Runs PROMPTS concurrently through an engine (and a drafter for `spec`)."""
-    config = SpeculativeConfig.parse(spec) if spec else None
-    drafter = None
-    targets: tuple[str, ...] = ()
-    if config is not None:
-        options = ModelOptions(target_model=str(target), dtype="float32", device=device,
-                               num_blocks=256, block_size=4, **drafter_options)
-        drafter, port = await start_drafter_server(config, "127.0.0.1", 0, options=options)
-        targets = (f"127.0.0.1:{port}",)
-    engine, _ = build_engine(VerifierConfig(
-        model=str(target), device=device, dtype="float32", max_model_len=128, block_size=4,
-        num_gpu_blocks_override=256, max_num_batched_tokens=16, speculative_config=config,
-        drafter_targets=targets, draft_timeout_s=2.0,
-        # Drafts every step: a seeded sample with drafted probabilities depends on which
-        # drafts came, and the adaptive policy's choices depend on measured times.
-        adaptive_speculation=False, compile=compile_forward))
-    await engine.start()
-    try:
-        if engine.drafter_pool is not None:
-            assert await engine.drafter_pool.wait_for_healthy(1, timeout_s=3.0) == expect_healthy
-        outputs = await asyncio.gather(*(generate(engine, p, params or greedy()) for p in PROMPTS))
-    finally:
-        await engine.stop()
-        if drafter is not None:
-            await stop_drafter_server(drafter)
-    return list(outputs), engine
 
 
 @pytest.fixture(scope="module")
