@@ -19,6 +19,8 @@ import pytest
 import torch
 
 from tests.support import cpu_kernels
+# The shared fixtures, visible to every test from here.
+from tests.support.fixtures import base_url, client, default_tokenizer, tokenizer  # noqa: F401
 
 TESTS = Path(__file__).resolve().parent
 TIERS = ("unit", "service", "stack")

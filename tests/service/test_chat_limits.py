@@ -14,13 +14,10 @@ import pytest
 
 from tests.support.fake_verifier import (
     MAX_MODEL_LEN,
-    REPLY_TEXT,
     SERVED_MODEL,
     FakeVerifier,
-    FakeVerifierServer,
-    LiveGateway,
-    build_tiny_tokenizer,
-    gateway_config,
+    live_gateway,
+    openai_client,
 )
 
 CALL = {"id": "call_1", "type": "function",
@@ -42,19 +39,10 @@ class CountingTokenizer:
 
 
 @pytest.fixture(scope="module")
-def live() -> Iterator[tuple[openai.OpenAI, FakeVerifier, CountingTokenizer]]:
-    tokenizer = build_tiny_tokenizer()
-    servicer = FakeVerifier(tokenizer.encode(REPLY_TEXT, add_special_tokens=False),
-                            tokenizer.eos_token_id)
+def live(tokenizer) -> Iterator[tuple[openai.OpenAI, FakeVerifier, CountingTokenizer]]:
     counter = CountingTokenizer(tokenizer)
-    server = FakeVerifierServer(servicer)
-    server.start()
-    gateway = LiveGateway(gateway_config(server.address), tokenizer)
-    gateway.start()
-    yield (openai.OpenAI(base_url=f"{gateway.base_url}/v1", api_key="unused", max_retries=0,
-                         timeout=60), servicer, counter)
-    gateway.stop()
-    server.close()
+    with live_gateway(tokenizer) as (gateway, servicer):
+        yield openai_client(gateway, timeout=60), servicer, counter
 
 
 def _messages(call_id: str, arguments: str = CALL["function"]["arguments"]) -> list[dict]:

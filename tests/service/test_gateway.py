@@ -6,17 +6,14 @@ import json
 from collections.abc import Iterator
 
 import httpx
-import openai
 import pytest
 from tests.support.fake_verifier import (
     MAX_MODEL_LEN,
     REPLY_TEXT,
     SERVED_MODEL,
     FakeVerifier,
-    FakeVerifierServer,
     LiveGateway,
-    build_tiny_tokenizer,
-    gateway_config,
+    live_gateway,
 )
 
 
@@ -24,21 +21,9 @@ MESSAGES = [{"role": "user", "content": "What is the answer?"}]
 
 
 @pytest.fixture(scope="module")
-def tokenizer():
-    return build_tiny_tokenizer()
-
-
-@pytest.fixture(scope="module")
 def live(tokenizer) -> Iterator[tuple[LiveGateway, FakeVerifier]]:
-    servicer = FakeVerifier(tokenizer.encode(REPLY_TEXT, add_special_tokens=False),
-                            tokenizer.eos_token_id)
-    server = FakeVerifierServer(servicer)
-    server.start()
-    gateway = LiveGateway(gateway_config(server.address), tokenizer)
-    gateway.start()
-    yield gateway, servicer
-    gateway.stop()
-    server.close()
+    with live_gateway(tokenizer) as live:
+        yield live
 
 
 @pytest.fixture()
@@ -48,16 +33,6 @@ def fake(live) -> Iterator[FakeVerifier]:
     servicer.abort_code = None
     yield servicer
     servicer.delay_s = 0.0
-
-
-@pytest.fixture(scope="module")
-def client(live) -> openai.OpenAI:
-    return openai.OpenAI(base_url=f"{live[0].base_url}/v1", api_key="unused", max_retries=0)
-
-
-@pytest.fixture(scope="module")
-def base_url(live) -> str:
-    return live[0].base_url
 
 
 def test_models_list(client):

@@ -15,8 +15,8 @@ from tests.support.fake_verifier import (
     FakeVerifier,
     FakeVerifierServer,
     LiveGateway,
-    build_tiny_tokenizer,
     gateway_config,
+    live_gateway,
 )
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
@@ -28,11 +28,6 @@ CHAT = {"model": SERVED_MODEL, "messages": MESSAGES}
 COMPLETION = {"model": SERVED_MODEL, "prompt": "Hello"}
 
 
-@pytest.fixture(scope="module")
-def tokenizer():
-    return build_tiny_tokenizer()
-
-
 def _servicer(tokenizer) -> FakeVerifier:
     return FakeVerifier(tokenizer.encode(REPLY_TEXT, add_special_tokens=False),
                         tokenizer.eos_token_id)
@@ -40,25 +35,14 @@ def _servicer(tokenizer) -> FakeVerifier:
 
 @pytest.fixture(scope="module")
 def live(tokenizer) -> Iterator[tuple[LiveGateway, FakeVerifier]]:
-    servicer = _servicer(tokenizer)
-    server = FakeVerifierServer(servicer)
-    server.start()
-    gateway = LiveGateway(gateway_config(server.address), tokenizer)
-    gateway.start()
-    yield gateway, servicer
-    gateway.stop()
-    server.close()
+    with live_gateway(tokenizer, _servicer(tokenizer)) as live:
+        yield live
 
 
 @pytest.fixture()
 def fake(live) -> Iterator[FakeVerifier]:
     yield live[1]
     live[1].abort_code = None
-
-
-@pytest.fixture(scope="module")
-def base_url(live) -> str:
-    return live[0].base_url
 
 
 def assert_openai_error(response: httpx.Response, status: int,

@@ -20,10 +20,8 @@ from tests.support.fake_verifier import (
     REPLY_TEXT,
     SERVED_MODEL,
     FakeVerifier,
-    FakeVerifierServer,
-    LiveGateway,
-    build_tiny_tokenizer,
-    gateway_config,
+    live_gateway,
+    openai_client,
 )
 
 FAILING_CHOICE = 1
@@ -45,19 +43,12 @@ class OneChoiceFails(FakeVerifier):
 
 
 @pytest.fixture(scope="module")
-def live() -> Iterator[tuple[openai.OpenAI, OneChoiceFails]]:
-    tokenizer = build_tiny_tokenizer()
+def live(tokenizer) -> Iterator[tuple[openai.OpenAI, OneChoiceFails]]:
     servicer = OneChoiceFails(tokenizer.encode(REPLY_TEXT, add_special_tokens=False),
                               tokenizer.eos_token_id)
     servicer.delay_s = 0.05
-    server = FakeVerifierServer(servicer)
-    server.start()
-    gateway = LiveGateway(gateway_config(server.address), tokenizer)
-    gateway.start()
-    yield openai.OpenAI(base_url=f"{gateway.base_url}/v1", api_key="unused",
-                        max_retries=0, timeout=30), servicer
-    gateway.stop()
-    server.close()
+    with live_gateway(tokenizer, servicer) as (gateway, _):
+        yield openai_client(gateway, timeout=30), servicer
 
 
 def _others_cancelled(servicer: OneChoiceFails, num_choices: int) -> None:

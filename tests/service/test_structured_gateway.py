@@ -17,10 +17,8 @@ from tests.support.fake_verifier import (
     REPLY_TEXT,
     SERVED_MODEL,
     FakeVerifier,
-    FakeVerifierServer,
     LiveGateway,
-    build_tiny_tokenizer,
-    gateway_config,
+    live_gateway,
 )
 
 from specdec.v1 import specdec_pb2
@@ -47,11 +45,6 @@ def scripted_text(grammar: specdec_pb2.GrammarSpec) -> str:
 
 
 @pytest.fixture(scope="module")
-def tokenizer():
-    return build_tiny_tokenizer()
-
-
-@pytest.fixture(scope="module")
 def live(tokenizer) -> Iterator[tuple[LiveGateway, FakeVerifier]]:
     servicer = FakeVerifier(tokenizer.encode(REPLY_TEXT, add_special_tokens=False),
                             tokenizer.eos_token_id)
@@ -62,13 +55,8 @@ def live(tokenizer) -> Iterator[tuple[LiveGateway, FakeVerifier]]:
         return tokenizer.encode(scripted_text(request.sampling.grammar), add_special_tokens=False)
 
     servicer.reply_for = reply_for
-    server = FakeVerifierServer(servicer)
-    server.start()
-    gateway = LiveGateway(gateway_config(server.address), tokenizer)
-    gateway.start()
-    yield gateway, servicer
-    gateway.stop()
-    server.close()
+    with live_gateway(tokenizer, servicer) as live:
+        yield live
 
 
 @pytest.fixture()
@@ -76,11 +64,6 @@ def fake(live) -> Iterator[FakeVerifier]:
     live[1].abort_code = None
     yield live[1]
     live[1].abort_code = None
-
-
-@pytest.fixture(scope="module")
-def client(live) -> openai.OpenAI:
-    return openai.OpenAI(base_url=f"{live[0].base_url}/v1", api_key="unused", max_retries=0)
 
 
 def test_json_schema_reaches_the_verifier_and_the_answer_is_its_json(client, fake):

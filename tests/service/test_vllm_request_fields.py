@@ -10,17 +10,15 @@ from collections.abc import Iterator
 from typing import Any
 
 import httpx
-import openai
 import pytest
 from tokenizers import processors
 from tests.support.fake_verifier import (
     REPLY_TEXT,
     SERVED_MODEL,
     FakeVerifier,
-    FakeVerifierServer,
     LiveGateway,
     build_tiny_tokenizer,
-    gateway_config,
+    live_gateway,
 )
 
 MESSAGES = [{"role": "user", "content": "What is the answer?"}]
@@ -142,30 +140,13 @@ def tokenizer():
 
 @pytest.fixture(scope="module")
 def live(tokenizer) -> Iterator[tuple[LiveGateway, FakeVerifier]]:
-    servicer = FakeVerifier(tokenizer.encode(REPLY_TEXT, add_special_tokens=False),
-                            tokenizer.eos_token_id)
-    server = FakeVerifierServer(servicer)
-    server.start()
-    gateway = LiveGateway(gateway_config(server.address), tokenizer)
-    gateway.start()
-    yield gateway, servicer
-    gateway.stop()
-    server.close()
+    with live_gateway(tokenizer) as live:
+        yield live
 
 
 @pytest.fixture(scope="module")
 def fake(live) -> FakeVerifier:
     return live[1]
-
-
-@pytest.fixture(scope="module")
-def base_url(live) -> str:
-    return live[0].base_url
-
-
-@pytest.fixture(scope="module")
-def client(live) -> openai.OpenAI:
-    return openai.OpenAI(base_url=f"{live[0].base_url}/v1", api_key="unused", max_retries=0)
 
 
 def _post(base_url: str, path: str, body: dict[str, Any]) -> httpx.Response:

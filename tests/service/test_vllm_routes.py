@@ -17,10 +17,8 @@ from tests.support.fake_verifier import (
     REPLY_TEXT,
     SERVED_MODEL,
     FakeVerifier,
-    FakeVerifierServer,
     LiveGateway,
-    build_tiny_tokenizer,
-    gateway_config,
+    live_gateway,
 )
 
 from specdec.v1 import specdec_pb2
@@ -34,40 +32,17 @@ HERMES_TEXT = ('Checking. <tool_call>\n{"name": "get_weather", "arguments": {"ci
 
 
 @pytest.fixture(scope="module")
-def tokenizer():
-    return build_tiny_tokenizer()
-
-
-@pytest.fixture(scope="module")
 def live(tokenizer) -> Iterator[tuple[LiveGateway, FakeVerifier]]:
-    servicer = FakeVerifier(tokenizer.encode(REPLY_TEXT, add_special_tokens=False),
-                            tokenizer.eos_token_id)
-    server = FakeVerifierServer(servicer)
-    server.start()
     # Room for the fallback tool prompt, which is long for the tiny tokenizer.
-    gateway = LiveGateway(gateway_config(server.address, max_model_len=4096,
-                                         enable_auto_tool_choice=True,
-                                         tool_call_parser="hermes"), tokenizer)
-    gateway.start()
-    yield gateway, servicer
-    gateway.stop()
-    server.close()
+    with live_gateway(tokenizer, max_model_len=4096, enable_auto_tool_choice=True,
+                      tool_call_parser="hermes") as live:
+        yield live
 
 
 @pytest.fixture()
 def fake(live, tokenizer) -> Iterator[FakeVerifier]:
     yield live[1]
     live[1].reply_for = None
-
-
-@pytest.fixture(scope="module")
-def base_url(live) -> str:
-    return live[0].base_url
-
-
-@pytest.fixture(scope="module")
-def client(live) -> openai.OpenAI:
-    return openai.OpenAI(base_url=f"{live[0].base_url}/v1", api_key="unused", max_retries=0)
 
 
 def _prompt(fake: FakeVerifier, tokenizer) -> str:

@@ -16,7 +16,6 @@ import torch
 from transformers import LlamaForCausalLM
 
 from specdec.errors import InvalidRequestError
-from specdec.models.model_files import DEFAULT_MODEL, load_tokenizer, resolve_model
 from tests.support.grammar_decode import PADDED_VOCAB, make_padded_tiny_model, masked_decode
 from verifier_svc.grammar import GrammarBackend, apply_masks, bitmask_to_bool
 
@@ -39,26 +38,21 @@ NESTED_SCHEMA = {
 
 
 @pytest.fixture(scope="module")
-def tokenizer():
-    return load_tokenizer(resolve_model(DEFAULT_MODEL))
+def backend(default_tokenizer) -> GrammarBackend:
+    return GrammarBackend(default_tokenizer, PADDED_VOCAB)
 
 
 @pytest.fixture(scope="module")
-def backend(tokenizer) -> GrammarBackend:
-    return GrammarBackend(tokenizer, PADDED_VOCAB)
-
-
-@pytest.fixture(scope="module")
-def tiny_model(tokenizer) -> LlamaForCausalLM:
-    return make_padded_tiny_model(tokenizer.eos_token_id)
+def tiny_model(default_tokenizer) -> LlamaForCausalLM:
+    return make_padded_tiny_model(default_tokenizer.eos_token_id)
 
 
 def allowed(mask: torch.Tensor, row: int, token_id: int) -> bool:
     return bool(bitmask_to_bool(mask[row:row + 1], PADDED_VOCAB)[0, token_id])
 
 
-def encode(tokenizer, text: str) -> list[int]:
-    return tokenizer.encode(text, add_special_tokens=False)
+def encode(default_tokenizer, text: str) -> list[int]:
+    return default_tokenizer.encode(text, add_special_tokens=False)
 
 
 # -- compilation and cache -------------------------------------------------------------------
@@ -97,8 +91,8 @@ def test_bad_constraint_is_invalid_request_naming_the_field(backend: GrammarBack
         assert why.lower() in caught.value.message.lower()
 
 
-def test_cache_hit(tokenizer) -> None:
-    backend = GrammarBackend(tokenizer, PADDED_VOCAB, cache_size=2)
+def test_cache_hit(default_tokenizer) -> None:
+    backend = GrammarBackend(default_tokenizer, PADDED_VOCAB, cache_size=2)
     first = backend.compile("regex", "[0-9]+")
     assert backend.compile("regex", "[0-9]+") is first
     assert backend.cache_info() == {"hits": 1, "misses": 1, "size": 1}
@@ -136,41 +130,41 @@ def test_compile_async_and_concurrent_threads(backend: GrammarBackend) -> None:
 
 # -- masks -----------------------------------------------------------------------------------
 
-def test_json_object_allows_brace_first_not_a(backend: GrammarBackend, tokenizer) -> None:
+def test_json_object_allows_brace_first_not_a(backend: GrammarBackend, default_tokenizer) -> None:
     state = backend.new_state(backend.compile("json_object", ""))
     mask = state.fill_masks([])
-    assert allowed(mask, 0, encode(tokenizer, "{")[0])
-    assert not allowed(mask, 0, encode(tokenizer, "a")[0])
-    assert not allowed(mask, 0, tokenizer.eos_token_id)
+    assert allowed(mask, 0, encode(default_tokenizer, "{")[0])
+    assert not allowed(mask, 0, encode(default_tokenizer, "a")[0])
+    assert not allowed(mask, 0, default_tokenizer.eos_token_id)
     assert not bitmask_to_bool(mask, PADDED_VOCAB)[0, 49152:].any(), "padding ids are never allowed"
 
 
-def test_apply_masks_sets_minus_inf_outside(backend: GrammarBackend, tokenizer) -> None:
+def test_apply_masks_sets_minus_inf_outside(backend: GrammarBackend, default_tokenizer) -> None:
     state = backend.new_state(backend.compile("choice", '["yes", "no"]'))
     logits = torch.zeros(1, PADDED_VOCAB)
     apply_masks(logits, state.fill_masks([]))
     finite = torch.isfinite(logits[0]).nonzero().flatten().tolist()
-    assert finite and all(any(word.startswith(tokenizer.decode([t])) for word in ("yes", "no"))
+    assert finite and all(any(word.startswith(default_tokenizer.decode([t])) for word in ("yes", "no"))
                           for t in finite)
-    assert torch.isinf(logits[0, encode(tokenizer, "maybe")[0]])
+    assert torch.isinf(logits[0, encode(default_tokenizer, "maybe")[0]])
 
 
-def test_valid_prefix_len_cuts_at_first_rejected_token(backend: GrammarBackend, tokenizer) -> None:
+def test_valid_prefix_len_cuts_at_first_rejected_token(backend: GrammarBackend, default_tokenizer) -> None:
     state = backend.new_state(backend.compile("json_schema", json.dumps(NESTED_SCHEMA)))
-    good = encode(tokenizer, '{"name": "Al", "age": 3')
-    bad = encode(tokenizer, "x")
+    good = encode(default_tokenizer, '{"name": "Al", "age": 3')
+    bad = encode(default_tokenizer, "x")
     assert state.valid_prefix_len(good) == len(good)
     assert state.valid_prefix_len(good + bad + good) == len(good)  # "x" after the age's digit
     assert state.valid_prefix_len(good[:1] + bad + good[1:]) == 1  # "x" as the first key
     assert state.valid_prefix_len(good[:3] + [49160]) == 3  # a padding id
-    assert state.valid_prefix_len(good + [tokenizer.eos_token_id]) == len(good)  # not complete
+    assert state.valid_prefix_len(good + [default_tokenizer.eos_token_id]) == len(good)  # not complete
     assert state.num_accepted == 0 and state.fill_masks([]).equal(
         backend.new_state(backend.compile("json_schema", json.dumps(NESTED_SCHEMA))).fill_masks([]))
 
 
-def test_fill_masks_rows_follow_the_drafts(backend: GrammarBackend, tokenizer) -> None:
+def test_fill_masks_rows_follow_the_drafts(backend: GrammarBackend, default_tokenizer) -> None:
     state = backend.new_state(backend.compile("json_schema", json.dumps(NESTED_SCHEMA)))
-    draft = encode(tokenizer, '{"name": "Al')
+    draft = encode(default_tokenizer, '{"name": "Al')
     masks = state.fill_masks(draft)
     assert masks.shape[0] == len(draft) + 1
     for row, token in enumerate(draft):
@@ -182,12 +176,12 @@ def test_fill_masks_rows_follow_the_drafts(backend: GrammarBackend, tokenizer) -
     assert state.fill_masks([]).equal(masks[-1:])
 
 
-def test_rollback_after_partial_acceptance_restores_the_mask(backend: GrammarBackend, tokenizer) -> None:
+def test_rollback_after_partial_acceptance_restores_the_mask(backend: GrammarBackend, default_tokenizer) -> None:
     state = backend.new_state(backend.compile("json_schema", json.dumps(NESTED_SCHEMA)))
-    prefix = encode(tokenizer, '{"name": "Al", "age": ')
+    prefix = encode(default_tokenizer, '{"name": "Al", "age": ')
     assert state.accept_tokens(prefix) == len(prefix)
     before = state.fill_masks([]).clone()
-    draft = encode(tokenizer, "12, \"role")
+    draft = encode(default_tokenizer, "12, \"role")
     accepted_drafts = 2
     assert state.accept_tokens(draft) == len(draft)  # the verifier advances through all drafts
     state.rollback(len(draft) - accepted_drafts)  # the target accepted the first two
@@ -200,14 +194,14 @@ def test_rollback_after_partial_acceptance_restores_the_mask(backend: GrammarBac
         state.rollback(state.num_accepted + 1)
 
 
-def test_forced_tokens_of_a_fixed_key_are_each_the_only_allowed(backend: GrammarBackend, tokenizer) -> None:
+def test_forced_tokens_of_a_fixed_key_are_each_the_only_allowed(backend: GrammarBackend, default_tokenizer) -> None:
     schema = {"type": "object", "properties": {"temperature": {"type": "integer"}},
               "required": ["temperature"], "additionalProperties": False}
     state = backend.new_state(backend.compile("json_schema", json.dumps(schema)))
     forced = state.forced_tokens(32)
     # The space after the colon is not forced as a token: " 1", " -" ... also start with it.
-    assert tokenizer.decode(forced) == '{"temperature":'
-    assert forced == encode(tokenizer, '{"temperature": 21}')[:len(forced)]
+    assert default_tokenizer.decode(forced) == '{"temperature":'
+    assert forced == encode(default_tokenizer, '{"temperature": 21}')[:len(forced)]
     masks = state.fill_masks(forced)
     for row, token in enumerate(forced):
         only = bitmask_to_bool(masks[row:row + 1], PADDED_VOCAB)[0].nonzero().flatten().tolist()
@@ -217,17 +211,17 @@ def test_forced_tokens_of_a_fixed_key_are_each_the_only_allowed(backend: Grammar
     assert state.jump_forward_tokens(32) == forced
 
 
-def test_terminated_state_allows_only_eos(backend: GrammarBackend, tokenizer) -> None:
+def test_terminated_state_allows_only_eos(backend: GrammarBackend, default_tokenizer) -> None:
     state = backend.new_state(backend.compile("choice", '["yes", "no"]'))
-    assert state.accept_tokens(encode(tokenizer, "no")) == len(encode(tokenizer, "no"))
+    assert state.accept_tokens(encode(default_tokenizer, "no")) == len(encode(default_tokenizer, "no"))
     assert state.is_terminated() and state.is_accepting()
     only = bitmask_to_bool(state.fill_masks([]), PADDED_VOCAB)[0].nonzero().flatten().tolist()
-    assert only == [tokenizer.eos_token_id]
+    assert only == [default_tokenizer.eos_token_id]
     assert state.forced_tokens(4) == []
-    assert state.accept(tokenizer.eos_token_id)
-    assert not state.accept(tokenizer.eos_token_id)
+    assert state.accept(default_tokenizer.eos_token_id)
+    assert not state.accept(default_tokenizer.eos_token_id)
     state.rollback(1)  # a rolled-back EOS leaves the state as before it
-    assert state.is_terminated() and not state.accept(encode(tokenizer, "x")[0])
+    assert state.is_terminated() and not state.accept(encode(default_tokenizer, "x")[0])
 
 
 # -- decoding a tiny random model under the grammar -----------------------------------------
@@ -242,18 +236,19 @@ def _check_nested(answer: dict) -> None:
     assert len(answer["address"]["zip"]) == 3 and answer["address"]["zip"].isdigit()
 
 
-def test_masked_decode_satisfies_a_nested_schema(backend: GrammarBackend, tiny_model, tokenizer) -> None:
-    text = masked_decode(backend, tiny_model, tokenizer, "json_schema", json.dumps(NESTED_SCHEMA))
+def test_masked_decode_satisfies_a_nested_schema(backend: GrammarBackend, tiny_model, default_tokenizer) -> None:
+    text = masked_decode(backend, tiny_model, default_tokenizer, "json_schema", json.dumps(NESTED_SCHEMA))
     _check_nested(json.loads(text))
     for seed in range(3):
-        sampled = masked_decode(backend, tiny_model, tokenizer, "json_schema", json.dumps(NESTED_SCHEMA),
+        sampled = masked_decode(backend, tiny_model, default_tokenizer, "json_schema", json.dumps(NESTED_SCHEMA),
                                 sample_seed=seed)
         _check_nested(json.loads(sampled))
 
 
-def test_masked_decode_regex_choice_object(backend: GrammarBackend, tiny_model, tokenizer) -> None:
+def test_masked_decode_regex_choice_object(backend: GrammarBackend, tiny_model, default_tokenizer) -> None:
     import re
 
+    tokenizer = default_tokenizer
     assert re.fullmatch(r"[a-z]{2}-[0-9]{1,3}", masked_decode(backend, tiny_model, tokenizer, "regex", r"[a-z]{2}-[0-9]{1,3}"))
     assert masked_decode(backend, tiny_model, tokenizer, "choice", '["red", "green", "blue"]') in ("red", "green", "blue")
     grammar = 'start: "(" NUM ("," NUM)? ")"\nNUM: /[0-9]{1,2}/\n'
@@ -271,16 +266,16 @@ def test_unmasked_decode_would_not_parse(tiny_model) -> None:
     assert int(logits.argmax()) >= 49152
 
 
-def test_backend_refuses_a_model_vocab_smaller_than_the_tokenizer(tokenizer) -> None:
+def test_backend_refuses_a_model_vocab_smaller_than_the_tokenizer(default_tokenizer) -> None:
     with pytest.raises(ValueError):
-        GrammarBackend(tokenizer, 1000)
+        GrammarBackend(default_tokenizer, 1000)
 
 
-def test_drafts_with_eos(backend: GrammarBackend, tokenizer) -> None:
+def test_drafts_with_eos(backend: GrammarBackend, default_tokenizer) -> None:
     state = backend.new_state(backend.compile("choice", '["yes", "no"]'))
-    eos = tokenizer.eos_token_id
-    word = encode(tokenizer, "no")
-    x = encode(tokenizer, "x")
+    eos = default_tokenizer.eos_token_id
+    word = encode(default_tokenizer, "no")
+    x = encode(default_tokenizer, "x")
     assert state.valid_prefix_len(word + [eos] + x) == len(word) + 1  # nothing after EOS
     assert state.valid_prefix_len([eos]) == 0  # not satisfied yet
     masks = state.fill_masks(word + [eos] + x)

@@ -23,13 +23,14 @@ from specdec.errors import InvalidRequestError
 from specdec.grammar_checker import GrammarChecker, GrammarLimits
 from specdec.models.model_files import DEFAULT_MODEL, load_tokenizer, resolve_model
 from tests.support.fake_verifier import (
-    REPLY_TEXT,
     SERVED_MODEL,
     FakeVerifier,
     FakeVerifierServer,
     LiveGateway,
     build_tiny_tokenizer,
     gateway_config,
+    live_gateway,
+    openai_client,
 )
 from verifier_svc.grammar import GrammarBackend
 
@@ -77,23 +78,15 @@ async def test_a_cancelled_check_kills_its_worker() -> None:
 
 
 @pytest.fixture(scope="module")
-def gateway() -> Iterator[LiveGateway]:
-    tokenizer = build_tiny_tokenizer()
-    server = FakeVerifierServer(FakeVerifier(tokenizer.encode(REPLY_TEXT, add_special_tokens=False),
-                                             tokenizer.eos_token_id))
-    server.start()
-    live = LiveGateway(gateway_config(server.address, grammar_limits=GrammarLimits(
-        compile_timeout_s=2.0, compile_workers=1)), tokenizer)
-    live.start()
-    yield live
-    live.stop()
-    server.close()
+def gateway(tokenizer) -> Iterator[LiveGateway]:
+    limits = GrammarLimits(compile_timeout_s=2.0, compile_workers=1)
+    with live_gateway(tokenizer, grammar_limits=limits) as (live, _):
+        yield live
 
 
 @pytest.fixture(scope="module")
 def client(gateway: LiveGateway) -> openai.OpenAI:
-    return openai.OpenAI(base_url=f"{gateway.base_url}/v1", api_key="unused", max_retries=0,
-                         timeout=60)
+    return openai_client(gateway, timeout=60)
 
 
 def _refused(client: openai.OpenAI, **fields: object) -> openai.BadRequestError:

@@ -22,7 +22,6 @@ import torch
 from specdec.engine.rejection_sampler import verify
 from specdec.engine.sampling_params import SamplingParams
 from specdec.errors import InvalidRequestError
-from specdec.models.model_files import DEFAULT_MODEL, load_tokenizer, resolve_model
 from tests.support.engine_harness import served_engine
 from tests.support.grammar_decode import PADDED_VOCAB, make_padded_tiny_model
 from verifier_svc.builder import VerifierConfig, build_engine
@@ -57,15 +56,10 @@ NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1,
 
 
 @pytest.fixture(scope="module")
-def tokenizer():
-    return load_tokenizer(resolve_model(DEFAULT_MODEL))
-
-
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory: pytest.TempPathFactory, tokenizer) -> Path:
+def model_dir(tmp_path_factory: pytest.TempPathFactory, default_tokenizer) -> Path:
     path = tmp_path_factory.mktemp("grammar-target")
-    make_padded_tiny_model(tokenizer.eos_token_id).save_pretrained(path)
-    tokenizer.save_pretrained(path)
+    make_padded_tiny_model(default_tokenizer.eos_token_id).save_pretrained(path)
+    default_tokenizer.save_pretrained(path)
     return path
 
 
@@ -85,11 +79,11 @@ def valid(kind: str, value: str, text: str) -> bool:
     return re.fullmatch(r"\([xy](,[xy])*\)", text) is not None
 
 
-def bias(tokenizer) -> dict[int, float]:
+def bias(default_tokenizer) -> dict[int, float]:
     """Closing tokens first where the grammar allows them, so a random model finishes."""
     ids = {}
     for text, value in (("}", 30.0), ("]", 20.0), (")", 30.0), ('"', 40.0)):
-        encoded = tokenizer.encode(text, add_special_tokens=False)
+        encoded = default_tokenizer.encode(text, add_special_tokens=False)
         if len(encoded) == 1:
             ids[encoded[0]] = value
     return ids
@@ -125,30 +119,30 @@ async def run(model_dir: Path, spec: dict | None, requests: list[tuple[str, str,
     return list(outputs), engine
 
 
-def greedy_requests(tokenizer) -> list[tuple[str, str, SamplingParams]]:
-    params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, logit_bias=bias(tokenizer))
+def greedy_requests(default_tokenizer) -> list[tuple[str, str, SamplingParams]]:
+    params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, logit_bias=bias(default_tokenizer))
     return [(kind, value, params) for kind, value in CONSTRAINTS.items()]
 
 
 @pytest.fixture(scope="module")
-def plain(model_dir, tokenizer) -> list[list[int]]:
-    outputs, _ = asyncio.run(run(model_dir, None, greedy_requests(tokenizer)))
+def plain(model_dir, default_tokenizer) -> list[list[int]]:
+    outputs, _ = asyncio.run(run(model_dir, None, greedy_requests(default_tokenizer)))
     return outputs
 
 
-def test_plain_outputs_satisfy_every_constraint(plain, tokenizer) -> None:
+def test_plain_outputs_satisfy_every_constraint(plain, default_tokenizer) -> None:
     for (kind, value), tokens in zip(CONSTRAINTS.items(), plain):
-        text = tokenizer.decode(tokens)
+        text = default_tokenizer.decode(tokens)
         assert valid(kind, value, text), (kind, text)
 
 
 @pytest.mark.parametrize("method", ["ngram", "draft_model", "suffix"])
-async def test_speculation_keeps_greedy_outputs_under_grammars(model_dir, tokenizer, plain,
+async def test_speculation_keeps_greedy_outputs_under_grammars(model_dir, default_tokenizer, plain,
                                                                method) -> None:
     spec = {"ngram": NGRAM, "suffix": {"method": "suffix", "num_speculative_tokens": 4},
             "draft_model": {"method": "draft_model", "model": str(model_dir),
                             "num_speculative_tokens": 4}}[method]
-    outputs, engine = await run(model_dir, spec, greedy_requests(tokenizer))
+    outputs, engine = await run(model_dir, spec, greedy_requests(default_tokenizer))
     assert outputs == plain
     # The schema's keys and punctuation are forced: drafted by the verifier itself.
     assert engine.spec.num_forced_tokens > 0
@@ -157,7 +151,7 @@ async def test_speculation_keeps_greedy_outputs_under_grammars(model_dir, tokeni
 PROMPT_LEN = 31
 
 
-async def test_drafts_leaving_the_grammar_are_cut_before_verification(model_dir, tokenizer,
+async def test_drafts_leaving_the_grammar_are_cut_before_verification(model_dir, default_tokenizer,
                                                                      plain) -> None:
     """Every draft is [the right next token, a padding id, a padding id]: the grammar cuts
     it to its first token, which is verified and accepted; no padding id is ever verified."""
@@ -173,7 +167,7 @@ async def test_drafts_leaving_the_grammar_are_cut_before_verification(model_dir,
                 drafts[request.seq_id] = Draft([expected[position], pad, pad], None)
         return drafts
 
-    outputs, engine = await run(model_dir, NGRAM, greedy_requests(tokenizer), propose=propose)
+    outputs, engine = await run(model_dir, NGRAM, greedy_requests(default_tokenizer), propose=propose)
     assert outputs == plain
     spec = engine.spec
     assert spec.num_draft_tokens > 0
@@ -181,13 +175,13 @@ async def test_drafts_leaving_the_grammar_are_cut_before_verification(model_dir,
     assert spec.num_draft_tokens == spec.num_drafts == spec.num_accepted_tokens
 
 
-async def test_forced_tokens_need_no_drafter(model_dir, tokenizer) -> None:
+async def test_forced_tokens_need_no_drafter(model_dir, default_tokenizer) -> None:
     """Without any drafter the schema's forced tokens are still drafted (and all accepted)."""
     kind, value = "json_schema", CONSTRAINTS["json_schema"]
-    params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, logit_bias=bias(tokenizer))
+    params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, logit_bias=bias(default_tokenizer))
     outputs, engine = await run(model_dir, NGRAM, [(kind, value, params)])
     forced = engine.spec.num_forced_tokens
-    assert forced >= len(tokenizer.encode('{"color":"', add_special_tokens=False))
+    assert forced >= len(default_tokenizer.encode('{"color":"', add_special_tokens=False))
     assert forced < len(outputs[0])
 
 
@@ -218,15 +212,15 @@ def chi_square_critical(degrees: int, z: float = 3.09) -> float:
     return degrees * (1 - 2 / (9 * degrees) + z * math.sqrt(2 / (9 * degrees))) ** 3
 
 
-def test_masked_verification_samples_the_masked_distribution(tokenizer) -> None:
+def test_masked_verification_samples_the_masked_distribution(default_tokenizer) -> None:
     """The rejection sampler on masked rows, with a draft, draws the first token from the
     target's distribution restricted to the grammar (chi-square, small bins merged)."""
-    backend = GrammarBackend(tokenizer, PADDED_VOCAB)
+    backend = GrammarBackend(default_tokenizer, PADDED_VOCAB)
     compiled = backend.compile("choice", json.dumps(["alpha", "beta", "gamma", "delta", "omega"]))
     generator = torch.Generator().manual_seed(0)
     raw = torch.randn(2, PADDED_VOCAB, generator=generator) * 2.0
     masked = raw.clone()
-    draft = [tokenizer.encode("beta", add_special_tokens=False)[0]]
+    draft = [default_tokenizer.encode("beta", add_special_tokens=False)[0]]
     mask_rows(masked, [(0, backend.new_state(compiled), draft)], PADDED_VOCAB)
     allowed = torch.nonzero(torch.isfinite(masked[0])).flatten().tolist()
     assert 1 < len(allowed) < 100 and draft[0] in allowed
@@ -267,14 +261,14 @@ async def test_a_tokenizer_without_grammar_support_is_a_clear_invalid_request(tm
 
 
 @pytest.mark.parametrize("pattern", [format(bits, "04b") for bits in range(16)])
-def test_masking_any_pattern_of_constrained_rows_in_inference_mode(tokenizer, pattern) -> None:
+def test_masking_any_pattern_of_constrained_rows_in_inference_mode(default_tokenizer, pattern) -> None:
     """Four sequences in one step, each constrained ('1') or plain ('0'), with drafts of
     different lengths: the step's logits come out of the forward as inference tensors, and
     masking any subset of their rows (adjacent or not) equals masking each sequence's rows
     alone, and leaves the plain rows untouched."""
-    backend = GrammarBackend(tokenizer, PADDED_VOCAB)
+    backend = GrammarBackend(default_tokenizer, PADDED_VOCAB)
     compiled = backend.compile("choice", json.dumps(["alpha", "beta", "gamma"]))
-    drafts = [[], tokenizer.encode("beta", add_special_tokens=False)[:1], [], [5, 6]]
+    drafts = [[], default_tokenizer.encode("beta", add_special_tokens=False)[:1], [], [5, 6]]
     firsts = [0]
     for draft in drafts[:-1]:
         firsts.append(firsts[-1] + len(draft) + 1)
@@ -300,11 +294,11 @@ def test_masking_any_pattern_of_constrained_rows_in_inference_mode(tokenizer, pa
             assert torch.isinf(logits[rows]).any()
 
 
-async def test_constrained_and_plain_requests_mixed_in_one_batch(model_dir, tokenizer, plain) -> None:
+async def test_constrained_and_plain_requests_mixed_in_one_batch(model_dir, default_tokenizer, plain) -> None:
     """Constrained, plain, constrained, ... in one engine's batches (with speculation): every
     request is served, the constrained outputs are valid and every greedy output equals the
     same request served alone."""
-    params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, logit_bias=bias(tokenizer))
+    params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, logit_bias=bias(default_tokenizer))
     plain_params = SamplingParams(temperature=0.0, max_tokens=12)
     constrained = list(CONSTRAINTS.items())
     async with served_engine(model_dir, NGRAM, "cpu", max_model_len=256,
@@ -325,4 +319,4 @@ async def test_constrained_and_plain_requests_mixed_in_one_batch(model_dir, toke
     for index, constraint in enumerate(order):
         if constraint is not None:
             kind, value = constraint
-            assert valid(kind, value, tokenizer.decode(mixed[index])), (kind, mixed[index])
+            assert valid(kind, value, default_tokenizer.decode(mixed[index])), (kind, mixed[index])

@@ -27,7 +27,6 @@ from gateway.tools import (
 )
 from specdec.errors import InvalidRequestError
 from specdec.grammar_spec import check_grammar
-from specdec.models.model_files import DEFAULT_MODEL, load_tokenizer, resolve_model
 from tests.support.grammar_decode import PADDED_VOCAB, make_padded_tiny_model, masked_decode
 from tests.support.tiny_models import make_tokenizer
 from verifier_svc.grammar import GrammarBackend
@@ -91,27 +90,22 @@ def test_tool_choice_semantics() -> None:
 # -- forced calls ----------------------------------------------------------------------------
 
 @pytest.fixture(scope="module")
-def tokenizer():
-    return load_tokenizer(resolve_model(DEFAULT_MODEL))
+def backend(default_tokenizer) -> GrammarBackend:
+    return GrammarBackend(default_tokenizer, PADDED_VOCAB)
 
 
 @pytest.fixture(scope="module")
-def backend(tokenizer) -> GrammarBackend:
-    return GrammarBackend(tokenizer, PADDED_VOCAB)
+def model(default_tokenizer):
+    return make_padded_tiny_model(default_tokenizer.eos_token_id, seed=1)
 
 
-@pytest.fixture(scope="module")
-def model(tokenizer):
-    return make_padded_tiny_model(tokenizer.eos_token_id, seed=1)
-
-
-def test_named_function_forces_its_arguments(backend, model, tokenizer) -> None:
+def test_named_function_forces_its_arguments(backend, model, default_tokenizer) -> None:
     tools = parse_tools([WEATHER, TIME])
     choice = parse_tool_choice({"type": "function", "function": {"name": "get_weather"}}, tools)
     grammar = tool_grammar(choice, tools)
     assert grammar is not None
     for seed in (None, 0, 1):
-        text = masked_decode(backend, model, tokenizer, grammar.kind, grammar.value, sample_seed=seed)
+        text = masked_decode(backend, model, default_tokenizer, grammar.kind, grammar.value, sample_seed=seed)
         calls = tool_calls_from_forced_output(choice, text)
         assert len(calls) == 1
         call = ChatCompletionMessageToolCall.model_validate(calls[0])
@@ -121,7 +115,7 @@ def test_named_function_forces_its_arguments(backend, model, tokenizer) -> None:
         assert 1 <= arguments["days"] <= 7
 
 
-def test_required_forces_one_or_more_valid_calls(backend, model, tokenizer) -> None:
+def test_required_forces_one_or_more_valid_calls(backend, model, default_tokenizer) -> None:
     with_free_form = parse_tools([WEATHER, TIME, NO_PARAMS])
     grammar = tool_grammar(parse_tool_choice("required", with_free_form), with_free_form)
     assert grammar is not None
@@ -133,10 +127,10 @@ def test_required_forces_one_or_more_valid_calls(backend, model, tokenizer) -> N
     choice = parse_tool_choice("required", tools)
     grammar = tool_grammar(choice, tools)
     assert grammar is not None
-    closing = {token_id: 4.0 for token, token_id in tokenizer.get_vocab().items()
-               if "]" in tokenizer.convert_tokens_to_string([token])}
+    closing = {token_id: 4.0 for token, token_id in default_tokenizer.get_vocab().items()
+               if "]" in default_tokenizer.convert_tokens_to_string([token])}
     for seed in (None, 0, 1, 2):
-        text = masked_decode(backend, model, tokenizer, grammar.kind, grammar.value, sample_seed=seed,
+        text = masked_decode(backend, model, default_tokenizer, grammar.kind, grammar.value, sample_seed=seed,
                              max_tokens=300, bias=closing)
         calls = tool_calls_from_forced_output(choice, text)
         assert calls
@@ -161,17 +155,17 @@ def test_tool_grammar_conflicts_are_the_lead_s_to_merge() -> None:
 
 # -- chat templates --------------------------------------------------------------------------
 
-def test_default_template_takes_no_tools(tokenizer) -> None:
+def test_default_template_takes_no_tools(default_tokenizer) -> None:
     """SmolLM2's template ignores `tools`: "auto" cannot be offered with it (400 on tools)."""
-    assert template_accepts_tools(tokenizer) is False
+    assert template_accepts_tools(default_tokenizer) is False
 
 
 def test_a_template_that_renders_tools_is_detected() -> None:
-    tokenizer: PreTrainedTokenizerFast = make_tokenizer(16)
-    assert template_accepts_tools(tokenizer) is False
-    tokenizer.chat_template = ("{% if tools %}TOOLS {{ tools | tojson }} {% endif %}"
+    default_tokenizer: PreTrainedTokenizerFast = make_tokenizer(16)
+    assert template_accepts_tools(default_tokenizer) is False
+    default_tokenizer.chat_template = ("{% if tools %}TOOLS {{ tools | tojson }} {% endif %}"
                                "{% for m in messages %}{{ m['content'] }} {% endfor %}")
-    assert template_accepts_tools(tokenizer) is True
+    assert template_accepts_tools(default_tokenizer) is True
 
 
 # -- Hermes parser ---------------------------------------------------------------------------
@@ -247,7 +241,7 @@ def test_forced_required_calls_come_whole_at_the_end() -> None:
         ChoiceDeltaToolCall.model_validate(delta)
 
 
-def test_tool_messages_render_through_a_template_without_tools(tokenizer) -> None:
+def test_tool_messages_render_through_a_template_without_tools(default_tokenizer) -> None:
     messages = [
         {"role": "user", "content": "Weather in Paris?"},
         {"role": "assistant", "content": None, "tool_calls": [
@@ -256,8 +250,8 @@ def test_tool_messages_render_through_a_template_without_tools(tokenizer) -> Non
         {"role": "tool", "tool_call_id": "call_1", "content": [{"type": "text", "text": "sunny"}]},
     ]
     with pytest.raises(UndefinedError):  # SmolLM2's template cannot take a null content
-        tokenizer.apply_chat_template(messages, tokenize=False)
-    text = tokenizer.apply_chat_template(tool_messages_as_text(messages), tokenize=False)
+        default_tokenizer.apply_chat_template(messages, tokenize=False)
+    text = default_tokenizer.apply_chat_template(tool_messages_as_text(messages), tokenize=False)
     assert '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>' in text
     assert "<tool_response>\nsunny\n</tool_response>" in text
     # What the assistant said parses back to the same call.

@@ -9,13 +9,15 @@ saw and the calls that were cancelled.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import socket
 import threading
 import time
-from collections.abc import Callable, Coroutine
+from collections.abc import Callable, Coroutine, Iterator
 from typing import Any
 
 import grpc
+import openai
 import uvicorn
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import PreTrainedTokenizerFast
@@ -245,3 +247,31 @@ class LiveGateway:
 def gateway_config(*addresses: str, **overrides: Any) -> GatewayConfig:
     return GatewayConfig(model="/fake/tiny-model", served_model_name=SERVED_MODEL,
                          verifier_addresses=addresses, **overrides)
+
+
+@contextlib.contextmanager
+def live_gateway(tokenizer: Any, servicer: FakeVerifier | None = None,
+                 **config: Any) -> Iterator[tuple[LiveGateway, FakeVerifier]]:
+    """A fake verifier (`servicer`; by default one replying REPLY_TEXT) on a real gRPC server,
+    and a live gateway in front of it configured by gateway_config(**config). Both are
+    stopped on exit."""
+    if servicer is None:
+        servicer = FakeVerifier(tokenizer.encode(REPLY_TEXT, add_special_tokens=False),
+                                tokenizer.eos_token_id)
+    server = FakeVerifierServer(servicer)
+    server.start()
+    try:
+        gateway = LiveGateway(gateway_config(server.address, **config), tokenizer)
+        gateway.start()
+        try:
+            yield gateway, servicer
+        finally:
+            gateway.stop()
+    finally:
+        server.close()
+
+
+def openai_client(gateway: LiveGateway, **options: Any) -> openai.OpenAI:
+    """The official client on `gateway`, with no retries to hide a failure."""
+    return openai.OpenAI(base_url=f"{gateway.base_url}/v1", api_key="unused", max_retries=0,
+                         **options)
