@@ -7,7 +7,6 @@ from __future__ import annotations
 import json
 import re
 from collections.abc import Iterator
-from contextlib import ExitStack
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -50,17 +49,8 @@ class Served:
 
 
 @pytest.fixture(scope="module")
-def served() -> Iterator[Served]:
-    tokenizer = fake.build_tiny_tokenizer()
-    verifier = fake.FakeVerifier(tokenizer.encode(fake.REPLY_TEXT, add_special_tokens=False),
-                                 tokenizer.eos_token_id)
-    with ExitStack() as cleanup:
-        server = fake.FakeVerifierServer(verifier)
-        server.start()
-        cleanup.callback(server.close)
-        gateway = fake.LiveGateway(fake.gateway_config(server.address), tokenizer)
-        gateway.start()
-        cleanup.callback(gateway.stop)
+def served(tokenizer) -> Iterator[Served]:
+    with fake.live_gateway(tokenizer) as (gateway, verifier):
         yield Served(gateway.base_url, verifier, tokenizer)
 
 

@@ -29,14 +29,7 @@ from specdec.bench.workloads import WORKLOADS, generate, to_jsonl, transcript
 from specdec.bench.workloads_json import AGENT_SYSTEM, AGENT_SYSTEM_INTRO, TOOLS
 from specdec.errors import ConfigError
 from specdec.v1 import specdec_pb2
-from tests.support.fake_verifier import (
-    REPLY_TEXT,
-    FakeVerifier,
-    FakeVerifierServer,
-    LiveGateway,
-    build_tiny_tokenizer,
-    gateway_config,
-)
+from tests.support.fake_verifier import REPLY_TEXT, FakeVerifier, build_tiny_tokenizer, live_gateway
 from tests.support.tiny_models import make_tiny_llama
 
 TESTS = Path(__file__).resolve().parents[1]
@@ -208,17 +201,11 @@ class _LongContextVerifier(FakeVerifier):
 
 
 @pytest.fixture(scope="module")
-def gateway() -> Iterator[tuple[str, FakeVerifier]]:
-    tokenizer = build_tiny_tokenizer()
+def gateway(tokenizer) -> Iterator[tuple[str, FakeVerifier]]:
     servicer = _LongContextVerifier(tokenizer.encode(REPLY_TEXT, add_special_tokens=False),
                                     tokenizer.eos_token_id)
-    server = FakeVerifierServer(servicer)
-    server.start()
-    live = LiveGateway(gateway_config(server.address), tokenizer)
-    live.start()
-    yield live.base_url, servicer
-    live.stop()
-    server.close()
+    with live_gateway(tokenizer, servicer) as (live, _):
+        yield live.base_url, servicer
 
 
 @pytest.mark.parametrize("flags,max_tokens", [
