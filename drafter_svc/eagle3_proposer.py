@@ -21,13 +21,13 @@ from specdec.device import resolve_device, resolve_dtype
 from specdec.errors import ConfigError
 from specdec.layers.attention import AttentionMetadata
 from specdec.models import resolve_model
-from specdec.models.eagle3 import load_eagle3_head
+from specdec.models.eagle3 import Eagle3Head, load_eagle3_head
 from specdec.models.packed_linear import pack_for_device
 
 logger = logging.getLogger(__name__)
 
 
-class Eagle3Proposer(HeadProposer):
+class Eagle3Proposer(HeadProposer[Eagle3Head]):
     """EAGLE-3: verified inputs carry fc(target features); draft inputs the head's own
     pre-norm output."""
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
+from typing import Generic, TypeVar
 
 import torch
 
@@ -33,8 +34,10 @@ logger = logging.getLogger(__name__)
 
 FINAL_HIDDEN_STATE = -1
 
+HeadT = TypeVar("HeadT", EagleHead, Eagle3Head)
 
-class HeadProposer(ModelProposer):
+
+class HeadProposer(ModelProposer, Generic[HeadT]):
     """Per-stream state over a shared EAGLE-style head (eagle, eagle3). Inputs pair tokens
     with features; draft inputs feed the head's own output back as the next feature, so
     their K/V are never reused (see model_proposer)."""
@@ -42,19 +45,19 @@ class HeadProposer(ModelProposer):
     uses_features = True
     reuses_draft_kv = False
 
-    def __init__(self, head: EagleHead | Eagle3Head, info: ProposerInfo, pool: DraftKVPool,
+    def __init__(self, head: HeadT, info: ProposerInfo, pool: DraftKVPool,
                  device: torch.device, dtype: torch.dtype, options: ModelOptions,
                  token_map: torch.Tensor | None = None) -> None:
         super().__init__(info, pool, device, feature_dtype=dtype,
                          max_positions=head.rotary_emb.max_positions,
                          draft_sampling=options.draft_sampling, seed=options.seed, token_map=token_map)
-        self.head = head
+        self.head: HeadT = head
 
     def _compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.head.compute_logits(hidden)
 
 
-class EagleProposer(HeadProposer):
+class EagleProposer(HeadProposer[EagleHead]):
     """EAGLE-1/2: the target's final feature (or the head's own output) goes straight in."""
 
     def _forward(self, input_ids: torch.Tensor, positions: torch.Tensor, features: torch.Tensor | None,

@@ -62,7 +62,7 @@ from drafter_svc.proposer import (
     ProposerInfo,
 )
 from specdec.errors import ConfigError, InvalidRequestError, OverloadedError, SpecdecError
-from specdec.rpc.grpc_status import error_details, status_for
+from specdec.rpc.grpc_status import abort_with
 from specdec.v1 import specdec_pb2, specdec_pb2_grpc
 
 if TYPE_CHECKING:
@@ -239,7 +239,7 @@ class DrafterServicer(specdec_pb2_grpc.DrafterServicer):
             exc = OverloadedError(f"this drafter serves {self.limits.max_propose_streams} "
                                   "Propose streams, the most allowed (--max-propose-streams)")
             logger.warning("Propose stream from %s refused: %s", context.peer(), exc.message)
-            await context.abort(status_for(exc), error_details(exc))
+            await abort_with(context, exc)
             return
         proposer = self._proposer_factory()
         table = SequenceTable(proposer, self.limits, self._clock)
@@ -258,7 +258,7 @@ class DrafterServicer(specdec_pb2_grpc.DrafterServicer):
                     response = await handle_propose_request_sliced(proposer, request, table)
                 except SpecdecError as exc:
                     logger.warning("Propose stream from %s: %s", peer, exc.message)
-                    await context.abort(status_for(exc), error_details(exc))
+                    await abort_with(context, exc)
                     return
                 except Exception:
                     # A bug, not the client's fault: log it here, never send the traceback.

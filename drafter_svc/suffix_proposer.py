@@ -205,7 +205,7 @@ class SuffixMethod:
         # A finished (or evicted) sequence's verified output becomes a draft source.
         history = state.history.view()
         self.cache.add(history[state.prompt_len:].tolist(),
-                       lead_in=self._lead_in(history[:state.prompt_len]))
+                       lead_in=self._lead_in(history[:state.prompt_len].tolist()))
 
     def _lead_in(self, prompt_token_ids: Sequence[int]) -> Sequence[int]:
         count = self.params.lead_in

@@ -168,8 +168,9 @@ async def _open_generation(request: Request, prompt_token_ids: list[int],
     info = await state.verifier.get_info()
     max_model_len = state.config.max_model_len or info.max_model_len
     prompt_token_ids = truncate_prompt(prompt_token_ids, prompt_options, max_model_len)
-    generate_request = build_generate_request(prompt_token_ids, sampling, info, max_model_len,
-                                              prompt_param)
+    generate_request = build_generate_request(
+        prompt_token_ids, sampling, info, max_model_len, prompt_param,
+        record_steps=state.config.per_request_spec_decode_metrics == "detailed")
     echoed = echo_text(prompt_token_ids) if echo_text is not None else ""
     choices = await open_choices(state.verifier, choice_requests(generate_request, sampling.n),
                                  state.tokenizer, prompt_token_ids, sampling.stop, started_at,

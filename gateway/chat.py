@@ -142,7 +142,7 @@ def parse_messages(value: Any) -> list[dict[str, Any]]:
             raise InvalidRequestError(
                 f"messages[{index}].role must be one of {', '.join(CHAT_ROLES)}, got "
                 f"{role!r}.", "messages")
-        parsed = {"role": "system" if role == "developer" else role,
+        parsed: dict[str, Any] = {"role": "system" if role == "developer" else role,
                   "content": _message_content(message, index)}
         name = message.get("name")
         if name is not None:

@@ -10,7 +10,7 @@ stop strings and is cancelled alone when its stop string appears.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -25,7 +25,7 @@ from specdec.v1 import specdec_pb2
 class Choice:
     index: int
     result: GenerationResult
-    deltas: AsyncIterator[TextDelta]
+    deltas: AsyncGenerator[TextDelta, None]  # closed by close_choices
 
 
 @dataclass(slots=True)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import logging
+from collections.abc import Mapping
 from typing import Any
 
 import grpc
@@ -21,6 +22,7 @@ from specdec.errors import (
     SpecdecError,
     UnavailableError,
 )
+from specdec.rpc.grpc_status import error_param
 
 logger = logging.getLogger(__name__)
 
@@ -115,7 +117,7 @@ def error_response(exc: BaseException) -> JSONResponse:
 
 def plain_error_response(status: int, message: str, param: str | None = None,
                          code: str | None = None,
-                         headers: dict[str, str] | None = None) -> JSONResponse:
+                         headers: Mapping[str, str] | None = None) -> JSONResponse:
     return ErrorJSONResponse(error_body(status, message, param, code), status_code=status,
                              headers=headers)
 
@@ -124,7 +126,7 @@ def error_from_grpc(err: grpc.aio.AioRpcError) -> SpecdecError:
     """Maps a verifier's gRPC status to the domain error the gateway answers with."""
     code = err.code()
     error_type = _GRPC_TO_ERROR.get(code, SpecdecError)
-    details = err.details() or code.name
+    details, param = error_param(err)
     if error_type is UnavailableError:
         logger.info("verifier call failed: %s: %s", code.name, details)
         return UnavailableError(UNAVAILABLE_MESSAGE)
@@ -140,7 +142,7 @@ def error_from_grpc(err: grpc.aio.AioRpcError) -> SpecdecError:
         # Kept for the log line only; clients get the generic message.
         return SpecdecError(f"verifier error {code.name}: {details}")
     # INVALID_ARGUMENT / OUT_OF_RANGE: the verifier's own validation text, about the request.
-    return error_type(details)
+    return error_type(details, param=param)
 
 
 class RequestTooLargeError(InvalidRequestError):

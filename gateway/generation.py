@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator
 from dataclasses import dataclass, field
 
 from gateway.detokenizer import IncrementalDetokenizer, StopStringMatcher
@@ -38,6 +38,9 @@ class GenerationResult:
     # The verifier's counters are per request and cumulative: the latest one is the total.
     speculation: specdec_pb2.SpeculationStats | None = None
     num_cached_tokens: int = 0
+    # (drafted, accepted) of each drafting step, gathered from the responses when the
+    # request set record_steps (their per_step_* lists are not cumulative).
+    steps: list[tuple[int, int]] = field(default_factory=list)
 
 
 @dataclass(slots=True)
@@ -53,8 +56,9 @@ class TextDelta:
 
 def build_generate_request(prompt_token_ids: list[int], sampling: SamplingOptions,
                            info: specdec_pb2.VerifierInfo, max_model_len: int,
-                           prompt_param: str) -> specdec_pb2.GenerateRequest:
-    """Checks lengths against max_model_len and fills in vLLM's default max_tokens."""
+                           prompt_param: str, record_steps: bool = False) -> specdec_pb2.GenerateRequest:
+    """Checks lengths against max_model_len and fills in vLLM's default max_tokens;
+    `record_steps` asks the verifier for each drafting step's counts."""
     num_prompt_tokens = len(prompt_token_ids)
     if num_prompt_tokens >= max_model_len:
         raise InvalidRequestError(
@@ -63,11 +67,14 @@ def build_generate_request(prompt_token_ids: list[int], sampling: SamplingOption
             "completion.", prompt_param)
     max_tokens = sampling.max_tokens
     if max_tokens is None:
-        max_tokens = max_model_len - num_prompt_tokens
+        room = max_model_len - num_prompt_tokens
+        max_tokens = room if sampling.default_max_tokens is None else min(sampling.default_max_tokens, room)
         if sampling.min_tokens > max_tokens:
+            what = ("the room left in the context" if max_tokens == room
+                    else "the default max_tokens")
             raise InvalidRequestError(
-                f"min_tokens ({sampling.min_tokens}) must be at most the room left in the "
-                f"context ({max_tokens} tokens).", "min_tokens")
+                f"min_tokens ({sampling.min_tokens}) must be at most {what} ({max_tokens} "
+                "tokens); set max_tokens.", "min_tokens")
     elif num_prompt_tokens + max_tokens > max_model_len:
         raise InvalidRequestError(
             f"This model's maximum context length is {max_model_len} tokens. However, you "
@@ -79,7 +86,7 @@ def build_generate_request(prompt_token_ids: list[int], sampling: SamplingOption
         raise InvalidRequestError(
             f"logit_bias token id {bad} is outside the vocabulary (size {info.vocab_size}).",
             "logit_bias")
-    speculation = specdec_pb2.SpeculationOverride()
+    speculation = specdec_pb2.SpeculationOverride(record_steps=record_steps)
     if sampling.speculation is not None:
         speculation.enabled = sampling.speculation.enabled
         num_tokens = sampling.speculation.num_speculative_tokens
@@ -138,7 +145,7 @@ def choice_requests(request: specdec_pb2.GenerateRequest,
 
 async def stream_text(stream: GenerationStream, detokenizer: IncrementalDetokenizer,
                       stop_matcher: StopStringMatcher, result: GenerationResult,
-                      min_tokens: int = 0) -> AsyncIterator[TextDelta]:
+                      min_tokens: int = 0) -> AsyncGenerator[TextDelta, None]:
     """Yields text deltas (see TextDelta); sets result.finish_reason before returning.
     Stop strings are looked for once `min_tokens` tokens are out (as vLLM, which checks no
     stop condition before then).
@@ -156,6 +163,8 @@ async def stream_text(stream: GenerationStream, detokenizer: IncrementalDetokeni
                 pending.logprobs.extend(response.logprobs)
             if response.HasField("speculation"):
                 result.speculation = response.speculation
+                result.steps += zip(response.speculation.per_step_drafted,
+                                    response.speculation.per_step_accepted)
             if response.HasField("usage"):
                 result.num_cached_tokens = response.usage.cached_tokens
             finished = response.finish_reason != specdec_pb2.FINISH_REASON_UNSPECIFIED

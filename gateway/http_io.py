@@ -7,7 +7,7 @@ from __future__ import annotations
 import functools
 import json
 import logging
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
 from typing import Any
 
 from starlette.requests import ClientDisconnect, Request
@@ -78,7 +78,7 @@ async def wait_for_disconnect(request: Request) -> None:
         pass
 
 
-async def sse(chunks: AsyncIterator[dict], choices: list[Choice],
+async def sse(chunks: AsyncGenerator[dict, None], choices: list[Choice],
                on_finish: Callable[[], None]) -> AsyncIterator[str]:
     """`data: {chunk}` events then `data: [DONE]`.
 
@@ -103,7 +103,7 @@ async def sse(chunks: AsyncIterator[dict], choices: list[Choice],
         on_finish()
 
 
-async def named_sse(events: AsyncIterator[dict], choices: list[Choice],
+async def named_sse(events: AsyncGenerator[dict, None], choices: list[Choice],
                      on_finish: Callable[[], None]) -> AsyncIterator[str]:
     """The Responses API's `event: <type>` / `data: {event}` pairs (no [DONE]); an error
     after the stream started arrives as an `error` event."""

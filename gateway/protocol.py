@@ -59,7 +59,7 @@ class SamplingOptions:
     min_tokens: int
     # (token id, bias) pairs; ids are checked against the vocabulary in generation.py.
     logit_bias: tuple[tuple[int, float], ...]
-    # None: generate up to max_model_len (vLLM's default).
+    # None: default_max_tokens.
     max_tokens: int | None
     stop: tuple[str, ...]
     stop_token_ids: tuple[int, ...]
@@ -74,6 +74,9 @@ class SamplingOptions:
     grammar: GrammarRequest | None = None
     # vLLM's cache_salt: prefix-cache blocks are shared only among requests with this salt.
     cache_salt: str | None = None
+    # max_tokens when the request gives none, at most the room left in the context; None:
+    # the room left (vLLM's chat default; its text completions default to 16, as OpenAI's).
+    default_max_tokens: int | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -334,6 +337,10 @@ def _model(body: dict[str, Any]) -> str | None:
     return model
 
 
+# vLLM's (and OpenAI's) max_tokens for a text completion that gives none.
+COMPLETIONS_DEFAULT_MAX_TOKENS = 16
+
+
 def parse_sampling(body: dict[str, Any], *, chat: bool = True) -> SamplingOptions:
     _reject_unsupported(body)
     # max_completion_tokens is the newer name; it wins when both are given.
@@ -369,6 +376,7 @@ def parse_sampling(body: dict[str, Any], *, chat: bool = True) -> SamplingOption
         n=_integer(body, "n", minimum=1, maximum=MAX_CHOICES) or 1,
         grammar=grammar_from_request(body, validate=False),
         cache_salt=_cache_salt(body),
+        default_max_tokens=None if chat else COMPLETIONS_DEFAULT_MAX_TOKENS,
     )
 
 

@@ -6,11 +6,11 @@ from __future__ import annotations
 import functools
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncGenerator, Callable
 from dataclasses import dataclass
 
 from gateway.choices import Choice, CollectedChoice, merged_deltas
-from gateway.generation import GenerationResult, TextDelta, sum_speculation, usage
+from gateway.generation import GenerationResult, TextDelta, usage
 from gateway.logprobs import CompletionLogprobs, TokenTexts, chat_logprobs_content
 from gateway.spec_decode_metrics import metrics_body
 from gateway.tool_chat import ToolOutput
@@ -134,8 +134,7 @@ class Output:
 
     def with_metrics(self, body: dict, results: list[GenerationResult]) -> dict:
         """`body` with vLLM's per-request `metrics` when asked for (gateway.spec_decode_metrics)."""
-        metrics = metrics_body(self.spec_decode_metrics, sum_speculation(results),
-                               self.num_speculative_tokens)
+        metrics = metrics_body(self.spec_decode_metrics, results, self.num_speculative_tokens)
         if metrics is not None:
             body["metrics"] = metrics
         return body
@@ -160,7 +159,7 @@ class Output:
 
 
 async def chat_chunks(output: Output, choices: list[Choice],
-                      include_usage: bool) -> AsyncIterator[dict]:
+                      include_usage: bool) -> AsyncGenerator[dict, None]:
     chunk = functools.partial(chat_chunk, output.response_id, output.created, output.model)
     readers = {choice.index: output.new_tool_output() for choice in choices}
     for choice in choices:
@@ -196,7 +195,7 @@ async def chat_chunks(output: Output, choices: list[Choice],
 
 
 async def completion_chunks(output: Output, choices: list[Choice],
-                            include_usage: bool) -> AsyncIterator[dict]:
+                            include_usage: bool) -> AsyncGenerator[dict, None]:
     chunk = functools.partial(completion_chunk, output.response_id, output.created, output.model)
     texts = output.token_texts
     builders = ({choice.index: CompletionLogprobs(texts) for choice in choices}

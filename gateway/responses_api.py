@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator
 from typing import Any
 
 from specdec.errors import InvalidRequestError
@@ -329,7 +329,7 @@ class _EventWriter:
 
 
 async def response_events(shell: ResponseShell,
-                          chunks: AsyncIterator[dict[str, Any]]) -> AsyncIterator[dict[str, Any]]:
+                          chunks: AsyncIterator[dict[str, Any]]) -> AsyncGenerator[dict[str, Any], None]:
     """Responses streaming events from a chat stream of one choice (with its usage chunk)."""
     writer = _EventWriter(shell)
     yield writer.event("response.created", response=shell.build("in_progress", [], None))

@@ -257,7 +257,7 @@ def template_accepts_tools(tokenizer: Any) -> bool:
         plain = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
         with_tools = tokenizer.apply_chat_template(messages, tools=[probe_tool], tokenize=False,
                                                    add_generation_prompt=True)
-    except Exception as error:  # noqa: BLE001 - a template may raise anything: no tools then
+    except Exception as error:
         logger.info("chat template cannot render tools: %s", error)
         return False
     return plain != with_tools

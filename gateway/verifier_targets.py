@@ -35,7 +35,9 @@ Resolver = Callable[[str, int], Sequence[str]]
 def resolve_ips(host: str, port: int) -> list[str]:
     """The IPv4/IPv6 addresses of host, in the resolver's order, without duplicates."""
     infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
-    ips = [info[4][0] for info in infos if info[0] in (socket.AF_INET, socket.AF_INET6)]
+    # An IPv4/IPv6 sockaddr starts with the address text (the isinstance tells the type checker).
+    ips = [info[4][0] for info in infos
+           if info[0] in (socket.AF_INET, socket.AF_INET6) and isinstance(info[4][0], str)]
     return list(dict.fromkeys(ips))
 
 

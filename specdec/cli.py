@@ -137,8 +137,8 @@ def add_spec_decode_metrics_arg(parser: argparse.ArgumentParser) -> None:
                         choices=["none", "summary", "detailed"],
                         help="vLLM's per-request speculative metrics in each response's "
                              "top-level `metrics` (summary: acceptance length and rate, "
-                             "acceptance histogram; detailed is refused: no per-step record "
-                             "is kept)")
+                             "acceptance histogram; detailed: also each drafting step's "
+                             "drafted and accepted counts)")
 
 
 def add_logging_args(parser: argparse.ArgumentParser) -> None:

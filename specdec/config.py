@@ -11,7 +11,7 @@ import json
 import logging
 import math
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, overload
 
 from specdec.draft_caps import FIELD as DRAFT_CAPS_FIELD
 from specdec.draft_caps import DraftCaps
@@ -108,6 +108,15 @@ class SpeculativeConfig:
     suffix_decoding_max_cached_tokens: int | None = None
     suffix_decoding_max_spec_factor: float | None = None
     suffix_decoding_min_token_prob: float | None = None
+
+    # A dict is never "off": it parses to a config or raises.
+    @overload
+    @classmethod
+    def parse(cls, text: dict[str, Any]) -> SpeculativeConfig: ...
+
+    @overload
+    @classmethod
+    def parse(cls, text: str | None) -> SpeculativeConfig | None: ...
 
     @classmethod
     def parse(cls, text: str | dict[str, Any] | None) -> SpeculativeConfig | None:

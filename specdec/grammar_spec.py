@@ -21,16 +21,19 @@ from __future__ import annotations
 import json
 import logging
 import re
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from specdec.errors import InvalidRequestError
+
+if TYPE_CHECKING:
+    from llguidance._lib import JsonCompileOptions  # declared in the stub only
 
 logger = logging.getLogger(__name__)
 
 GRAMMAR_KINDS = ("json_object", "json_schema", "regex", "choice", "grammar")
 
 # llguidance's JSON compiler options; see JsonCompileOptions in llguidance/_lib.pyi.
-JSON_OPTIONS: dict[str, Any] = {
+JSON_OPTIONS: JsonCompileOptions = {
     "whitespace_flexible": False,
     "item_separator": ", ",
     "key_separator": ": ",
@@ -60,7 +63,7 @@ def grammar_text(kind: str, value: str, *, param: str = "grammar",
     if len(value) > max_chars:
         raise InvalidRequestError(f"the {kind.replace('_', ' ')} is longer than {max_chars} "
                                   "characters", param=param)
-    options = dict(JSON_OPTIONS, whitespace_flexible=whitespace_flexible)
+    options: JsonCompileOptions = {**JSON_OPTIONS, "whitespace_flexible": whitespace_flexible}
     if kind == "json_object":
         return llguidance.LLMatcher.grammar_from_json_schema({"type": "object"}, defaults=options)
     if kind == "json_schema":
@@ -98,7 +101,7 @@ def grammar_text(kind: str, value: str, *, param: str = "grammar",
 
         try:
             lark = any_to_lark(value)
-        except Exception as error:  # noqa: BLE001 - the GBNF converter raises plain exceptions
+        except Exception as error:
             raise InvalidRequestError(f"invalid grammar: {error}", param=param) from None
         return llguidance.LLMatcher.grammar_from_lark(lark)
     raise InvalidRequestError(

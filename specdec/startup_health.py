@@ -27,7 +27,7 @@ class StartupHealth:
         health = self
 
         class Handler(BaseHTTPRequestHandler):
-            def do_GET(self) -> None:  # noqa: N802 (http.server's name)
+            def do_GET(self) -> None:
                 found = self.path.split("?")[0] == "/health"
                 body = json.dumps({"status": "starting", "phase": health.phase, "verifiers": {},
                                    "problems": []} if found else {"error": "starting"}).encode()
@@ -37,7 +37,7 @@ class StartupHealth:
                 self.end_headers()
                 self.wfile.write(body)
 
-            def log_message(self, format: str, *args: object) -> None:  # noqa: A002
+            def log_message(self, format: str, *args: object) -> None:
                 pass  # a poll a second would flood the log
 
         self._server: ThreadingHTTPServer | None = None

@@ -227,7 +227,7 @@ def build_engine(config: VerifierConfig, enter_phase: Callable[[str], None] = la
             # Before the first request; the blocks it writes hold no sequence yet.
             warm_up(forward, kv_cache, block_ids=list(range(-(-16 // config.block_size))),
                     aux_layer_ids=_drafter_aux_layer_ids(spec, model_config.num_hidden_layers))
-        except Exception as exc:  # noqa: BLE001  (inductor's failures have no common type)
+        except Exception as exc:
             # The model itself still runs eagerly (its attention falls back outside a trace);
             # its layers' linears still need the packing the compiler was to do.
             logger.warning("compiling the forward failed (%s: %s); running eagerly",

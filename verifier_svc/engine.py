@@ -554,7 +554,7 @@ class Engine:
         try:
             entries = step_logprobs(logits, [job for _, job in jobs], self.config.logprobs_mode,
                                     self.eos_token_ids)
-        except Exception:  # noqa: BLE001 - retried per sequence below, each isolated
+        except Exception:
             entries = None
         for position, (seq, job) in enumerate(jobs):
             with self.faults.isolate(seq):

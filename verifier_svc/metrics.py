@@ -50,7 +50,7 @@ class _EngineCollector(Collector):
     def collect(self) -> Iterator[CounterMetricFamily | GaugeMetricFamily]:
         engine, labels = self.engine, [self.model_name]
         spec = engine.spec
-        for name, documentation, value in (
+        for name, documentation, count in (
                 ("vllm:spec_decode_num_drafts", "Verify steps that checked draft tokens.",
                  spec.num_drafts),
                 ("vllm:spec_decode_num_draft_tokens", "Draft tokens verified.",
@@ -67,9 +67,9 @@ class _EngineCollector(Collector):
                 ("specdec:prefix_cache_evicted_blocks", "Cached KV blocks reused for new "
                  "tokens (evicted from the prefix cache).",
                  engine.scheduler.block_manager.num_evicted_blocks)):
-            family = CounterMetricFamily(name, documentation, labels=["model_name"])
-            family.add_metric(labels, value)
-            yield family
+            counter = CounterMetricFamily(name, documentation, labels=["model_name"])
+            counter.add_metric(labels, count)
+            yield counter
         per_position = CounterMetricFamily(
             "vllm:spec_decode_num_accepted_tokens_per_pos",
             "Drafts whose token at this position was accepted.",
@@ -79,7 +79,7 @@ class _EngineCollector(Collector):
         yield per_position
         block_manager = engine.scheduler.block_manager
         pool = engine.drafter_pool
-        for name, documentation, value in (
+        for name, documentation, level in (
                 ("vllm:num_requests_running", "Sequences in the running batch.", engine.num_running),
                 ("vllm:num_requests_waiting", "Sequences waiting to run.", engine.num_waiting),
                 ("vllm:kv_cache_usage_perc", "Fraction of KV blocks in use (0 to 1).",
@@ -91,9 +91,9 @@ class _EngineCollector(Collector):
                  "free to reuse).", block_manager.num_cached_blocks),
                 ("specdec:drafter_healthy_replicas", "Drafter replicas connected and healthy.",
                  pool.num_healthy() if pool is not None else 0)):
-            family = GaugeMetricFamily(name, documentation, labels=["model_name"])
-            family.add_metric(labels, value)
-            yield family
+            gauge = GaugeMetricFamily(name, documentation, labels=["model_name"])
+            gauge.add_metric(labels, level)
+            yield gauge
         drafter_errors = CounterMetricFamily(
             "specdec:drafter_errors",
             "Drafter failures by replica (address) and kind: timeout, unavailable, "

@@ -45,7 +45,7 @@ class SequenceFaults:
         `flush` when `defer`) and is not raised further."""
         try:
             yield
-        except Exception as exc:  # noqa: BLE001 - the boundary: any failure is this sequence's
+        except Exception as exc:
             self.fail(seq, exc, defer=defer)
 
     def fail(self, seq: Sequence, exc: Exception, *, defer: bool = False) -> None:
@@ -66,7 +66,7 @@ class SequenceFaults:
         self.num_failed += 1
         try:
             self._fail(seq, error)
-        except Exception:  # noqa: BLE001 - the others' step goes on all the same
+        except Exception:
             logger.exception("failing request %s raised", seq.request_id)
 
     @staticmethod

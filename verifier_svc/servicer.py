@@ -17,7 +17,7 @@ import grpc
 from specdec.engine.sampling_params import SamplingParams
 from specdec.engine.sequence import FinishReason, SpeculationCounters
 from specdec.errors import SpecdecError
-from specdec.rpc.grpc_status import error_details, status_for
+from specdec.rpc.grpc_status import abort_with
 from specdec.v1 import specdec_pb2, specdec_pb2_grpc
 from verifier_svc.builder import ServedModel
 from verifier_svc.engine import Engine
@@ -49,18 +49,24 @@ def sampling_params_from_proto(message: specdec_pb2.SamplingParams, max_model_le
         presence_penalty=message.presence_penalty,
         frequency_penalty=message.frequency_penalty,
         min_tokens=message.min_tokens,
-        logit_bias=dict(message.logit_bias),
+        logit_bias=tuple(message.logit_bias.items()),
         min_p=message.min_p,
         logprobs=message.logprobs if message.HasField("logprobs") else None,
     )
 
 
-def speculation_to_proto(spec: SpeculationCounters) -> specdec_pb2.SpeculationStats:
-    return specdec_pb2.SpeculationStats(
+def speculation_to_proto(spec: SpeculationCounters,
+                         steps_from: int | None = None) -> specdec_pb2.SpeculationStats:
+    """The counters so far, and with `steps_from` the steps recorded from that one on."""
+    stats = specdec_pb2.SpeculationStats(
         num_drafts=spec.num_drafts, num_draft_tokens=spec.num_draft_tokens,
         num_accepted_tokens=spec.num_accepted_tokens,
         accepted_per_position=spec.accepted_per_position,
         num_forced_tokens=spec.num_forced_tokens, policy=spec.policy)
+    if steps_from is not None and spec.steps:
+        stats.per_step_drafted.extend(drafted for drafted, _ in spec.steps[steps_from:])
+        stats.per_step_accepted.extend(accepted for _, accepted in spec.steps[steps_from:])
+    return stats
 
 
 class VerifierServicer(specdec_pb2_grpc.VerifierServicer):
@@ -96,9 +102,10 @@ class VerifierServicer(specdec_pb2_grpc.VerifierServicer):
             seq_id, queue = self.engine.add_request(request_id, prompt, params, num_spec,
                                                     grammar, request.cache_salt)
         except SpecdecError as exc:
-            await context.abort(status_for(exc), error_details(exc))
+            await abort_with(context, exc)
             return
         deadline, deadline_message = self._deadline(context)
+        steps_sent = 0  # of output.spec.steps, with record_steps
         try:
             while True:
                 if deadline is None:
@@ -111,7 +118,7 @@ class VerifierServicer(specdec_pb2_grpc.VerifierServicer):
                         await context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, deadline_message)
                         return
                 if isinstance(output, SpecdecError):
-                    await context.abort(status_for(output), error_details(output))
+                    await abort_with(context, output)
                     return
                 response = specdec_pb2.GenerateResponse(
                     token_ids=output.token_ids,
@@ -129,7 +136,9 @@ class VerifierServicer(specdec_pb2_grpc.VerifierServicer):
                 # The last response always: the policy's reason may have changed since.
                 if (output.spec.num_drafts or output.spec.num_forced_tokens or output.spec.policy
                         or output.finish_reason is not None):
-                    response.speculation.CopyFrom(speculation_to_proto(output.spec))
+                    response.speculation.CopyFrom(speculation_to_proto(
+                        output.spec, steps_sent if request.speculation.record_steps else None))
+                    steps_sent = len(output.spec.steps or ())
                 yield response
                 if output.finish_reason is not None:
                     return

@@ -225,7 +225,7 @@ class TensorParallelGroup:
             try:
                 self._inline[:HEADER_LEN] = torch.tensor([OP_STOP, 0, 0, 0])
                 dist.broadcast(self._inline, src=0, group=self._control)
-            except Exception as exc:  # noqa: BLE001  (a worker may be gone already)
+            except Exception as exc:
                 logger.warning("could not send STOP to the tensor-parallel workers: %s", exc)
         deadline = time.monotonic() + timeout_s
         for rank, proc in enumerate(self.procs, start=1):

@@ -45,8 +45,8 @@ logger = logging.getLogger(__name__)
 DEFAULT_BASE_URL = f"http://127.0.0.1:{DEFAULT_GATEWAY_PORT}"
 BUILTIN_TASKS = "builtin"
 # Run name -> the extra body fields of its requests.
-RUNS_WITH_FIELD = {"speculation": {}, "no_speculation": {"speculation": False}}
-RUNS_WITHOUT_FIELD = {"default": {}}
+RUNS_WITH_FIELD: dict[str, dict[str, Any]] = {"speculation": {}, "no_speculation": {"speculation": False}}
+RUNS_WITHOUT_FIELD: dict[str, dict[str, Any]] = {"default": {}}
 _ARTICLES = re.compile(r"\b(a|an|the)\b")
 _PUNCTUATION = str.maketrans("", "", string.punctuation)
 
@@ -145,7 +145,7 @@ async def ask(client: httpx.AsyncClient, model: str | None, task: Task, max_toke
         speculation = (payload.get("usage") or {}).get("speculation")
         drafts = speculation.get("num_drafts") if isinstance(speculation, dict) else None
         return Answer(text=text, num_drafts=drafts)
-    except Exception as exc:  # noqa: BLE001  (one bad request must not end the run)
+    except Exception as exc:
         return Answer(error=describe_error(exc))
 
 
@@ -169,7 +169,7 @@ async def run_accuracy(base_url: str, tasks: list[Task], *, model: str | None = 
             with tqdm(total=len(tasks), desc=name, unit="task", file=sys.stderr,
                       disable=not progress) as bar:
 
-                async def one(task: Task) -> None:
+                async def one(task: Task, report: RunReport = report, extra: dict = extra) -> None:
                     async with semaphore:
                         report.answers[task.id] = await ask(client, model, task, max_tokens, extra)
                     bar.update()

@@ -71,8 +71,7 @@ logger = logging.getLogger(__name__)
 COMPARE_PROMPTS = {**PROMPTS,
                    "explain": "Explain to a ten-year-old how a bicycle stays upright."}
 DEFAULT_NGRAM = SpeculativeConfig.parse(
-    '{"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 2, '
-    '"prompt_lookup_max": 5}')
+    {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 2, "prompt_lookup_max": 5})
 WARM_UP_TOKENS = 8
 
 
@@ -84,12 +83,11 @@ def shipped_draft_configs(num_speculative_tokens: int = 3) -> list[SpeculativeCo
     except ImportError:
         return []
     # Each as specdec serves it best: eagle and draft_model with the shipped token map.
-    configs = [SpeculativeConfig.parse({"method": method, "model": name,
-                                        "num_speculative_tokens": num_speculative_tokens,
-                                        **({"speculative_token_map": SHIPPED_TOKEN_MAP}
-                                           if method in TOKEN_MAP_METHODS else {})})
-               for name, method in SHIPPED_DRAFTS.items() if shipped_draft_dir(name) is not None]
-    return [config for config in configs if config is not None]
+    return [SpeculativeConfig.parse({"method": method, "model": name,
+                                     "num_speculative_tokens": num_speculative_tokens,
+                                     **({"speculative_token_map": SHIPPED_TOKEN_MAP}
+                                        if method in TOKEN_MAP_METHODS else {})})
+            for name, method in SHIPPED_DRAFTS.items() if shipped_draft_dir(name) is not None]
 
 
 def system_names(specs: Sequence[SpeculativeConfig]) -> dict[str, str]:
@@ -190,7 +188,7 @@ async def build_systems(args: argparse.Namespace, specs: list[SpeculativeConfig]
                 spec = assisted_by_name[name]
                 try:
                     assistant = load_assistant(resolve_model(str(spec.model)), target)
-                except Exception as exc:  # noqa: BLE001  (a draft HF cannot load: skipped)
+                except Exception as exc:
                     unavailable.append(Unavailable(name, "transformers", f"{exc}"))
                     continue
                 built[name] = TransformersSystem(
@@ -213,7 +211,7 @@ async def build_systems(args: argparse.Namespace, specs: list[SpeculativeConfig]
         try:
             built[name] = LlamaCppSystem(name, gguf, args.threads, max_model_len,
                                          lookup if name.endswith("prompt-lookup") else None)
-        except Exception as exc:  # noqa: BLE001  (llama.cpp refuses the file: say why)
+        except Exception as exc:
             unavailable.append(Unavailable(name, "llama.cpp", f"{type(exc).__name__}: {exc}"))
     return [built[name] for name in selected if name in built], unavailable
 
@@ -323,10 +321,10 @@ def build_parser() -> argparse.ArgumentParser:
 async def _compare(args: argparse.Namespace) -> tuple[dict[str, Any], int]:
     if args.max_tokens < 1 or args.repeats < 1:
         raise ConfigError("--max-tokens and --repeats must be >= 1", param="max_tokens")
-    specs = ([SpeculativeConfig.parse(text) for text in args.speculative_config]
-             if args.speculative_config else [DEFAULT_NGRAM]
-             + (shipped_draft_configs() if args.model.strip().lower() == DEFAULT_MODEL else []))
-    specs = [spec for spec in specs if spec is not None]
+    parsed = ([SpeculativeConfig.parse(text) for text in args.speculative_config]
+              if args.speculative_config else [DEFAULT_NGRAM]
+              + (shipped_draft_configs() if args.model.strip().lower() == DEFAULT_MODEL else []))
+    specs = [spec for spec in parsed if spec is not None]
     kinds = system_names(specs)
     selected = select(list(kinds), args.systems)
     model_dir = resolve_model(args.model)

@@ -22,7 +22,7 @@ import logging
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any, Protocol, cast
 
 import torch
 
@@ -33,6 +33,7 @@ from specdec.device import resolve_device, resolve_dtype
 from specdec.engine.sampling_params import SamplingParams
 from specdec.engine.sequence import SpeculationCounters
 from specdec.errors import ConfigError, SpecdecError
+from specdec.rpc.grpc_server import GrpcServer
 from verifier_svc.builder import VerifierConfig, build_engine
 from verifier_svc.engine import Engine
 from verifier_svc.requests import collect_outputs
@@ -81,14 +82,15 @@ def strip_stop(token_ids: list[int], stop_ids: set[int]) -> list[int]:
 class SpecdecEngine:
     """One verifier engine and, when speculating, its drafter service on a loopback port."""
 
-    def __init__(self, engine: Engine, drafter: Any | None, spec: SpeculativeConfig | None) -> None:
+    def __init__(self, engine: Engine, drafter: GrpcServer | None, spec: SpeculativeConfig | None) -> None:
         self.engine, self.drafter, self.spec = engine, drafter, spec
 
     @classmethod
     async def start(cls, model_dir: Path, model: str, dtype: str, device: str,
                     spec: SpeculativeConfig | None, max_model_len: int,
                     compile_forward: bool = False, quantization: str | None = None) -> SpecdecEngine:
-        drafter, targets = None, ()
+        drafter: GrpcServer | None = None
+        targets: tuple[str, ...] = ()
         if spec is not None:
             options = ModelOptions(target_model=model, dtype=dtype, device=device,
                                    max_model_len=max_model_len)
@@ -195,7 +197,8 @@ def load_transformers_model(model_dir: Path, dtype: str, device: str) -> Any:
     torch_device = resolve_device(device)
     model = AutoModelForCausalLM.from_pretrained(str(model_dir),
                                                  dtype=resolve_dtype(dtype, torch_device))
-    return model.to(torch_device).eval()
+    # transformers wraps `to` with functools.wraps, which types its first argument as the model.
+    return model.to(torch_device).eval()  # type: ignore[arg-type]
 
 
 def load_assistant(draft_dir: Path, target: Any) -> Any:
@@ -203,8 +206,9 @@ def load_assistant(draft_dir: Path, target: Any) -> Any:
     lm_head (trained to share the target's) gets the target's."""
     from transformers import AutoModelForCausalLM
 
-    assistant, info = AutoModelForCausalLM.from_pretrained(
-        str(draft_dir), dtype=target.dtype, output_loading_info=True)
+    # output_loading_info=True returns (model, info); transformers' annotation omits that form.
+    assistant, info = cast(tuple[Any, dict[str, Any]], AutoModelForCausalLM.from_pretrained(
+        str(draft_dir), dtype=target.dtype, output_loading_info=True))
     missing = set(info.get("missing_keys", ()))
     borrowed = []
     for part, draft_weight, target_weight in (

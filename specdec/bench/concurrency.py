@@ -186,7 +186,8 @@ def at_common_size(decode: list[tuple[StepRecord, float]]) -> dict[str, Any] | N
     result: dict[str, Any] = {"sequences": size}
     for name, items in groups.items():
         rate = _rate(items)
-        result[name] = {**rate_fields(rate), "tokens_per_step": round(rate.tokens / rate.steps, 3) if rate.steps else None}
+        tokens_per_step = round(rate.tokens / rate.steps, 3) if rate.steps else None
+        result[name] = {**rate_fields(rate), "tokens_per_step": tokens_per_step}
     return result
 
 
@@ -241,7 +242,8 @@ def format_summary(concurrency: int, num_requests: int, seconds: float, period_s
             if not row["steps"]:
                 return "no steps"
             slots = f", {row['draft_slots'] / row['steps']:.1f} draft tokens" if row["draft_slots"] else ""
-            return f"{row['tokens_per_s']:.2f} tok/s ({row['steps']} steps, {row['tokens_per_step']:.2f} tokens{slots} a step)"
+            return (f"{row['tokens_per_s']:.2f} tok/s "
+                    f"({row['steps']} steps, {row['tokens_per_step']:.2f} tokens{slots} a step)")
         lines.append(f"  at {common['sequences']} sequences: off {group('off')}")
         lines.append(f"    on without drafts {group('on_without_drafts')}")
         lines.append(f"    on with drafts {group('on_with_drafts')}")
@@ -281,6 +283,7 @@ def _prompt_ids(request: BenchRequest, tokenizer: Any) -> list[int]:
     """The ids the gateway would give the verifier for this request."""
     if request.messages is not None:
         return render_chat_prompt(tokenizer, request.messages)
+    assert request.prompt is not None  # a request has messages or a prompt
     return tokenize_prompt(tokenizer, request.prompt)
 
 
@@ -289,8 +292,8 @@ async def _switch(engine: Engine, period_s: float, compare: str) -> None:
         if compare == "speculation":
             engine.speculation_enabled = not engine.speculation_enabled
         else:
-            stack = engine.runner.forward
-            stack.batch_invariant = not stack.batch_invariant  # type: ignore[union-attr]
+            stack = _cpu_stack(engine)
+            stack.batch_invariant = not stack.batch_invariant
         await asyncio.sleep(period_s)
 
 
@@ -300,9 +303,17 @@ def _recorder(engine: Engine, records: list[StepRecord], compare: str) -> Callab
     the setting when the step ends is the one its forward ran with), as "on" / "off"."""
     if compare == "speculation":
         return records.append
-    stack = engine.runner.forward
+    stack = _cpu_stack(engine)
     return lambda record: records.append(dataclasses.replace(
-        record, speculation_enabled=stack.batch_invariant))  # type: ignore[union-attr]
+        record, speculation_enabled=stack.batch_invariant))
+
+
+def _cpu_stack(engine: Engine) -> CpuDecoderStack:
+    """The C++ decoder stack whose batch_invariant --compare batch-invariance switches
+    (`_run` refuses an engine without one before any of this runs)."""
+    stack = engine.runner.forward
+    assert isinstance(stack, CpuDecoderStack)
+    return stack
 
 
 async def _run(args: argparse.Namespace, levels: list[int],
@@ -335,7 +346,7 @@ async def _run(args: argparse.Namespace, levels: list[int],
             records: list[StepRecord] = []
             engine.speculation_enabled = args.compare == "speculation"  # the switch turns it off first
             if args.compare == "batch-invariance":
-                engine.runner.forward.batch_invariant = True  # type: ignore[union-attr]
+                _cpu_stack(engine).batch_invariant = True
             engine.step_listener = _recorder(engine, records, args.compare)
             switch = asyncio.create_task(_switch(engine, args.period, args.compare))
             started = time.perf_counter()
@@ -346,7 +357,7 @@ async def _run(args: argparse.Namespace, levels: list[int],
                 engine.step_listener = None
                 engine.speculation_enabled = True
                 if args.compare == "batch-invariance":
-                    engine.runner.forward.batch_invariant = batch_invariant_requested()  # type: ignore[union-attr]
+                    _cpu_stack(engine).batch_invariant = batch_invariant_requested()
             seconds = time.perf_counter() - started
             summary = summarise(records, args.seed)
             print(format_summary(concurrency, len(prompts), seconds, args.period, summary, args.compare),
@@ -355,7 +366,7 @@ async def _run(args: argparse.Namespace, levels: list[int],
                             "seconds": round(seconds, 3), **summary})
     finally:
         await engine.stop()
-        await stop_drafter_server(drafter)  # type: ignore[arg-type]
+        await stop_drafter_server(drafter)
     return results
 
 

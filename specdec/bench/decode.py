@@ -38,6 +38,7 @@ from specdec.device import resolve_device, resolve_dtype
 from specdec.engine.sampling_params import SamplingParams
 from specdec.engine.sequence import SpeculationCounters
 from specdec.models.model_files import load_tokenizer, resolve_model
+from specdec.rpc.grpc_server import GrpcServer
 from verifier_svc.builder import VerifierConfig, build_engine, compile_by_default
 from verifier_svc.engine import Engine
 from verifier_svc.requests import collect_outputs
@@ -127,7 +128,7 @@ async def serve_all(engine: Engine, jobs: list[ServeJob], concurrency: int) -> i
 
 
 async def start_engine(args: argparse.Namespace, spec: SpeculativeConfig, model_dir: Path,
-                 max_num_seqs: int = 4, adaptive: bool | None = None) -> tuple[Engine, object]:
+                 max_num_seqs: int = 4, adaptive: bool | None = None) -> tuple[Engine, GrpcServer]:
     """A drafter server and an engine using it; `adaptive` None: the --speculation-policy flag."""
     if adaptive is None:
         adaptive = getattr(args, "speculation_policy", "adaptive") == "adaptive"
@@ -171,7 +172,7 @@ async def _bench(args: argparse.Namespace) -> list[dict[str, object]]:
             rows.append(_summarise(name, runs, spec.method))
     finally:
         await engine.stop()
-        await stop_drafter_server(drafter)  # type: ignore[arg-type]
+        await stop_drafter_server(drafter)
     return rows
 
 
@@ -215,7 +216,6 @@ def _draft_specs(value: str, k: int, token_map: str | None = None) -> list[tuple
         if name in SHIPPED_DRAFTS:
             raw["method"] = SHIPPED_DRAFTS[name]
         spec = SpeculativeConfig.parse(raw)
-        assert spec is not None
         specs.append((name, spec))
         if token_map is not None and spec.method in TOKEN_MAP_METHODS:
             specs.append((f"{name} +map", SpeculativeConfig.parse({**raw, "method": spec.method,
@@ -291,7 +291,7 @@ async def _bench_drafts(args: argparse.Namespace) -> list[dict[str, object]]:
                 rows.append(row)
         finally:
             await engine.stop()
-            await stop_drafter_server(drafter)  # type: ignore[arg-type]
+            await stop_drafter_server(drafter)
     return rows
 
 

@@ -31,6 +31,7 @@ from specdec.engine.kv_cache import KVCache
 from specdec.layers.attention import AttentionMetadata
 from specdec.models.compiled_forward import CompiledForward, linears_to_pack, warm_up
 from specdec.models.cpu_stack import CpuDecoderStack
+from specdec.models.llama import LlamaForCausalLM
 from specdec.models.loader import load_model
 from specdec.models.model_files import DEFAULT_MODEL, resolve_model
 from specdec.models.packed_linear import pack_linears
@@ -64,8 +65,8 @@ BLOCK_SIZE = 16
 @dataclass
 class Path:
     name: str
-    model: nn.Module
-    forward: nn.Module | CompiledForward | CpuDecoderStack  # the model, or a faster forward of it
+    model: LlamaForCausalLM
+    forward: LlamaForCausalLM | CompiledForward | CpuDecoderStack  # the model, or a faster forward of it
     kv_cache: KVCache
     weight_bytes: int
 
@@ -83,13 +84,14 @@ def _load(model_dir, name: str, num_blocks: int) -> Path:
     kv_cache = KVCache.allocate(model.config, num_blocks, BLOCK_SIZE, dtype, torch.device("cpu"))
     for cache in kv_cache.key_caches + kv_cache.value_caches:
         cache.zero_()
-    forward = model
+    forward: LlamaForCausalLM | CpuDecoderStack | CompiledForward = model
     if kind in ("stack", "stack-sdpa"):
-        forward = CpuDecoderStack(model)
-        forward.batch_invariant = kind == "stack"
+        stack = CpuDecoderStack(model)
+        stack.batch_invariant = kind == "stack"
+        forward = stack
     if compiled:  # as the verifier builds it: warmed up in the last block, which no step uses
-        forward = CompiledForward(model)
-        warm_up(forward, kv_cache, block_ids=[num_blocks - 1])
+        forward = compiled_forward = CompiledForward(model)
+        warm_up(compiled_forward, kv_cache, block_ids=[num_blocks - 1])
     return Path(name, model, forward, kv_cache, weight_bytes)
 
 
@@ -103,6 +105,7 @@ def _forward(path: Path, num_tokens: int, context_len: int) -> float:
         input_ids = positions % path.model.config.vocab_size
     started = time.perf_counter()
     hidden = path.forward(input_ids, positions, path.kv_cache, metadata)
+    assert isinstance(hidden, torch.Tensor), "no aux layers asked: the forward returns the hidden states only"
     path.forward.compute_logits(hidden)
     return time.perf_counter() - started
 
@@ -193,12 +196,12 @@ def main(argv: list[str] | None = None) -> int:
                       f"{significant(min(samples) * 1e3):>8s} {significant(bound_ms):>9s} "
                       f"{significant(statistics.median(paired_reads) * 1e3):>8s} {significant(over_read):>7s}")
         if args.profile:
-            path = next((p for p in paths if p.name == args.profile), None)
-            if path is None:
+            profiled = next((p for p in paths if p.name == args.profile), None)
+            if profiled is None:
                 parser.error(f"--profile {args.profile!r} is not among --paths")
             from torch.profiler import ProfilerActivity, profile
             with profile(activities=[ProfilerActivity.CPU]) as profiler:
                 for _ in range(10):
-                    _forward(path, shapes[1], args.context_len)
+                    _forward(profiled, shapes[1], args.context_len)
             print(profiler.key_averages().table(sort_by="self_cpu_time_total", row_limit=15))
     return 0

@@ -39,6 +39,7 @@ from specdec.cli import (
 )
 from specdec.config import SpeculativeConfig
 from specdec.engine.sampling_params import SamplingParams
+from specdec.errors import ConfigError
 from specdec.models.model_files import load_tokenizer, resolve_model
 from verifier_svc.engine import Engine, StepRecord
 from verifier_svc.requests import collect_outputs
@@ -186,6 +187,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 async def _run(args: argparse.Namespace) -> dict[str, Any]:
     spec = SpeculativeConfig.parse(args.speculative_config)
+    if spec is None:  # the engine is measured as served, with its drafter
+        raise ConfigError("--speculative-config must name a method", param="speculative_config")
     model_dir = resolve_model(args.model)
     tokenizer = load_tokenizer(model_dir)
     system = system_prompt(tokenizer, args.system_tokens)
@@ -245,7 +248,11 @@ def format_figures(figures: dict[str, Any]) -> str:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     setup_logging(args.log_level, "bench")
-    figures = asyncio.run(_run(args))
+    try:
+        figures = asyncio.run(_run(args))
+    except ConfigError as exc:
+        logger.error("%s", exc.message)
+        return 2
     print(format_figures(figures))
     if args.json:
         Path(args.json).write_text(json.dumps(figures, indent=2))

@@ -173,7 +173,7 @@ async def fetch_model(client: httpx.AsyncClient) -> str | None:
         response = await client.get("/v1/models")
         response.raise_for_status()
         return response.json()["data"][0]["id"]
-    except Exception as exc:  # noqa: BLE001
+    except Exception as exc:
         logger.warning("cannot list models (%s); sending requests without a model name",
                        describe_error(exc))
         return None
@@ -186,7 +186,7 @@ async def scrape_speculation(client: httpx.AsyncClient, url: str = "/metrics",
         response = await client.get(url)
         response.raise_for_status()
         return parse_speculation_metrics(response.text)
-    except Exception as exc:  # noqa: BLE001
+    except Exception as exc:
         logger.debug("cannot read /metrics: %s", describe_error(exc))
         return None
 
@@ -332,7 +332,9 @@ def main(argv: list[str] | None = None) -> int:
                              request_rate=args.request_rate, max_concurrency=args.max_concurrency,
                              api_key=args.api_key, timeout_s=args.timeout, seed=args.seed,
                              progress=not args.disable_tqdm, metrics_url=args.metrics_url)
-        settings = parse_settings(args.speculation) if args.speculation is not None else [None]
+        # None: the one run sends no speculation field.
+        settings: list[str | None] = (list(parse_settings(args.speculation))
+                                      if args.speculation is not None else [None])
         if args.rounds < 1:
             raise ValueError(f"--rounds must be >= 1, got {args.rounds}")
         if args.rounds > 1 and len(settings) < 2:
@@ -350,6 +352,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.no_stream:
         requests_for = {setting: [dataclasses.replace(request, stream=False) for request in requests]
                         for setting, requests in requests_for.items()}
+    # Paired or compared runs have two or more settings, all parsed names (none is None).
     if args.paired:
         return _paired_settings(args, config, settings, requests_for)  # type: ignore[arg-type]
     if len(settings) > 1:

@@ -19,22 +19,30 @@ if TYPE_CHECKING:
     from specdec.bench.serve_requests import RequestResult
 
 class RunSettings(Protocol):
-    """What a summary reports of how a run was made (`bench serve`'s BenchConfig)."""
+    """What a summary reports of how a run was made (`bench serve`'s BenchConfig, frozen:
+    hence read-only members)."""
 
-    base_url: str
-    request_rate: float
-    max_concurrency: int | None
+    @property
+    def base_url(self) -> str: ...
+
+    @property
+    def request_rate(self) -> float: ...
+
+    @property
+    def max_concurrency(self) -> int | None: ...
 
 
 class BenchRun(Protocol):
     """A finished run as `summarise` reads it (`bench serve`'s BenchReport): this module
     sits below the command, so it names what it reads rather than importing it."""
 
-    config: RunSettings
     model: str | None
     results: list[RequestResult]
     duration_s: float
     metrics_delta: SpecCounters | None
+
+    @property
+    def config(self) -> RunSettings: ...
 
 
 # Gateway counters (prometheus_client exports a Counter `x` as `x_total`).
@@ -98,7 +106,8 @@ def parse_speculation_metrics(text: str) -> SpecCounters:
 
 
 def responses_speculation(results: list[RequestResult]) -> SpecCounters:
-    total = SpecCounters(accepted_per_position=[])
+    accepted_per_position: list[float] = []
+    total = SpecCounters(accepted_per_position=accepted_per_position)
     for result in results:
         spec = result.speculation
         if not result.success or not spec:
@@ -107,9 +116,9 @@ def responses_speculation(results: list[RequestResult]) -> SpecCounters:
         total.num_draft_tokens += spec.get("num_draft_tokens", 0)
         total.num_accepted_tokens += spec.get("num_accepted_tokens", 0)
         for position, count in enumerate(spec.get("accepted_per_position") or ()):
-            if position == len(total.accepted_per_position):
-                total.accepted_per_position.append(0.0)
-            total.accepted_per_position[position] += count
+            if position == len(accepted_per_position):
+                accepted_per_position.append(0.0)
+            accepted_per_position[position] += count
     return total
 
 
@@ -122,11 +131,11 @@ def summarise(report: BenchRun) -> dict[str, Any]:
     duration = max(report.duration_s, 1e-9)
     total_output = sum(r.num_output_tokens for r in ok)
     total_input = sum(r.num_prompt_tokens for r in ok)
-    streamed = [r for r in ok if r.ttft_s is not None]
-    ttfts = [r.ttft_s * 1000 for r in streamed]
-    tpots = [(r.e2e_s - r.ttft_s) * 1000 / (r.num_output_tokens - 1)
-             for r in streamed if r.num_output_tokens > 1]
-    itls = [gap * 1000 for r in streamed for gap in r.itls_s]
+    streamed = [(r, r.ttft_s) for r in ok if r.ttft_s is not None]
+    ttfts = [ttft_s * 1000 for _, ttft_s in streamed]
+    tpots = [(r.e2e_s - ttft_s) * 1000 / (r.num_output_tokens - 1)
+             for r, ttft_s in streamed if r.num_output_tokens > 1]
+    itls = [gap * 1000 for r, _ in streamed for gap in r.itls_s]
     e2els = [r.e2e_s * 1000 for r in ok]
     summary: dict[str, Any] = {
         "base_url": config.base_url,

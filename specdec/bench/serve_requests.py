@@ -121,7 +121,8 @@ def _parse_line(line: str, where: str, endpoint: str, max_tokens: int | None,
         if endpoint != "chat":
             if not as_transcript:
                 raise ValueError(f'{where}: "messages" needs --endpoint chat')
-            messages, prompt = None, transcript(messages)
+            prompt = transcript(messages)
+            messages = None
     elif isinstance(prompt, str) and prompt:
         if endpoint == "chat":
             messages, prompt = [{"role": "user", "content": prompt}], None
@@ -177,7 +178,7 @@ async def send_request(client: httpx.AsyncClient, request: BenchRequest, model: 
             result.finish_reason = choice.get("finish_reason")
             _take_usage(answer.get("usage"), result)
         result.success = True
-    except Exception as exc:  # noqa: BLE001 - a benchmark reports a failure, it never dies of one
+    except Exception as exc:
         result.success = False
         result.error = describe_error(exc)
     result.e2e_s = time.perf_counter() - started

@@ -86,9 +86,10 @@ def _date(rng: random.Random) -> str:
 def _travel(rng: random.Random) -> tuple[str, list[Step]]:
     origin, destination = rng.sample(CITIES, 2)
     person, date = rng.choice(PEOPLE), _date(rng)
-    flights = [{"flight_id": f"{rng.choice('KQRTVX')}{rng.choice('AELMNP')}{rng.randint(100, 989)}",
-                "departs": f"{hour:02d}:{rng.choice(['05', '20', '35', '50'])}",
-                "price": rng.randint(89, 420)} for hour in sorted(rng.sample(range(6, 22), 3))]
+    flights: list[dict[str, Any]] = [
+        {"flight_id": f"{rng.choice('KQRTVX')}{rng.choice('AELMNP')}{rng.randint(100, 989)}",
+         "departs": f"{hour:02d}:{rng.choice(['05', '20', '35', '50'])}",
+         "price": rng.randint(89, 420)} for hour in sorted(rng.sample(range(6, 22), 3))]
     cheapest = min(flights, key=lambda flight: flight["price"])
     code = f"{rng.randint(0, 0xFFFFFF):06X}"
     task = (f"Book the cheapest flight from {origin} to {destination} on {date} for {person}, "

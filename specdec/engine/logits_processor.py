@@ -119,12 +119,14 @@ def apply_frequency_presence_penalties(
     )  # [u], [c]
     num_unique = unique_ids.numel()
     base_counts = torch.zeros(num_unique, dtype=logits.dtype, device=device)
-    base_counts.index_add_(0, inverse[: len(output_ids)], torch.ones(len(output_ids), dtype=logits.dtype, device=device))
+    base_counts.index_add_(0, inverse[: len(output_ids)],
+                           torch.ones(len(output_ids), dtype=logits.dtype, device=device))
     # Row i + 1 of the draft counts holds draft i; a cumulative sum makes row i count drafts[:i].
     draft_counts = torch.zeros(num_positions, num_unique, dtype=logits.dtype, device=device)  # [n, u]
     if visible_draft_ids:
         rows = torch.arange(1, len(visible_draft_ids) + 1, device=device)
-        draft_counts.index_put_((rows, inverse[len(output_ids):]), torch.ones(len(rows), dtype=logits.dtype, device=device))
+        draft_counts.index_put_((rows, inverse[len(output_ids):]),
+                                torch.ones(len(rows), dtype=logits.dtype, device=device))
     counts = base_counts[None, :] + draft_counts.cumsum(dim=0)  # [n, u]
     penalised = logits.clone()
     penalised[:, unique_ids] -= frequency_penalty * counts + presence_penalty * (counts > 0).to(logits.dtype)

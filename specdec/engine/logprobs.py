@@ -88,8 +88,8 @@ def batch_token_logprobs(logits: Tensor, groups: list[tuple[int, list[int], int]
     top_values: list[list[float]] = []
     top_ids: list[list[int]] = []
     if num_top:
-        values, ids = top_k(logprobs, num_top)
-        top_values, top_ids = values.tolist(), ids.tolist()
+        values, indices = top_k(logprobs, num_top)
+        top_values, top_ids = values.tolist(), indices.tolist()
     results: list[list[TokenLogprobs]] = []
     row = 0
     for _, ids, top in groups:

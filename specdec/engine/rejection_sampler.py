@@ -121,21 +121,29 @@ def accept_greedy(target_argmax_ids: list[int], draft_token_ids: list[int]) -> l
     return output_ids
 
 
+def _verify_coupled(target_probs: Tensor, draft_token_ids: list[int],
+                    generator: RandomSource) -> list[int]:
+    """The coupled form (see verify): one draw per position, kept while it equals the draft."""
+    num_drafts = len(draft_token_ids)
+    output_ids: list[int] = []
+    for position in range(num_drafts):
+        token_id = _sample(target_probs[position], generator, position)
+        output_ids.append(token_id)
+        if token_id != draft_token_ids[position]:
+            return output_ids
+    output_ids.append(_sample(target_probs[num_drafts], generator, num_drafts))  # bonus
+    return output_ids
+
+
 def _verify_sampled(
     target_probs: Tensor,
     draft_token_ids: list[int],
     generator: RandomSource,
     draft_probs: Tensor | None,
 ) -> list[int]:
-    num_drafts = len(draft_token_ids)
     if draft_probs is None:
-        # Coupled form (see verify): one draw per position, kept while it equals the draft.
-        output_ids: list[int] = []
-        for position in range(num_drafts + 1):
-            token_id = _sample(target_probs[position], generator, position)
-            output_ids.append(token_id)
-            if position == num_drafts or token_id != draft_token_ids[position]:
-                return output_ids
+        return _verify_coupled(target_probs, draft_token_ids, generator)
+    num_drafts = len(draft_token_ids)
     device = target_probs.device
     num_accepted = 0
     if num_drafts:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import Any
 
 from specdec.errors import InvalidRequestError
 
@@ -66,7 +67,7 @@ class SamplingParams:
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     min_tokens: int = 0
-    logit_bias: tuple[tuple[int, float], ...] | Mapping[int, float] = ()
+    logit_bias: tuple[tuple[int, float], ...] = ()
     min_p: float = 0.0
     logprobs: int | None = None
 
@@ -93,7 +94,8 @@ class SamplingParams:
         if self.seed is not None and not _is_int(self.seed):
             raise InvalidRequestError(f"seed must be an integer or null, got {self.seed!r}", param="seed")
         if not _is_int(self.max_tokens) or self.max_tokens < 1:
-            raise InvalidRequestError(f"max_tokens must be an integer >= 1, got {self.max_tokens!r}", param="max_tokens")
+            raise InvalidRequestError(f"max_tokens must be an integer >= 1, got {self.max_tokens!r}",
+                                      param="max_tokens")
         stop_token_ids = tuple(self.stop_token_ids)
         if any(not _is_int(token_id) or token_id < 0 for token_id in stop_token_ids):
             raise InvalidRequestError(
@@ -135,9 +137,10 @@ class SamplingParams:
 
 def _logit_bias_pairs(value: object) -> tuple[tuple[int, float], ...]:
     """A mapping or pairs of token id -> bias, validated and sorted by id."""
-    items = value.items() if isinstance(value, Mapping) else value
+    # Any: unchecked input; iterating or unpacking what is not pairs raises the error below.
+    items: Any = value.items() if isinstance(value, Mapping) else value
     try:
-        pairs = [(token_id, bias) for token_id, bias in items]  # type: ignore[union-attr]
+        pairs = [(token_id, bias) for token_id, bias in items]
     except (TypeError, ValueError):
         raise InvalidRequestError(
             f"logit_bias must map token ids to biases, got {value!r}", param="logit_bias") from None

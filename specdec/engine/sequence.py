@@ -46,6 +46,9 @@ class SpeculationCounters:
     # Per request: why the speculation policy last planned no draft for it, with the
     # figures it measured ("" while it drafts; see SpeculationPolicy.off_reasons).
     policy: str = ""
+    # Per request: (draft tokens checked, accepted) of each drafting step, in order (vLLM's
+    # detailed per-request metrics); None for the engine's totals, which would only grow.
+    steps: list[tuple[int, int]] | None = None
 
     def record(self, num_draft_tokens: int, num_accepted_tokens: int) -> None:
         if num_draft_tokens == 0:
@@ -58,6 +61,8 @@ class SpeculationCounters:
                 [0] * (num_draft_tokens - len(self.accepted_per_position)))
         for position in range(num_accepted_tokens):
             self.accepted_per_position[position] += 1
+        if self.steps is not None:
+            self.steps.append((num_draft_tokens, num_accepted_tokens))
 
 
 @dataclass(slots=True)
@@ -97,7 +102,7 @@ class Sequence:
     num_drafter_calls: int = 0
     # Output tokens that ended the sequence but are not streamed (EOS, stop ids).
     num_hidden_output_tokens: int = 0
-    spec: SpeculationCounters = field(default_factory=SpeculationCounters)
+    spec: SpeculationCounters = field(default_factory=lambda: SpeculationCounters(steps=[]))
     # Target hidden states the drafter needs, row t for context position t,
     # [prompt_len + max_tokens, width]; valid up to num_computed_tokens. None when not
     # captured (no drafter needs them, or the sequence began before one said so).

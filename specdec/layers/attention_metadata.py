@@ -26,9 +26,12 @@ import torch
 class AttentionMetadata:
     """Where this step's tokens go in the paged cache and what each one may attend to."""
 
-    slot_mapping: torch.Tensor  # [num_tokens] int64: cache slot (block_id * block_size + offset) where each input token's K/V is written
-    query_start_locs: list[int]  # [num_seqs + 1]; sequence i's input tokens are input[query_start_locs[i]:query_start_locs[i+1]]
-    context_lens: list[int]  # [num_seqs]: tokens in sequence i's cache once this step's tokens are written (= last query position + 1)
+    # [num_tokens] int64: cache slot (block_id * block_size + offset) where each input token's K/V is written
+    slot_mapping: torch.Tensor
+    # [num_seqs + 1]; sequence i's input tokens are input[query_start_locs[i]:query_start_locs[i+1]]
+    query_start_locs: list[int]
+    # [num_seqs]: tokens in sequence i's cache once this step's tokens are written (= last query position + 1)
+    context_lens: list[int]
     block_tables: list[torch.Tensor]  # per sequence int64 [num_blocks_i], enough blocks to cover context_lens[i]
 
 

@@ -108,7 +108,7 @@ class NpuFusedPagedAttention:
         self._write(npu, key, value, key_cache, value_cache, metadata.slot_mapping)
         try:
             output = self._fused(npu, query, key_cache, value_cache, step)
-        except Exception as exc:  # noqa: BLE001  (the kernel's refusals come in many types)
+        except Exception as exc:
             self._unsupported.add(kind)
             logger.warning("npu_fused_infer_attention_score refused a step (%s, block size %d, %s): "
                            "%s; such steps use the plain-torch reference from now on",
@@ -134,7 +134,7 @@ class NpuFusedPagedAttention:
                     npu.npu_scatter_nd_update_(pool.view(-1, self.num_kv_heads, self.head_dim),
                                                indices, update.to(pool.dtype))
                 return
-            except Exception as exc:  # noqa: BLE001
+            except Exception as exc:
                 self._fused_write = False
                 logger.warning("npu_scatter_nd_update_ failed (%s); K/V are written with "
                                "index_copy_ from now on", exc)

@@ -27,11 +27,15 @@ import logging
 import threading
 import time
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
 from specdec.engine.kv_cache import KVCache
 from specdec.layers.attention import AttentionBackend, AttentionMetadata
+
+if TYPE_CHECKING:
+    from specdec.models.llama import LlamaForCausalLM
 
 logger = logging.getLogger(__name__)
 
@@ -100,7 +104,7 @@ class CompiledForward:
     """Calls like the model (`(input_ids, positions, kv_cache, metadata, aux_layer_ids)`),
     runs its compiled forward. Build it after the weights are final (loaded, not packed)."""
 
-    def __init__(self, model: torch.nn.Module) -> None:
+    def __init__(self, model: LlamaForCausalLM) -> None:
         import torch._inductor.config as inductor_config
         import torch.fx.experimental._config as shape_config
 

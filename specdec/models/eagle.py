@@ -28,10 +28,10 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
-from collections.abc import Callable, Collection, Iterable
+from collections.abc import Callable, Collection, Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch import nn
@@ -212,10 +212,12 @@ class EagleHead(nn.Module):
         self.rotary_emb = RotaryEmbedding(config, max_positions)
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
         self.fc = nn.Linear(2 * config.hidden_size, config.hidden_size, bias=fc_bias)
-        self.layers = nn.ModuleList(
+        # A ModuleList (registered as submodules), typed as what it holds.
+        self.layers = cast(Sequence[LlamaDecoderLayer], nn.ModuleList(
             LlamaDecoderLayer(config, self.rotary_emb, self.attention_backend)
-            for _ in range(config.num_hidden_layers))
-        self.layers[0].input_layernorm = nn.Identity()  # published heads have none on layer 0
+            for _ in range(config.num_hidden_layers)))
+        # Published heads have no norm on layer 0.
+        self.layers[0].input_layernorm = nn.Identity()  # type: ignore[assignment]
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
 
     def shard_sizes(self, fused_name: str) -> list[int]:

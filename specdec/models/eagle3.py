@@ -88,8 +88,8 @@ class Eagle3DecoderLayer(nn.Module):
         super().__init__()
         self.self_attn = LlamaAttention(config, rotary, backend)
         # q/k/v read [embedding, hidden]: twice the hidden size.
-        self.self_attn.qkv_proj = nn.Linear(2 * config.hidden_size, config.q_size + 2 * config.kv_size,
-                                            bias=config.attention_bias)
+        self.self_attn.qkv_proj = nn.Linear(  # type: ignore[assignment]  # as published: a plain nn.Linear
+            2 * config.hidden_size, config.q_size + 2 * config.kv_size, bias=config.attention_bias)
         self.mlp = LlamaMLP(config)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.hidden_norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
@@ -136,6 +136,7 @@ class Eagle3Head(nn.Module):
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.lm_head = nn.Linear(config.hidden_size, draft_vocab_size, bias=False)
         self.d2t: torch.Tensor | None
+        self.t2d: torch.Tensor
         if reduced_vocab:
             self.register_buffer("d2t", torch.zeros(draft_vocab_size, dtype=torch.int64))
             self.register_buffer("t2d", torch.zeros(config.vocab_size, dtype=torch.bool))

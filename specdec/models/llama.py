@@ -20,6 +20,8 @@ from __future__ import annotations
 
 import logging
 import math
+from collections.abc import Sequence
+from typing import cast
 
 import torch
 import torch.nn.functional as F
@@ -188,9 +190,10 @@ class LlamaModel(nn.Module):
         super().__init__()
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
         self.rotary_emb = RotaryEmbedding(config, max_positions)
-        self.layers = nn.ModuleList(
+        # A ModuleList (registered as submodules), typed as what it holds.
+        self.layers = cast(Sequence[LlamaDecoderLayer], nn.ModuleList(
             LlamaDecoderLayer(config, self.rotary_emb, backend) for _ in range(config.num_hidden_layers)
-        )
+        ))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
 

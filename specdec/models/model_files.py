@@ -216,7 +216,7 @@ def _convert(gguf_path: Path, output_dir: Path) -> None:
                           param="model") from None
     ModelConfig.from_hf(model.config)  # refuse an unsupported architecture before writing anything
     # The weights are dequantised now; drop the GGUF quantizer so save_pretrained writes plain tensors.
-    model.hf_quantizer = None
+    model.hf_quantizer = None  # type: ignore[assignment]
     if hasattr(model.config, "quantization_config"):
         del model.config.quantization_config
     model.save_pretrained(str(output_dir))

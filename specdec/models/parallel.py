@@ -107,8 +107,8 @@ def install_all_reduce(model: nn.Module, context: ParallelContext) -> int:
 
     num_hooked = 0
     for layer in model.modules():
-        halves = [getattr(layer, name, None) for name in _BLOCK_HALVES]
-        if all(isinstance(half, nn.Module) for half in halves):
+        halves = [half for name in _BLOCK_HALVES if isinstance(half := getattr(layer, name, None), nn.Module)]
+        if len(halves) == len(_BLOCK_HALVES):
             for half in halves:
                 half.register_forward_hook(all_reduce_output)
                 num_hooked += 1

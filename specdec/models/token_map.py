@@ -19,9 +19,9 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
 
 import torch
-from torch import nn
 
 from specdec.errors import ConfigError
 from specdec.models.linear import Linear
@@ -60,7 +60,7 @@ def _read_ids(path: Path) -> list[object]:
             return json.loads(text)
         except json.JSONDecodeError as error:
             raise ConfigError(f"the token map {path} is not valid JSON: {error}", param=PARAM) from None
-    return text.split()
+    return [*text.split()]
 
 
 def load_token_map(value: str, vocab_size: int) -> torch.Tensor:
@@ -85,7 +85,7 @@ def load_token_map(value: str, vocab_size: int) -> torch.Tensor:
     return torch.tensor(sorted(set(ids)), dtype=torch.int64)
 
 
-def restrict_lm_head(module: nn.Module, token_ids: torch.Tensor) -> None:
+def restrict_lm_head(module: Any, token_ids: torch.Tensor) -> None:
     """Replaces `module.lm_head` by one holding only the rows of `token_ids` (a copy: a tied
     embedding stays whole), so `module.compute_logits` scores the map's tokens, in its order."""
     head = module.lm_head

@@ -23,6 +23,7 @@ from __future__ import annotations
 import argparse
 import logging
 import ssl
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -114,15 +115,14 @@ class GrpcTlsConfig:
 
 
 def open_channel(tls: GrpcTlsConfig | None, address: str,
-                 options: list[tuple[str, object]] | tuple[tuple[str, object], ...],
+                 options: Sequence[tuple[str, object]],
                  internal_token: str | None = None) -> grpc.aio.Channel:
     """A grpc.aio channel to address: TLS when `tls` configures a client side, else insecure.
 
     With `internal_token`, every call on it carries the token (specdec.rpc.internal_auth).
     """
     interceptors = client_interceptors(internal_token) if internal_token is not None else None
-    credentials = tls.channel_credentials() if tls is not None else None
-    if credentials is None:
+    if tls is None or (credentials := tls.channel_credentials()) is None:
         return grpc.aio.insecure_channel(address, options=list(options),
                                          interceptors=interceptors)
     return grpc.aio.secure_channel(address, credentials,

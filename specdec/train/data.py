@@ -142,7 +142,7 @@ def text_records(tokenizer: object, num_records: int, max_answer_tokens: int = 2
     passages: list[tuple[str, str]] = []
     for distribution in importlib.metadata.distributions():
         description = distribution.metadata.get_payload() or ""  # type: ignore[attr-defined]
-        name = distribution.metadata.get("Name") or "this"
+        name = distribution.name or "this"
         paragraphs = [p.strip() for p in description.split("\n\n") if len(p.strip()) > 200]
         passages += [(name, p) for p in paragraphs]
     random.Random(seed).shuffle(passages)

@@ -68,12 +68,14 @@ class GrammarSpec(_message.Message):
     def __init__(self, kind: _Optional[str] = ..., value: _Optional[str] = ...) -> None: ...
 
 class SpeculationOverride(_message.Message):
-    __slots__ = ("enabled", "num_speculative_tokens")
+    __slots__ = ("enabled", "num_speculative_tokens", "record_steps")
     ENABLED_FIELD_NUMBER: _ClassVar[int]
     NUM_SPECULATIVE_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    RECORD_STEPS_FIELD_NUMBER: _ClassVar[int]
     enabled: bool
     num_speculative_tokens: int
-    def __init__(self, enabled: _Optional[bool] = ..., num_speculative_tokens: _Optional[int] = ...) -> None: ...
+    record_steps: bool
+    def __init__(self, enabled: _Optional[bool] = ..., num_speculative_tokens: _Optional[int] = ..., record_steps: _Optional[bool] = ...) -> None: ...
 
 class GenerateRequest(_message.Message):
     __slots__ = ("request_id", "prompt_token_ids", "sampling", "speculation", "cache_salt")
@@ -100,20 +102,24 @@ class Usage(_message.Message):
     def __init__(self, prompt_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ..., cached_tokens: _Optional[int] = ...) -> None: ...
 
 class SpeculationStats(_message.Message):
-    __slots__ = ("num_drafts", "num_draft_tokens", "num_accepted_tokens", "accepted_per_position", "num_forced_tokens", "policy")
+    __slots__ = ("num_drafts", "num_draft_tokens", "num_accepted_tokens", "accepted_per_position", "num_forced_tokens", "policy", "per_step_drafted", "per_step_accepted")
     NUM_DRAFTS_FIELD_NUMBER: _ClassVar[int]
     NUM_DRAFT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     NUM_ACCEPTED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     ACCEPTED_PER_POSITION_FIELD_NUMBER: _ClassVar[int]
     NUM_FORCED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     POLICY_FIELD_NUMBER: _ClassVar[int]
+    PER_STEP_DRAFTED_FIELD_NUMBER: _ClassVar[int]
+    PER_STEP_ACCEPTED_FIELD_NUMBER: _ClassVar[int]
     num_drafts: int
     num_draft_tokens: int
     num_accepted_tokens: int
     accepted_per_position: _containers.RepeatedScalarFieldContainer[int]
     num_forced_tokens: int
     policy: str
-    def __init__(self, num_drafts: _Optional[int] = ..., num_draft_tokens: _Optional[int] = ..., num_accepted_tokens: _Optional[int] = ..., accepted_per_position: _Optional[_Iterable[int]] = ..., num_forced_tokens: _Optional[int] = ..., policy: _Optional[str] = ...) -> None: ...
+    per_step_drafted: _containers.RepeatedScalarFieldContainer[int]
+    per_step_accepted: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, num_drafts: _Optional[int] = ..., num_draft_tokens: _Optional[int] = ..., num_accepted_tokens: _Optional[int] = ..., accepted_per_position: _Optional[_Iterable[int]] = ..., num_forced_tokens: _Optional[int] = ..., policy: _Optional[str] = ..., per_step_drafted: _Optional[_Iterable[int]] = ..., per_step_accepted: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class TokenLogprob(_message.Message):
     __slots__ = ("logprob", "top_token_ids", "top_logprobs")

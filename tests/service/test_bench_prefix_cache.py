@@ -1,30 +1,19 @@
-"""`bench prefix-cache` runs its three measurements on a tiny model (no timing asserted)."""
+"""`python -m specdec bench prefix-cache`: its flags' checks (the figures are a benchmark's)."""
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
+
+import pytest
 
 from specdec.__main__ import main
 from tests.support.tiny_models import make_tiny_llama
 
 
-def test_runs_and_reports_every_part(tmp_path: Path, capsys) -> None:
-    model = make_tiny_llama(tmp_path / "tiny", max_positions=512)
-    out = tmp_path / "prefix.json"
+def test_no_speculative_method_is_refused(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """The engine is measured with its drafter: an empty --speculative-config (off) is a
+    flag error, not a crash when the drafter is started without a method."""
+    model = make_tiny_llama(tmp_path / "tiny")
     assert main(["bench", "prefix-cache", "--model", str(model), "--dtype", "float32",
-                 "--enforce-eager", "--max-model-len", "512", "--system-tokens", "96",
-                 "--ttft-requests", "2", "--num-prompts", "4", "--max-concurrency", "2",
-                 "--max-tokens", "4", "--rounds", "1", "--batch-sizes", "1,2",
-                 "--json", str(out)]) == 0
-    printed = capsys.readouterr().out
-    assert "TTFT" in printed and "chat with a shared system prompt" in printed
-    figures = json.loads(out.read_text())
-    ttft = figures["ttft"]
-    assert ttft["prompt_tokens"] >= 96
-    # The repeated system prompt came from the cache with caching on, never with it off.
-    assert ttft["cached_tokens_on"] >= 64 and ttft["cached_tokens_off"] == 0
-    assert figures["throughput"]["requests"] == 4
-    assert [row["batch_size"] for row in figures["logprobs"]] == [1, 2]
-    for row in figures["logprobs"]:
-        assert row["step_ms_with"] > 0 and row["step_ms_without"] > 0
+                 "--speculative-config", ""]) == 2
+    assert "--speculative-config must name a method" in caplog.text

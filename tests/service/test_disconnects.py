@@ -2,8 +2,9 @@
 
 Faults injected: a client cancelling its stream, closing its channel, or dying (SIGKILL,
 so it never cancels); half of eight clients vanishing at random points; a client
-vanishing while the drafter answers; a forward that raises once. Every time, every KV block returns to the pool within one engine step, no
-sequence stays in the scheduler, and the other requests keep their exact tokens.
+vanishing while the drafter answers; a forward that raises once. Every time, every KV
+block returns to the pool within one engine step, no sequence stays in the scheduler, and
+the other requests keep their exact tokens.
 """
 
 from __future__ import annotations

@@ -99,7 +99,7 @@ async def test_proposals_equal_ngram_proposer_incrementally(channel):
     assert list(drafts[1].draft_token_ids) == matcher.propose(contexts[1], K) == [3, 4, 1]
     assert 2 not in drafts  # no match, no draft entry
     for new in ([3], [4, 1, 2, 3], [7, 7]):
-        for seq_id, context in contexts.items():
+        for context in contexts.values():
             context += new
         drafts = await stream.step([update(s, new, len(c), num_accepted_tokens=1)
                                     for s, c in contexts.items()])

@@ -6,7 +6,9 @@ import json
 from collections.abc import Iterator
 
 import httpx
+import openai
 import pytest
+
 from tests.support.fake_verifier import (
     MAX_MODEL_LEN,
     REPLY_TEXT,
@@ -125,11 +127,26 @@ def test_completion_text_prompt(client, fake, tokenizer):
 
 def test_completion_token_prompt_streaming(client, fake):
     stream = client.completions.create(model=SERVED_MODEL, prompt=[5, 6, 7], stream=True,
-                                       stream_options={"include_usage": True})
+                                       max_tokens=64, stream_options={"include_usage": True})
     chunks = list(stream)
     assert "".join(c.choices[0].text for c in chunks if c.choices) == REPLY_TEXT
     assert chunks[-1].usage.prompt_tokens == 3
     assert list(fake.requests[-1].prompt_token_ids) == [5, 6, 7]
+
+
+def test_max_tokens_defaults_as_in_vllm(client, fake):
+    """A text completion without max_tokens gets 16 (vLLM's and OpenAI's default), at most
+    the room left; a chat completion gets the room left in the context."""
+    client.completions.create(model=SERVED_MODEL, prompt=[5, 6, 7])
+    assert fake.requests[-1].sampling.max_tokens == 16
+    client.completions.create(model=SERVED_MODEL, prompt=[5] * (MAX_MODEL_LEN - 10))
+    assert fake.requests[-1].sampling.max_tokens == 10
+    client.chat.completions.create(model=SERVED_MODEL, messages=MESSAGES)
+    num_prompt_tokens = len(fake.requests[-1].prompt_token_ids)
+    assert fake.requests[-1].sampling.max_tokens == MAX_MODEL_LEN - num_prompt_tokens
+    with pytest.raises(openai.BadRequestError) as refused:
+        client.completions.create(model=SERVED_MODEL, prompt=[5, 6, 7], extra_body={"min_tokens": 17})
+    assert refused.value.body["param"] == "min_tokens"
 
 
 def test_max_completion_tokens_wins_over_max_tokens(client, fake):
@@ -252,7 +269,7 @@ def test_stop_strings_wait_for_min_tokens(client, fake, tokenizer):
     assert REPLY_TEXT.count("world") == 2
     min_tokens = len(tokenizer.encode(REPLY_TEXT[:first + len("world")], add_special_tokens=False)) + 1
     completion = client.completions.create(model=SERVED_MODEL, prompt="Hi", stop="world",
-                                           extra_body={"min_tokens": min_tokens})
+                                           max_tokens=64, extra_body={"min_tokens": min_tokens})
     assert completion.choices[0].text == REPLY_TEXT[:REPLY_TEXT.index("world", first + 1)]
     assert completion.choices[0].finish_reason == "stop"
     plain = client.completions.create(model=SERVED_MODEL, prompt="Hi", stop="world")

@@ -9,6 +9,7 @@ import grpc
 import httpx
 import openai
 import pytest
+
 from tests.support.fake_verifier import (
     REPLY_TEXT,
     SERVED_MODEL,

@@ -15,6 +15,7 @@ from typing import Any
 import grpc
 import httpx
 import pytest
+
 from tests.support.fake_verifier import (
     REPLY_TEXT,
     SERVED_MODEL,

@@ -15,6 +15,7 @@ from typing import Any
 import httpx
 import pytest
 import uvicorn
+
 from tests.support.fake_verifier import (
     REPLY_TEXT,
     SERVED_MODEL,

@@ -391,10 +391,10 @@ def test_propose_random_bytes(stack: Stack, payloads: list[bytes], drafter: str)
             pass
     except grpc.RpcError as error:
         assert_proper(error)
-    for channel, method in ((channel, "/specdec.v1.Drafter/GetInfo"),
-                            (stack.verifier_channel, "/specdec.v1.Verifier/GetInfo")):
+    for target, method in ((channel, "/specdec.v1.Drafter/GetInfo"),
+                           (stack.verifier_channel, "/specdec.v1.Verifier/GetInfo")):
         try:
-            channel.unary_unary(method)(payloads[0], timeout=CALL_TIMEOUT_S)
+            target.unary_unary(method)(payloads[0], timeout=CALL_TIMEOUT_S)
         except grpc.RpcError as error:
             assert_proper(error)
     assert_drafters_healthy(stack)

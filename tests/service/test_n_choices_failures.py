@@ -11,10 +11,11 @@ from __future__ import annotations
 from collections.abc import Iterator
 from typing import Any
 
-import grpc
 import openai
 import pytest
 
+from specdec.errors import InvalidRequestError
+from specdec.rpc.grpc_status import abort_with
 from specdec.v1 import specdec_pb2
 from tests.support.fake_verifier import (
     REPLY_TEXT,
@@ -25,7 +26,7 @@ from tests.support.fake_verifier import (
 )
 
 FAILING_CHOICE = 1
-MESSAGE = "the grammar exceeded the grammar library's limits while generating (param: grammar)"
+MESSAGE = "the grammar exceeded the grammar library's limits while generating"
 
 
 class OneChoiceFails(FakeVerifier):
@@ -39,7 +40,7 @@ class OneChoiceFails(FakeVerifier):
             return
         self.requests.append(request)
         yield specdec_pb2.GenerateResponse(token_ids=self.reply_token_ids[:2])
-        await context.abort(grpc.StatusCode.INVALID_ARGUMENT, MESSAGE)
+        await abort_with(context, InvalidRequestError(MESSAGE, param="grammar"))
 
 
 @pytest.fixture(scope="module")
@@ -65,7 +66,9 @@ def test_a_failing_choice_is_the_requests_error(live, n: int) -> None:
         client.completions.create(model=SERVED_MODEL, prompt="Hello", n=n, max_tokens=200,
                                   extra_body={"ignore_eos": True})
     assert refused.value.status_code == 400
-    assert "exceeded the grammar library's limits" in refused.value.message
+    # The verifier's error JSON: its message, and the field it names (gRPC trailing metadata).
+    assert refused.value.body["message"] == MESSAGE
+    assert refused.value.body["param"] == "grammar"
     _others_cancelled(servicer, n)
 
 

@@ -17,7 +17,6 @@ from gateway.generation import speculation_usage
 from specdec.engine.sampling_params import SamplingParams
 from tests.support.engine_harness import served_engine
 from tests.support.tiny_models import make_tiny_llama
-from verifier_svc.requests import collect_outputs
 from verifier_svc.servicer import speculation_to_proto
 from verifier_svc.speculation.policy import SpeculationPolicy
 

@@ -235,7 +235,8 @@ def test_docker_stack_config_accepts_the_stack_without_any_environment() -> None
     assert {s["source"] for s in verifier["secrets"]} == {
         "specdec_internal_token", "specdec_tls_ca", "specdec_tls_cert", "specdec_tls_key"}
     assert verifier["command"][-1] == "specdec.internal" and verifier["deploy"]["endpoint_mode"] == "dnsrr"
-    assert len(verifier["healthcheck"]["test"]) == 4 and verifier["environment"]["TLS_SERVER_NAME"] == "specdec.internal"
+    assert len(verifier["healthcheck"]["test"]) == 4
+    assert verifier["environment"]["TLS_SERVER_NAME"] == "specdec.internal"
 
 
 @pytest.mark.parametrize("serving", [True, False])

@@ -13,6 +13,7 @@ import subprocess
 from pathlib import Path
 
 import pytest
+
 from tests.support.fake_verifier import FakeVerifier
 
 from drafter_svc import server as drafter_server

@@ -134,7 +134,7 @@ async def test_timeouts_are_counted_and_logged_once_per_burst(serve_drafter, poo
     address = await serve_drafter(NeverAnswers())
     pool = await pool_for(address)
     with caplog.at_level(logging.DEBUG, logger=ERRORS_LOGGER):
-        for step in range(5):
+        for _ in range(5):
             assert await pool.propose(ask(), [], timeout_s=0.01) == {}
     assert pool.errors.counts == {(address, "timeout"): 5}
     assert len(records(caplog, address, "deadline")) == 1

@@ -13,6 +13,7 @@ from collections.abc import Callable, Iterator
 
 import grpc
 import pytest
+
 from tests.support.fake_verifier import FakeVerifier, FakeVerifierServer, free_port
 
 from gateway import VerifierClient

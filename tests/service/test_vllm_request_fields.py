@@ -12,6 +12,7 @@ from typing import Any
 import httpx
 import pytest
 from tokenizers import processors
+
 from tests.support.fake_verifier import (
     REPLY_TEXT,
     SERVED_MODEL,

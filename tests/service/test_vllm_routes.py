@@ -13,6 +13,7 @@ from typing import Any
 import httpx
 import openai
 import pytest
+
 from tests.support.fake_verifier import (
     REPLY_TEXT,
     SERVED_MODEL,

@@ -157,5 +157,5 @@ def test_the_readmes_openai_example_runs(quick_start: Stack) -> None:
     for block in blocks:
         printed = io.StringIO()
         with contextlib.redirect_stdout(printed):
-            exec(compile(with_port(block, quick_start), "README.md", "exec"), {})  # noqa: S102
+            exec(compile(with_port(block, quick_start), "README.md", "exec"), {})
         assert "num_drafts" in printed.getvalue()  # usage.speculation was printed

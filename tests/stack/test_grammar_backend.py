@@ -249,8 +249,10 @@ def test_masked_decode_regex_choice_object(backend: GrammarBackend, tiny_model, 
     import re
 
     tokenizer = default_tokenizer
-    assert re.fullmatch(r"[a-z]{2}-[0-9]{1,3}", masked_decode(backend, tiny_model, tokenizer, "regex", r"[a-z]{2}-[0-9]{1,3}"))
-    assert masked_decode(backend, tiny_model, tokenizer, "choice", '["red", "green", "blue"]') in ("red", "green", "blue")
+    pattern = r"[a-z]{2}-[0-9]{1,3}"
+    assert re.fullmatch(pattern, masked_decode(backend, tiny_model, tokenizer, "regex", pattern))
+    choice = masked_decode(backend, tiny_model, tokenizer, "choice", '["red", "green", "blue"]')
+    assert choice in ("red", "green", "blue")
     grammar = 'start: "(" NUM ("," NUM)? ")"\nNUM: /[0-9]{1,2}/\n'
     assert re.fullmatch(r"\(\d{1,2}(,\d{1,2})?\)", masked_decode(backend, tiny_model, tokenizer, "grammar", grammar))
     value = json.loads(masked_decode(backend, tiny_model, tokenizer, "json_schema", json.dumps(

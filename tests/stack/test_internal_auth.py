@@ -293,8 +293,8 @@ async def test_the_verifier_requires_the_token_and_sends_it_to_its_drafters(
     for token in (None, WRONG):
         async with open_channel(None, address, [], internal_token=token) as channel:
             stub = specdec_pb2_grpc.VerifierStub(channel)
-            for call in (lambda: stub.GetInfo(specdec_pb2.GetVerifierInfoRequest(), timeout=5),
-                         lambda: stub.Generate(request(prompt, 4)).read()):
+            for call in (lambda stub=stub: stub.GetInfo(specdec_pb2.GetVerifierInfoRequest(), timeout=5),
+                         lambda stub=stub: stub.Generate(request(prompt, 4)).read()):
                 with pytest.raises(grpc.aio.AioRpcError) as refused:
                     await call()
                 assert refused.value.code() == UNAUTHENTICATED

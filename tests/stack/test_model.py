@@ -233,7 +233,8 @@ def default_model_dir() -> Path:
 
 
 @pytest.fixture(scope="module")
-def default_models(default_model_dir: Path, device: torch.device) -> tuple[LlamaForCausalLM, torch.nn.Module, list[int]]:
+def default_models(default_model_dir: Path,
+                   device: torch.device) -> tuple[LlamaForCausalLM, torch.nn.Module, list[int]]:
     model = load_model(default_model_dir, torch.float32, device)
     hf_model = transformers.AutoModelForCausalLM.from_pretrained(default_model_dir, dtype=torch.float32).eval()
     tokenizer = load_tokenizer(default_model_dir)

@@ -8,7 +8,6 @@ logprobs with speculation equal those without it.
 from __future__ import annotations
 
 from collections.abc import Iterator
-from pathlib import Path
 
 import openai
 import pytest

@@ -45,7 +45,7 @@ def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return make_tiny_llama(tmp_path_factory.mktemp("tiny-llama-startup"))
 
 
-async def until(condition, timeout_s: float = 30.0) -> None:  # noqa: ANN001
+async def until(condition, timeout_s: float = 30.0) -> None:
     deadline = time.monotonic() + timeout_s
     while not await condition():
         assert time.monotonic() < deadline, "condition never held"
@@ -57,7 +57,7 @@ async def test_a_starting_verifier_tells_its_phase_and_refuses_requests(
     loading = threading.Event()
     release = threading.Event()
 
-    def build_held_while_loading(config: VerifierConfig, enter_phase) -> object:  # noqa: ANN001
+    def build_held_while_loading(config: VerifierConfig, enter_phase) -> object:
         def enter(name: str) -> None:
             enter_phase(name)
             if name == PHASE_LOADING_WEIGHTS:

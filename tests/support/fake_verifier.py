@@ -2,8 +2,9 @@
 server, and a live uvicorn gateway in a background thread.
 
 The fake verifier answers every Generate with a fixed reply (the tokens of REPLY_TEXT,
-then EOS; or what its `reply_for` hook scripts for that request), a few tokens per response like accepted drafts, and records the requests it
-saw and the calls that were cancelled.
+then EOS; or what its `reply_for` hook scripts for that request), a few tokens per
+response like accepted drafts, and records the requests it saw and the calls that were
+cancelled.
 """
 
 from __future__ import annotations

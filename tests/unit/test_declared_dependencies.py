@@ -97,7 +97,8 @@ def undeclared(files: list[Path], allowed: set[str]) -> list[str]:
             dists = by_module.get(module, set())
             if not dists & allowed:
                 problems.append(f"{path.relative_to(ROOT)} imports {module} "
-                                f"(from {sorted(dists) or 'no installed distribution'}), which no declared dependency provides")
+                                f"(from {sorted(dists) or 'no installed distribution'}), "
+                                "which no declared dependency provides")
     return problems
 
 
@@ -118,7 +119,8 @@ def test_the_tests_import_only_declared_dependencies() -> None:
 def test_an_undeclared_import_is_reported(tmp_path: Path) -> None:
     probe = ROOT / "tests" / "_probe_undeclared.py"
     try:
-        probe.write_text("import pytest\nimport some_package_nobody_declares\ntry:\n    import matplotlib\nexcept ImportError:\n    pass\n")
+        probe.write_text("import pytest\nimport some_package_nobody_declares\n"
+                         "try:\n    import matplotlib\nexcept ImportError:\n    pass\n")
         problems = undeclared([probe], {"pytest"})
     finally:
         probe.unlink()

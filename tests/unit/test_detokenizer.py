@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+
 from tests.support.fake_verifier import build_tiny_tokenizer
 from hypothesis import given, settings
 from hypothesis import strategies as st

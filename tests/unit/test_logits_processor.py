@@ -147,7 +147,8 @@ def test_argmax_rows_is_torchs_argmax(dtype: torch.dtype) -> None:
     assert argmax_rows(logits[5]).item() == logits[5].argmax().item()  # one row, 1-D
 
 
-@pytest.mark.parametrize(("min_p", "kept_ids"), [(0.0, [0, 1, 2, 3]), (0.3, [0, 1]), (0.5, [0, 1]), (0.6, [0]), (1.0, [0])])
+@pytest.mark.parametrize(("min_p", "kept_ids"),
+                         [(0.0, [0, 1, 2, 3]), (0.3, [0, 1]), (0.5, [0, 1]), (0.6, [0]), (1.0, [0])])
 def test_min_p_keeps_tokens_above_a_fraction_of_the_top(min_p: float, kept_ids: list[int]) -> None:
     # probs 0.5, 0.25, 0.125, 0.125 at temperature 1: min_p=0.3 keeps those >= 0.15; a
     # probability equal to the threshold stays (vLLM drops only those below it).

@@ -61,7 +61,7 @@ logger = logging.getLogger(__name__)
 @dataclass(slots=True)
 class DraftRequest:
     seq_id: int
-    token_ids: list[int]          # the whole verified context (prompt + output so far); read, never copied by the caller
+    token_ids: list[int]          # the whole verified context (prompt + output so far); read, never copied
     num_accepted_tokens: int      # of this sequence's previous draft
     num_speculative_tokens: int   # 0 = just sync state
     # Target hidden states of context positions [0, rows), [rows, width]; rows is
@@ -404,7 +404,7 @@ class DrafterPool:
                 continue
             self._addresses_by_target[(host, port)] = {
                 _format_address(info[4][0], port) for info in infos
-                if info[0] in (socket.AF_INET, socket.AF_INET6)}
+                if info[0] in (socket.AF_INET, socket.AF_INET6) and isinstance(info[4][0], str)}
         wanted = set().union(*self._addresses_by_target.values())
         for address in sorted(set(self._replicas) - wanted):
             logger.info("drafter pool: replica %s is gone from DNS", address)

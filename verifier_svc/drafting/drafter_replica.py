@@ -41,10 +41,12 @@ class ReplicaOwner(Protocol):
 
     tls: GrpcTlsConfig | None
     internal_token: str | None
-    channel_options: Sequence[tuple[str, object]]
     backoff_initial_s: float
     backoff_max_s: float
     errors: DrafterErrors
+
+    @property  # read-only: the pool's list of (name, int) options is one
+    def channel_options(self) -> Sequence[tuple[str, object]]: ...
 
     def check_info(self, info: specdec_pb2.DrafterInfo) -> DrafterMismatchError | None: ...
 

@@ -121,7 +121,7 @@ class GrammarBackend:
             except InvalidRequestError as error:
                 # Cached too: a client retrying a bad schema costs nothing.
                 future.set_exception(_CompileFailure(error.message))
-            except BaseException as error:  # noqa: BLE001 - re-raised to every waiter
+            except BaseException as error:
                 # Unexpected: not cached, so a later call tries again.
                 with self._lock:
                     if self._cache.get(key) is future:

@@ -61,7 +61,7 @@ class GrammarService:
             if self._backend is None and self._failure is None:
                 try:
                     self._backend = self._make_backend()
-                except Exception as exc:  # noqa: BLE001 - a tokenizer llguidance cannot read
+                except Exception as exc:
                     logger.warning("no grammar backend for this model: %s: %s",
                                    type(exc).__name__, exc)
                     self._failure = f"{type(exc).__name__}: {exc}"
@@ -108,7 +108,7 @@ def mask_rows(logits: torch.Tensor, jobs: list[tuple[int, GrammarState, list[int
         count = len(draft) + 1
         try:
             state.fill_masks(draft, bitmask[offset:offset + count])
-        except Exception as exc:  # noqa: BLE001 - that sequence's failure, not the step's
+        except Exception as exc:
             failures.append((job_index, exc))
             offset += count
             continue
