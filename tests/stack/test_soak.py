@@ -39,7 +39,7 @@ CONCURRENCY = 32
 # the KV pool is small and touched whole by the warm-up, so growth beyond means a leak).
 MEMORY_MARGIN = 0.25
 # Start (model fetch, kernels) plus warm-up, soak and drain on a loaded 2-core machine.
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(600 + 3 * SOAK_S)]
+pytestmark = pytest.mark.timeout(600 + 3 * SOAK_S)
 
 SCHEMA = {"type": "object", "properties": {"city": {"enum": ["Paris", "Oslo", "Rome"]},
                                            "ok": {"type": "boolean"}},

@@ -138,7 +138,6 @@ def _drafter_pid(mark: str) -> int | None:
     return next((pid for pid, command in processes_marked(mark) if "drafter_svc" in command), None)
 
 
-@pytest.mark.slow
 @pytest.mark.timeout(900)
 def test_the_default_stack_goes_through_starting_to_ok_without_a_warning(tmp_path: Path) -> None:
     port, mark = free_port(), new_mark()
