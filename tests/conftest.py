@@ -30,7 +30,8 @@ DEFAULT_TIER = "service"
 
 def tier_of(path: Path) -> str:
     """The tier of a test file: its first folder under tests/ if that is a tier."""
-    parts = path.resolve().relative_to(TESTS).parts
+    path = path.resolve()
+    parts = path.relative_to(TESTS).parts if path.is_relative_to(TESTS) else ()
     return parts[0] if len(parts) > 1 and parts[0] in TIERS else DEFAULT_TIER
 
 
