@@ -32,15 +32,23 @@ max_spec_factor x the match length long, the next few drafts stay short until th
 answer's own text matches. With them, the end of the prompt (the chat template's
 assistant header and the end of the last turn) matches at once, and the answers that
 followed prompts ending alike draft the new one's first tokens; a draft from a full
-lead-in match can already be k long. In an offline replay of the built-in workloads' greedy
-answers (one request after another) this took the steps spent on an answer's first 8 tokens
-from 3.0 to 2.0 (agent), 4.9 to 3.2 (code-edit) and 4.7 to 2.4 (extract), and tokens per
-step up 1.5-6.5% on every workload (chat 1.8%). Only the lead-in of an output is held: a
-prompt is not otherwise a global source.
+lead-in match can already be k long. The lead-ins and the outputs' first tokens are held in
+a trie of their own (`lead_in_tree`), drafted from only by a match that reaches back into
+the prompt, and only while the path's probability stays at LEAD_IN_MIN_PROB or above; the
+outputs' trie holds the outputs alone, so a prompt's text never counts as an answer's.
+Only the lead-in of an output is held: a prompt is not otherwise a global source.
 
-Each step drafts from both tries and keeps the proposal with the higher score (expected
-accepted tokens; ties go to the per-sequence one). The draft is greedy (no probs) and at
-most min(num_speculative_tokens, max_spec_factor x match length) tokens long.
+Each step drafts from the per-sequence trie, from the lead-in trie (pooled with the
+per-sequence one, below), and from the outputs' trie pooled with a trie of the sequence's
+own output so far, and keeps the proposal with the higher score (expected accepted tokens;
+ties go to the per-sequence one). Pooled tries count as one (drafter_svc/suffix_tree.py's
+`speculate_pooled`): the context's own last occurrence, which does not go on yet, weighs
+against what earlier answers did next, as in the reference, whose global tree holds the
+running answers too. The draft is greedy (no probs) and at most
+min(num_speculative_tokens, max_spec_factor x match length) tokens long.
+
+`python -m specdec bench replay` (specdec/bench/replay.py) replays the built-in workloads'
+greedy answers through this method and the reference's; docs/performance.md has the table.
 
 Locally published, the output of a sequence is what arrived after its first update: a
 first update is the whole context, normally the prompt. After a resync the whole context
@@ -65,7 +73,7 @@ from drafter_svc.proposer import (
     TokenHistory,
     target_limits,
 )
-from drafter_svc.suffix_tree import Draft, SuffixTree
+from drafter_svc.suffix_tree import SCORE_TOLERANCE, Draft, SuffixTree, speculate_pooled
 from specdec.config import SpeculativeConfig
 
 if TYPE_CHECKING:
@@ -73,16 +81,25 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
+# The least path probability of a draft from a match that reaches back into the prompt
+# (the lead-in; see SuffixMethod._propose_one). In an offline replay of the built-in
+# workloads, 0.5 still wasted 10% more rows than the reference on `chat`; 0.9 gave up
+# tokens on `extract` and `code-edit`.
+LEAD_IN_MIN_PROB = 0.7
+
 
 class GlobalSuffixCache:
     """The server-wide trie over finished outputs, FIFO-bounded by request and token count."""
 
     def __init__(self, max_depth: int, max_cached_requests: int,
                  max_cached_tokens: int = 1 << 62) -> None:
-        self.tree = SuffixTree(max_depth)
+        self.tree = SuffixTree(max_depth)  # the outputs
+        # Each output's lead-in and its first max_depth - 1 tokens: every substring that
+        # starts in a lead-in (a match reaching back into the prompt, as an answer starts).
+        self.lead_in_tree = SuffixTree(max_depth)
         self.max_cached_requests = max_cached_requests
         self.max_cached_tokens = max_cached_tokens
-        self.num_tokens = 0  # held, lead-ins included
+        self.num_tokens = 0  # held, lead-ins and the lead-in trie's output heads included
         # Keyed by output id (the verifier's, >= 0) or, for locally published outputs, by a
         # negative counter: a key already held is not inserted again. Each value: the tokens
         # inserted (lead-in and output) and how many of them are the lead-in.
@@ -115,17 +132,35 @@ class GlobalSuffixCache:
         elif output_id in self._outputs:
             return  # replayed: held already
         tokens = [int(token) for token in (*lead_in, *output)]
-        if len(tokens) > self.max_cached_tokens:
+        num_held = self._num_held(tokens, len(lead_in))
+        if num_held > self.max_cached_tokens:
             return  # would evict everything and still not fit
-        self.tree.insert(tokens)
+        self._insert(tokens, len(lead_in))
         self._outputs[output_id] = (tokens, len(lead_in))
-        self.num_tokens += len(tokens)
+        self.num_tokens += num_held
         while (len(self._outputs) > self.max_cached_requests
                or self.num_tokens > self.max_cached_tokens):
-            _, (oldest, _) = self._outputs.popitem(last=False)
-            self.tree.remove(oldest)
-            self.num_tokens -= len(oldest)
+            _, (oldest, oldest_lead_in) = self._outputs.popitem(last=False)
+            self._remove(oldest, oldest_lead_in)
+            self.num_tokens -= self._num_held(oldest, oldest_lead_in)
         self.version += 1
+
+    def _num_held(self, tokens: list[int], lead_in_len: int) -> int:
+        """Tokens an output holds: lead-in and output, and the output's head again in the
+        lead-in trie."""
+        if not lead_in_len:
+            return len(tokens)
+        return len(tokens) + min(len(tokens) - lead_in_len, self.tree.max_depth - 1)
+
+    def _insert(self, tokens: list[int], lead_in_len: int) -> None:
+        self.tree.insert(tokens[lead_in_len:])
+        if lead_in_len:
+            self.lead_in_tree.insert(tokens[:lead_in_len + self.tree.max_depth - 1])
+
+    def _remove(self, tokens: list[int], lead_in_len: int) -> None:
+        self.tree.remove(tokens[lead_in_len:])
+        if lead_in_len:
+            self.lead_in_tree.remove(tokens[:lead_in_len + self.tree.max_depth - 1])
 
 
 @dataclass(slots=True)
@@ -135,6 +170,9 @@ class _SequenceState:
     local_matches: list[int] = field(default_factory=list)  # node ids
     global_matches: list[int] = field(default_factory=list)
     global_version: int = -1
+    lead_in_matches: list[int] = field(default_factory=list)  # in the cache's lead_in_tree
+    output_tree: SuffixTree | None = None  # the output so far, without the prompt
+    output_matches: list[int] = field(default_factory=list)
 
 
 @dataclass(frozen=True, slots=True)
@@ -182,9 +220,16 @@ class SuffixMethod:
         state.history.extend(token_ids)
         if state.prompt_len is None:
             state.prompt_len = len(state.history)
+            state.output_tree = SuffixTree(self.params.max_tree_depth)
+        else:
+            assert state.output_tree is not None
+            state.output_matches = state.output_tree.extend(state.output_matches, token_ids)
         state.local_matches = self._trees[seq_id].extend(state.local_matches, token_ids)
         if self.cache.enabled and state.global_version == self.cache.version:
             state.global_matches = self.cache.tree.follow(state.global_matches, token_ids)
+            if self._output_len(state) < self.params.max_tree_depth:
+                state.lead_in_matches = self.cache.lead_in_tree.follow(state.lead_in_matches,
+                                                                       token_ids)
         # Otherwise the global list is recomputed at the next propose.
 
     def rollback(self, seq_id: int, num_accepted_tokens: int) -> None:
@@ -227,16 +272,41 @@ class SuffixMethod:
         draft = self._trees[seq_id].speculate(state.local_matches, max_tokens,
                                               params.max_spec_factor, params.min_token_prob)
         cache = self.cache
+        sources = []
+        output_len = self._output_len(state)
         if cache.enabled and len(cache):
             if state.global_version != cache.version:
-                state.global_matches = cache.tree.match(
-                    state.history.view()[-params.max_tree_depth:].tolist())
+                context = state.history.view()[-params.max_tree_depth:].tolist()
+                state.global_matches = cache.tree.match(context)
+                state.lead_in_matches = (cache.lead_in_tree.match(context)
+                                         if output_len < params.max_tree_depth else [])
                 state.global_version = cache.version
-            global_draft = cache.tree.speculate(state.global_matches, max_tokens,
-                                                params.max_spec_factor, params.min_token_prob)
-            if global_draft.score > draft.score:
-                draft = global_draft
-        return draft
+            sources.append((cache.tree, state.global_matches))
+            if output_len < params.max_tree_depth:
+                # Only a match that reaches back into the prompt (one within the output is the
+                # outputs tree's), pooled with the sequence's own context: where the prompt
+                # itself shows what followed its end elsewhere, a few earlier answers that
+                # went on alike do not make the draft sure. Its path's probability must stay
+                # at LEAD_IN_MIN_PROB or above: a chat template's header, the same before
+                # every answer, makes a long match that says little about how far the
+                # answers behind it agree (at min_token_prob they wasted a third more rows
+                # on `chat` for no more tokens).
+                lead_in_draft = speculate_pooled(
+                    [(cache.lead_in_tree, state.lead_in_matches),
+                     (self._trees[seq_id], state.local_matches)],
+                    max_tokens, params.max_spec_factor,
+                    max(params.min_token_prob, LEAD_IN_MIN_PROB), min_match_len=output_len + 1)
+                if lead_in_draft.score > draft.score + SCORE_TOLERANCE:
+                    draft = lead_in_draft
+        if state.output_tree is not None:
+            sources.append((state.output_tree, state.output_matches))
+        global_draft = speculate_pooled(sources, max_tokens, params.max_spec_factor,
+                                        params.min_token_prob)
+        return global_draft if global_draft.score > draft.score + SCORE_TOLERANCE else draft
+
+    @staticmethod
+    def _output_len(state: _SequenceState) -> int:
+        return 0 if state.prompt_len is None else len(state.history) - state.prompt_len
 
     def close(self) -> None:
         # The stream broke: its running sequences did not finish, so nothing is published.

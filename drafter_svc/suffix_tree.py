@@ -43,6 +43,9 @@ from drafter_svc.confidence import match_confidence
 
 ROOT = 0       # the root's node id: the empty substring
 NO_NODE = -1   # "no node", in the best-child list
+# Scores closer than this are equal: sums of the same probabilities in another order differ
+# in their last bits, and a tie rule must not turn on rounding.
+SCORE_TOLERANCE = 1e-9
 
 
 @dataclass(slots=True)
@@ -250,20 +253,21 @@ class SuffixTree:
         return self.follow([], list(context[-self.max_depth:]))
 
     def speculate(self, matches: list[int], max_tokens: int, max_spec_factor: float,
-                  min_token_prob: float) -> Draft:
-        """The best draft over all match lengths, by score (ties: the shorter match).
+                  min_token_prob: float, min_match_len: int = 1) -> Draft:
+        """The best draft over the match lengths from `min_match_len` on, by score (ties:
+        the longer match, the more specific context).
 
         From the node of a match of length m, up to min(max_tokens, m * max_spec_factor)
         tokens: the most frequent child each time, while the path's probability (the product
         of child count / node count) stays >= min_token_prob.
         """
         best_draft = Draft([])
-        for match_len, node in enumerate(matches, start=1):
+        for match_len, node in enumerate(matches[min_match_len - 1:], start=min_match_len):
             limit = min(max_tokens, int(match_len * max_spec_factor + 1e-6))
             if limit <= 0 or self._best[node] == NO_NODE:
                 continue
             draft = self._walk(node, limit, min_token_prob)
-            if draft.score > best_draft.score:
+            if draft.token_ids and draft.score >= best_draft.score - SCORE_TOLERANCE:
                 draft.match_len = match_len
                 best_draft = draft
         if best_draft.token_ids:
@@ -305,3 +309,85 @@ class SuffixTree:
                                                match_len + len(confidence)))
             node = child
         return confidence
+
+
+
+Pool = list[tuple[SuffixTree, int]]  # one node per trie, all spelling the same text
+
+
+def speculate_pooled(sources: Sequence[tuple[SuffixTree, list[int]]], max_tokens: int,
+                     max_spec_factor: float, min_token_prob: float,
+                     min_match_len: int = 1) -> Draft:
+    """`SuffixTree.speculate` over several tries' text as if it were one trie: a substring's
+    count is the sum of its counts in each (a trie whose match list is shorter holds no
+    longer match). Each token is the best child in one of the tries, the one with the largest
+    pooled count (ties: the earlier source's), and its probability is pooled counts over
+    pooled counts, so an occurrence that does not go on in one trie (the context's own last
+    one, in the trie of the sequence's output) weighs against a continuation another trie is
+    sure of. Ties between match lengths go to the longer match; match lengths from
+    `min_match_len` on."""
+    best_draft, best_pool = Draft([]), None
+    longest = max((len(matches) for _, matches in sources), default=0)
+    for match_len in range(min_match_len, longest + 1):
+        limit = min(max_tokens, int(match_len * max_spec_factor + 1e-6))
+        if limit <= 0:
+            continue
+        pool = [(tree, matches[match_len - 1]) for tree, matches in sources
+                if len(matches) >= match_len]
+        draft = _walk_pooled(pool, limit, min_token_prob)
+        if draft.token_ids and draft.score >= best_draft.score - SCORE_TOLERANCE:
+            draft.match_len, best_draft, best_pool = match_len, draft, pool
+    if best_pool is not None:
+        best_draft.confidence = _pooled_confidence(best_pool, best_draft.token_ids,
+                                                   best_draft.match_len)
+    return best_draft
+
+
+def _pooled_count(pool: Pool, token: int) -> int:
+    """The pooled count of the pool's child for `token`."""
+    total = 0
+    for tree, node in pool:
+        child = tree.child(node, token)
+        if child is not None:
+            total += tree.count(child)
+    return total
+
+
+def _pooled_child(pool: Pool, token: int) -> Pool:
+    return [(tree, child) for tree, child in ((tree, tree.child(node, token)) for tree, node in pool)
+            if child is not None]
+
+
+def _walk_pooled(pool: Pool, limit: int, min_token_prob: float) -> Draft:
+    tokens: list[int] = []
+    prob = 1.0
+    score = 0.0
+    while len(tokens) < limit and pool:
+        best_token, best_count = -1, 0
+        for tree, node in pool:
+            child = tree.best(node)
+            if child is not None:
+                count = _pooled_count(pool, tree.token(child))
+                if count > best_count:
+                    best_token, best_count = tree.token(child), count
+        if best_count == 0:
+            break
+        prob *= best_count / sum(tree.count(node) for tree, node in pool)
+        if prob < min_token_prob:
+            break
+        tokens.append(best_token)
+        score += prob
+        pool = _pooled_child(pool, best_token)
+    return Draft(tokens, score)
+
+
+def _pooled_confidence(pool: Pool, token_ids: list[int], match_len: int) -> list[float]:
+    """As `SuffixTree._confidence`, over the pooled counts (the winner's only)."""
+    confidence: list[float] = []
+    for token in token_ids:
+        num_going_on = sum(tree.count(child) for tree, node in pool
+                           for child in tree.children(node).values())
+        confidence.append(match_confidence(_pooled_count(pool, token), num_going_on,
+                                           match_len + len(confidence)))
+        pool = _pooled_child(pool, token)
+    return confidence

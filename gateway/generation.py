@@ -215,6 +215,9 @@ def speculation_usage(stats: specdec_pb2.SpeculationStats | None) -> dict:
         # Why the adaptive policy was not drafting for this request when it last decided
         # ("" while it drafts): "off by choice", with its figures, is not "broken".
         "policy": stats.policy,
+        # The policy's state for this request when it last decided: drafting, probing
+        # (off, measuring acceptance again with one draft token) or off; "" without one.
+        "policy_state": stats.policy_state,
         "acceptance_rate": num_accepted / num_draft_tokens if num_draft_tokens else 0.0,
         # Tokens per verify step: the accepted drafts plus the recovered or bonus token.
         "mean_acceptance_length": 1.0 + num_accepted / num_drafts if num_drafts else 1.0,
@@ -233,6 +236,7 @@ def sum_speculation(results: list[GenerationResult]) -> specdec_pb2.SpeculationS
         total.num_accepted_tokens += item.num_accepted_tokens
         total.num_forced_tokens += item.num_forced_tokens
         total.policy = total.policy or item.policy  # the choices share one policy
+        total.policy_state = total.policy_state or item.policy_state
         per_position.extend([0] * (len(item.accepted_per_position) - len(per_position)))
         for position, count in enumerate(item.accepted_per_position):
             per_position[position] += count

@@ -35,6 +35,9 @@ def main(argv: list[str] | None = None) -> int:
     if argv[:2] == ["bench", "structured"]:  # and structured decoding with / without drafts
         from specdec.bench import structured as bench_structured
         return bench_structured.main(argv[2:])
+    if argv[:2] == ["bench", "replay"]:  # and suffix drafts replayed offline against answers
+        from specdec.bench import replay as bench_replay
+        return bench_replay.main(argv[2:])
     parser = argparse.ArgumentParser(prog="python -m specdec",
                                      formatter_class=DefaultsHelpFormatter)
     commands = parser.add_subparsers(dest="command", required=True)
@@ -52,7 +55,8 @@ def main(argv: list[str] | None = None) -> int:
                       "inside one engine; `bench forward --help`: one forward per kernel path; "
                       "`bench prefix-cache --help`: prefix caching's TTFT and throughput, "
                       "and the cost of logprobs; `bench structured --help`: JSON and tool "
-                      "calls under a grammar, with and without speculation")
+                      "calls under a grammar, with and without speculation; `bench replay "
+                      "--help`: suffix drafts replayed offline against known answers")
     bench.add_bench_args(bench_parser)
     from specdec.train import cli as train_cli
 

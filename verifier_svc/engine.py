@@ -342,9 +342,11 @@ class Engine:
         assert self.policy is not None
         reasons = self.policy.off_reasons
         could_draft = {candidate.seq_id for candidate in candidates if candidate.max_tokens > 0}
+        states = self.policy.states
         for seq in self.scheduler.running:
             if seq.seq_id in could_draft:
                 seq.spec.policy = reasons.get(seq.seq_id, "")
+                seq.spec.policy_state = states[seq.seq_id]
         reason = self.policy.step_off_reason
         kind = re.sub(r"\d+(\.\d+)?", "#", reason)
         if reason and kind not in self._logged_off_kinds:

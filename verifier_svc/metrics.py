@@ -16,6 +16,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 from specdec.latency_metrics import RequestLatency
+from verifier_svc.speculation.policy import POLICY_STATES
 
 if TYPE_CHECKING:
     from specdec.engine.scheduler import Scheduler
@@ -94,6 +95,7 @@ class _EngineCollector(Collector):
             gauge = GaugeMetricFamily(name, documentation, labels=["model_name"])
             gauge.add_metric(labels, level)
             yield gauge
+        yield self._policy_states(engine)
         drafter_errors = CounterMetricFamily(
             "specdec:drafter_errors",
             "Drafter failures by replica (address) and kind: timeout, unavailable, "
@@ -103,6 +105,26 @@ class _EngineCollector(Collector):
             for (replica, kind), value in sorted(pool.errors.counts.copy().items()):
                 drafter_errors.add_metric([self.model_name, replica, kind], value)
         yield drafter_errors
+
+
+    def _policy_states(self, engine: EngineState) -> GaugeMetricFamily:
+        """Running sequences by the adaptive policy's state for them (every state listed,
+        0 included, so that a dashboard's series do not vanish)."""
+        family = GaugeMetricFamily(
+            "specdec:speculation_policy_sequences",
+            "Running sequences by the adaptive speculation policy's last decision: drafting, "
+            "probing (off, one draft token to measure acceptance again) or off (each "
+            "response's usage.speculation.policy says why).",
+            labels=["model_name", "state"])
+        counts = dict.fromkeys(POLICY_STATES, 0)
+        # A copy: this runs on the metrics server's thread while the engine steps.
+        for seq in list(engine.scheduler.running):
+            state = seq.spec.policy_state
+            if state in counts:
+                counts[state] += 1
+        for state, count in counts.items():
+            family.add_metric([self.model_name, state], count)
+        return family
 
 
 class VerifierMetrics:

@@ -62,7 +62,8 @@ def speculation_to_proto(spec: SpeculationCounters,
         num_drafts=spec.num_drafts, num_draft_tokens=spec.num_draft_tokens,
         num_accepted_tokens=spec.num_accepted_tokens,
         accepted_per_position=spec.accepted_per_position,
-        num_forced_tokens=spec.num_forced_tokens, policy=spec.policy)
+        num_forced_tokens=spec.num_forced_tokens, policy=spec.policy,
+        policy_state=spec.policy_state)
     if steps_from is not None and spec.steps:
         stats.per_step_drafted.extend(drafted for drafted, _ in spec.steps[steps_from:])
         stats.per_step_accepted.extend(accepted for _, accepted in spec.steps[steps_from:])

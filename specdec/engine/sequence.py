@@ -46,6 +46,9 @@ class SpeculationCounters:
     # Per request: why the speculation policy last planned no draft for it, with the
     # figures it measured ("" while it drafts; see SpeculationPolicy.off_reasons).
     policy: str = ""
+    # Per request: the policy's state when it last decided, one of
+    # verifier_svc/speculation/policy.py's POLICY_STATES ("" when no adaptive policy decides).
+    policy_state: str = ""
     # Per request: (draft tokens checked, accepted) of each drafting step, in order (vLLM's
     # detailed per-request metrics); None for the engine's totals, which would only grow.
     steps: list[tuple[int, int]] | None = None

@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18specdec/v1/specdec.proto\x12\nspecdec.v1\"\xd2\x03\n\x0eSamplingParams\x12\x13\n\x0btemperature\x18\x01 \x01(\x02\x12\r\n\x05top_p\x18\x02 \x01(\x02\x12\r\n\x05top_k\x18\x03 \x01(\x05\x12\x1a\n\x12repetition_penalty\x18\x04 \x01(\x02\x12\x11\n\x04seed\x18\x05 \x01(\x04H\x00\x88\x01\x01\x12\x12\n\nmax_tokens\x18\x06 \x01(\r\x12\x16\n\x0estop_token_ids\x18\x07 \x03(\r\x12\x12\n\nignore_eos\x18\x08 \x01(\x08\x12\x18\n\x10presence_penalty\x18\t \x01(\x02\x12\x19\n\x11\x66requency_penalty\x18\n \x01(\x02\x12\x12\n\nmin_tokens\x18\x0b \x01(\r\x12=\n\nlogit_bias\x18\x0c \x03(\x0b\x32).specdec.v1.SamplingParams.LogitBiasEntry\x12\r\n\x05min_p\x18\r \x01(\x02\x12\x15\n\x08logprobs\x18\x0e \x01(\rH\x01\x88\x01\x01\x12(\n\x07grammar\x18\x0f \x01(\x0b\x32\x17.specdec.v1.GrammarSpec\x1a\x30\n\x0eLogitBiasEntry\x12\x0b\n\x03key\x18\x01 \x01(\r\x12\r\n\x05value\x18\x02 \x01(\x02:\x02\x38\x01\x42\x07\n\x05_seedB\x0b\n\t_logprobs\"*\n\x0bGrammarSpec\x12\x0c\n\x04kind\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t\"\x8d\x01\n\x13SpeculationOverride\x12\x14\n\x07\x65nabled\x18\x01 \x01(\x08H\x00\x88\x01\x01\x12#\n\x16num_speculative_tokens\x18\x02 \x01(\rH\x01\x88\x01\x01\x12\x14\n\x0crecord_steps\x18\x03 \x01(\x08\x42\n\n\x08_enabledB\x19\n\x17_num_speculative_tokens\"\xb7\x01\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\r\x12,\n\x08sampling\x18\x03 \x01(\x0b\x32\x1a.specdec.v1.SamplingParams\x12\x34\n\x0bspeculation\x18\x04 \x01(\x0b\x32\x1f.specdec.v1.SpeculationOverride\x12\x12\n\ncache_salt\x18\x05 \x01(\t\"P\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\r\x12\x15\n\rcached_tokens\x18\x03 \x01(\r\"\xdc\x01\n\x10SpeculationStats\x12\x12\n\nnum_drafts\x18\x01 \x01(\r\x12\x18\n\x10num_draft_tokens\x18\x02 \x01(\r\x12\x1b\n\x13num_accepted_tokens\x18\x03 \x01(\r\x12\x1d\n\x15\x61\x63\x63\x65pted_per_position\x18\x04 \x03(\r\x12\x19\n\x11num_forced_tokens\x18\x05 \x01(\r\x12\x0e\n\x06policy\x18\x06 \x01(\t\x12\x18\n\x10per_step_drafted\x18\x07 \x03(\r\x12\x19\n\x11per_step_accepted\x18\x08 \x03(\r\"L\n\x0cTokenLogprob\x12\x0f\n\x07logprob\x18\x01 \x01(\x02\x12\x15\n\rtop_token_ids\x18\x02 \x03(\r\x12\x14\n\x0ctop_logprobs\x18\x03 \x03(\x02\"\xd7\x01\n\x10GenerateResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\x12/\n\rfinish_reason\x18\x02 \x01(\x0e\x32\x18.specdec.v1.FinishReason\x12 \n\x05usage\x18\x03 \x01(\x0b\x32\x11.specdec.v1.Usage\x12\x31\n\x0bspeculation\x18\x04 \x01(\x0b\x32\x1c.specdec.v1.SpeculationStats\x12*\n\x08logprobs\x18\x05 \x03(\x0b\x32\x18.specdec.v1.TokenLogprob\"\x18\n\x16GetVerifierInfoRequest\"\x83\x02\n\x0cVerifierInfo\x12\x12\n\nmodel_name\x18\x01 \x01(\t\x12\x15\n\rmax_model_len\x18\x02 \x01(\r\x12\x12\n\nvocab_size\x18\x03 \x01(\r\x12\x15\n\reos_token_ids\x18\x04 \x03(\r\x12\x1a\n\x12speculative_method\x18\x05 \x01(\t\x12\x1e\n\x16num_speculative_tokens\x18\x06 \x01(\r\x12\x1d\n\x15tokenizer_fingerprint\x18\x07 \x01(\t\x12\x14\n\x0cmax_num_seqs\x18\x08 \x01(\r\x12\x15\n\rstartup_phase\x18\t \x01(\t\x12\x15\n\rdeterministic\x18\n \x01(\x08\"4\n\x06Tensor\x12\x0c\n\x04\x64\x61ta\x18\x01 \x01(\x0c\x12\r\n\x05\x64type\x18\x02 \x01(\t\x12\r\n\x05shape\x18\x03 \x03(\r\"\xb4\x01\n\x0eSequenceUpdate\x12\x0e\n\x06seq_id\x18\x01 \x01(\x04\x12\x15\n\rnew_token_ids\x18\x02 \x03(\r\x12\x1b\n\x13num_accepted_tokens\x18\x03 \x01(\r\x12\x13\n\x0b\x63ontext_len\x18\x04 \x01(\r\x12\x1e\n\x16num_speculative_tokens\x18\x05 \x01(\r\x12)\n\rhidden_states\x18\x06 \x01(\x0b\x32\x12.specdec.v1.Tensor\"\xa0\x01\n\x0eProposeRequest\x12\x0f\n\x07step_id\x18\x01 \x01(\x04\x12-\n\tsequences\x18\x02 \x03(\x0b\x32\x1a.specdec.v1.SequenceUpdate\x12\x18\n\x10\x66inished_seq_ids\x18\x03 \x03(\x04\x12\x34\n\x10\x66inished_outputs\x18\x04 \x03(\x0b\x32\x1a.specdec.v1.FinishedOutput\"T\n\x0e\x46inishedOutput\x12\x0e\n\x06seq_id\x18\x01 \x01(\x04\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\r\x12\x18\n\x10output_token_ids\x18\x03 \x03(\r\"\x8b\x01\n\rSequenceDraft\x12\x0e\n\x06seq_id\x18\x01 \x01(\x04\x12\x17\n\x0f\x64raft_token_ids\x18\x02 \x03(\r\x12\'\n\x0b\x64raft_probs\x18\x03 \x01(\x0b\x32\x12.specdec.v1.Tensor\x12\x14\n\x0cneeds_resync\x18\x04 \x01(\x08\x12\x12\n\nconfidence\x18\x05 \x03(\x02\"M\n\x0fProposeResponse\x12\x0f\n\x07step_id\x18\x01 \x01(\x04\x12)\n\x06\x64rafts\x18\x02 \x03(\x0b\x32\x19.specdec.v1.SequenceDraft\"\x17\n\x15GetDrafterInfoRequest\"\xb4\x01\n\x0b\x44rafterInfo\x12\x0e\n\x06method\x18\x01 \x01(\t\x12\"\n\x1amax_num_speculative_tokens\x18\x02 \x01(\r\x12\x1e\n\x16hidden_state_layer_ids\x18\x03 \x03(\x05\x12\x12\n\nvocab_size\x18\x04 \x01(\r\x12\x1d\n\x15tokenizer_fingerprint\x18\x05 \x01(\t\x12\x1e\n\x16wants_finished_outputs\x18\x06 \x01(\x08*x\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x12\x17\n\x13\x46INISH_REASON_ABORT\x10\x03\x32\x9c\x01\n\x08Verifier\x12G\n\x08Generate\x12\x1b.specdec.v1.GenerateRequest\x1a\x1c.specdec.v1.GenerateResponse0\x01\x12G\n\x07GetInfo\x12\".specdec.v1.GetVerifierInfoRequest\x1a\x18.specdec.v1.VerifierInfo2\x98\x01\n\x07\x44rafter\x12\x46\n\x07Propose\x12\x1a.specdec.v1.ProposeRequest\x1a\x1b.specdec.v1.ProposeResponse(\x01\x30\x01\x12\x45\n\x07GetInfo\x12!.specdec.v1.GetDrafterInfoRequest\x1a\x17.specdec.v1.DrafterInfob\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18specdec/v1/specdec.proto\x12\nspecdec.v1\"\xd2\x03\n\x0eSamplingParams\x12\x13\n\x0btemperature\x18\x01 \x01(\x02\x12\r\n\x05top_p\x18\x02 \x01(\x02\x12\r\n\x05top_k\x18\x03 \x01(\x05\x12\x1a\n\x12repetition_penalty\x18\x04 \x01(\x02\x12\x11\n\x04seed\x18\x05 \x01(\x04H\x00\x88\x01\x01\x12\x12\n\nmax_tokens\x18\x06 \x01(\r\x12\x16\n\x0estop_token_ids\x18\x07 \x03(\r\x12\x12\n\nignore_eos\x18\x08 \x01(\x08\x12\x18\n\x10presence_penalty\x18\t \x01(\x02\x12\x19\n\x11\x66requency_penalty\x18\n \x01(\x02\x12\x12\n\nmin_tokens\x18\x0b \x01(\r\x12=\n\nlogit_bias\x18\x0c \x03(\x0b\x32).specdec.v1.SamplingParams.LogitBiasEntry\x12\r\n\x05min_p\x18\r \x01(\x02\x12\x15\n\x08logprobs\x18\x0e \x01(\rH\x01\x88\x01\x01\x12(\n\x07grammar\x18\x0f \x01(\x0b\x32\x17.specdec.v1.GrammarSpec\x1a\x30\n\x0eLogitBiasEntry\x12\x0b\n\x03key\x18\x01 \x01(\r\x12\r\n\x05value\x18\x02 \x01(\x02:\x02\x38\x01\x42\x07\n\x05_seedB\x0b\n\t_logprobs\"*\n\x0bGrammarSpec\x12\x0c\n\x04kind\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t\"\x8d\x01\n\x13SpeculationOverride\x12\x14\n\x07\x65nabled\x18\x01 \x01(\x08H\x00\x88\x01\x01\x12#\n\x16num_speculative_tokens\x18\x02 \x01(\rH\x01\x88\x01\x01\x12\x14\n\x0crecord_steps\x18\x03 \x01(\x08\x42\n\n\x08_enabledB\x19\n\x17_num_speculative_tokens\"\xb7\x01\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\r\x12,\n\x08sampling\x18\x03 \x01(\x0b\x32\x1a.specdec.v1.SamplingParams\x12\x34\n\x0bspeculation\x18\x04 \x01(\x0b\x32\x1f.specdec.v1.SpeculationOverride\x12\x12\n\ncache_salt\x18\x05 \x01(\t\"P\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\r\x12\x15\n\rcached_tokens\x18\x03 \x01(\r\"\xf2\x01\n\x10SpeculationStats\x12\x12\n\nnum_drafts\x18\x01 \x01(\r\x12\x18\n\x10num_draft_tokens\x18\x02 \x01(\r\x12\x1b\n\x13num_accepted_tokens\x18\x03 \x01(\r\x12\x1d\n\x15\x61\x63\x63\x65pted_per_position\x18\x04 \x03(\r\x12\x19\n\x11num_forced_tokens\x18\x05 \x01(\r\x12\x0e\n\x06policy\x18\x06 \x01(\t\x12\x18\n\x10per_step_drafted\x18\x07 \x03(\r\x12\x19\n\x11per_step_accepted\x18\x08 \x03(\r\x12\x14\n\x0cpolicy_state\x18\t \x01(\t\"L\n\x0cTokenLogprob\x12\x0f\n\x07logprob\x18\x01 \x01(\x02\x12\x15\n\rtop_token_ids\x18\x02 \x03(\r\x12\x14\n\x0ctop_logprobs\x18\x03 \x03(\x02\"\xd7\x01\n\x10GenerateResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\x12/\n\rfinish_reason\x18\x02 \x01(\x0e\x32\x18.specdec.v1.FinishReason\x12 \n\x05usage\x18\x03 \x01(\x0b\x32\x11.specdec.v1.Usage\x12\x31\n\x0bspeculation\x18\x04 \x01(\x0b\x32\x1c.specdec.v1.SpeculationStats\x12*\n\x08logprobs\x18\x05 \x03(\x0b\x32\x18.specdec.v1.TokenLogprob\"\x18\n\x16GetVerifierInfoRequest\"\x83\x02\n\x0cVerifierInfo\x12\x12\n\nmodel_name\x18\x01 \x01(\t\x12\x15\n\rmax_model_len\x18\x02 \x01(\r\x12\x12\n\nvocab_size\x18\x03 \x01(\r\x12\x15\n\reos_token_ids\x18\x04 \x03(\r\x12\x1a\n\x12speculative_method\x18\x05 \x01(\t\x12\x1e\n\x16num_speculative_tokens\x18\x06 \x01(\r\x12\x1d\n\x15tokenizer_fingerprint\x18\x07 \x01(\t\x12\x14\n\x0cmax_num_seqs\x18\x08 \x01(\r\x12\x15\n\rstartup_phase\x18\t \x01(\t\x12\x15\n\rdeterministic\x18\n \x01(\x08\"4\n\x06Tensor\x12\x0c\n\x04\x64\x61ta\x18\x01 \x01(\x0c\x12\r\n\x05\x64type\x18\x02 \x01(\t\x12\r\n\x05shape\x18\x03 \x03(\r\"\xb4\x01\n\x0eSequenceUpdate\x12\x0e\n\x06seq_id\x18\x01 \x01(\x04\x12\x15\n\rnew_token_ids\x18\x02 \x03(\r\x12\x1b\n\x13num_accepted_tokens\x18\x03 \x01(\r\x12\x13\n\x0b\x63ontext_len\x18\x04 \x01(\r\x12\x1e\n\x16num_speculative_tokens\x18\x05 \x01(\r\x12)\n\rhidden_states\x18\x06 \x01(\x0b\x32\x12.specdec.v1.Tensor\"\xa0\x01\n\x0eProposeRequest\x12\x0f\n\x07step_id\x18\x01 \x01(\x04\x12-\n\tsequences\x18\x02 \x03(\x0b\x32\x1a.specdec.v1.SequenceUpdate\x12\x18\n\x10\x66inished_seq_ids\x18\x03 \x03(\x04\x12\x34\n\x10\x66inished_outputs\x18\x04 \x03(\x0b\x32\x1a.specdec.v1.FinishedOutput\"T\n\x0e\x46inishedOutput\x12\x0e\n\x06seq_id\x18\x01 \x01(\x04\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\r\x12\x18\n\x10output_token_ids\x18\x03 \x03(\r\"\x8b\x01\n\rSequenceDraft\x12\x0e\n\x06seq_id\x18\x01 \x01(\x04\x12\x17\n\x0f\x64raft_token_ids\x18\x02 \x03(\r\x12\'\n\x0b\x64raft_probs\x18\x03 \x01(\x0b\x32\x12.specdec.v1.Tensor\x12\x14\n\x0cneeds_resync\x18\x04 \x01(\x08\x12\x12\n\nconfidence\x18\x05 \x03(\x02\"M\n\x0fProposeResponse\x12\x0f\n\x07step_id\x18\x01 \x01(\x04\x12)\n\x06\x64rafts\x18\x02 \x03(\x0b\x32\x19.specdec.v1.SequenceDraft\"\x17\n\x15GetDrafterInfoRequest\"\xb4\x01\n\x0b\x44rafterInfo\x12\x0e\n\x06method\x18\x01 \x01(\t\x12\"\n\x1amax_num_speculative_tokens\x18\x02 \x01(\r\x12\x1e\n\x16hidden_state_layer_ids\x18\x03 \x03(\x05\x12\x12\n\nvocab_size\x18\x04 \x01(\r\x12\x1d\n\x15tokenizer_fingerprint\x18\x05 \x01(\t\x12\x1e\n\x16wants_finished_outputs\x18\x06 \x01(\x08*x\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x12\x17\n\x13\x46INISH_REASON_ABORT\x10\x03\x32\x9c\x01\n\x08Verifier\x12G\n\x08Generate\x12\x1b.specdec.v1.GenerateRequest\x1a\x1c.specdec.v1.GenerateResponse0\x01\x12G\n\x07GetInfo\x12\".specdec.v1.GetVerifierInfoRequest\x1a\x18.specdec.v1.VerifierInfo2\x98\x01\n\x07\x44rafter\x12\x46\n\x07Propose\x12\x1a.specdec.v1.ProposeRequest\x1a\x1b.specdec.v1.ProposeResponse(\x01\x30\x01\x12\x45\n\x07GetInfo\x12!.specdec.v1.GetDrafterInfoRequest\x1a\x17.specdec.v1.DrafterInfob\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -33,8 +33,8 @@ if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._loaded_options = None
   _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_options = b'8\001'
-  _globals['_FINISHREASON']._serialized_start=2687
-  _globals['_FINISHREASON']._serialized_end=2807
+  _globals['_FINISHREASON']._serialized_start=2709
+  _globals['_FINISHREASON']._serialized_end=2829
   _globals['_SAMPLINGPARAMS']._serialized_start=41
   _globals['_SAMPLINGPARAMS']._serialized_end=507
   _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_start=437
@@ -48,33 +48,33 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_USAGE']._serialized_start=883
   _globals['_USAGE']._serialized_end=963
   _globals['_SPECULATIONSTATS']._serialized_start=966
-  _globals['_SPECULATIONSTATS']._serialized_end=1186
-  _globals['_TOKENLOGPROB']._serialized_start=1188
-  _globals['_TOKENLOGPROB']._serialized_end=1264
-  _globals['_GENERATERESPONSE']._serialized_start=1267
-  _globals['_GENERATERESPONSE']._serialized_end=1482
-  _globals['_GETVERIFIERINFOREQUEST']._serialized_start=1484
-  _globals['_GETVERIFIERINFOREQUEST']._serialized_end=1508
-  _globals['_VERIFIERINFO']._serialized_start=1511
-  _globals['_VERIFIERINFO']._serialized_end=1770
-  _globals['_TENSOR']._serialized_start=1772
-  _globals['_TENSOR']._serialized_end=1824
-  _globals['_SEQUENCEUPDATE']._serialized_start=1827
-  _globals['_SEQUENCEUPDATE']._serialized_end=2007
-  _globals['_PROPOSEREQUEST']._serialized_start=2010
-  _globals['_PROPOSEREQUEST']._serialized_end=2170
-  _globals['_FINISHEDOUTPUT']._serialized_start=2172
-  _globals['_FINISHEDOUTPUT']._serialized_end=2256
-  _globals['_SEQUENCEDRAFT']._serialized_start=2259
-  _globals['_SEQUENCEDRAFT']._serialized_end=2398
-  _globals['_PROPOSERESPONSE']._serialized_start=2400
-  _globals['_PROPOSERESPONSE']._serialized_end=2477
-  _globals['_GETDRAFTERINFOREQUEST']._serialized_start=2479
-  _globals['_GETDRAFTERINFOREQUEST']._serialized_end=2502
-  _globals['_DRAFTERINFO']._serialized_start=2505
-  _globals['_DRAFTERINFO']._serialized_end=2685
-  _globals['_VERIFIER']._serialized_start=2810
-  _globals['_VERIFIER']._serialized_end=2966
-  _globals['_DRAFTER']._serialized_start=2969
-  _globals['_DRAFTER']._serialized_end=3121
+  _globals['_SPECULATIONSTATS']._serialized_end=1208
+  _globals['_TOKENLOGPROB']._serialized_start=1210
+  _globals['_TOKENLOGPROB']._serialized_end=1286
+  _globals['_GENERATERESPONSE']._serialized_start=1289
+  _globals['_GENERATERESPONSE']._serialized_end=1504
+  _globals['_GETVERIFIERINFOREQUEST']._serialized_start=1506
+  _globals['_GETVERIFIERINFOREQUEST']._serialized_end=1530
+  _globals['_VERIFIERINFO']._serialized_start=1533
+  _globals['_VERIFIERINFO']._serialized_end=1792
+  _globals['_TENSOR']._serialized_start=1794
+  _globals['_TENSOR']._serialized_end=1846
+  _globals['_SEQUENCEUPDATE']._serialized_start=1849
+  _globals['_SEQUENCEUPDATE']._serialized_end=2029
+  _globals['_PROPOSEREQUEST']._serialized_start=2032
+  _globals['_PROPOSEREQUEST']._serialized_end=2192
+  _globals['_FINISHEDOUTPUT']._serialized_start=2194
+  _globals['_FINISHEDOUTPUT']._serialized_end=2278
+  _globals['_SEQUENCEDRAFT']._serialized_start=2281
+  _globals['_SEQUENCEDRAFT']._serialized_end=2420
+  _globals['_PROPOSERESPONSE']._serialized_start=2422
+  _globals['_PROPOSERESPONSE']._serialized_end=2499
+  _globals['_GETDRAFTERINFOREQUEST']._serialized_start=2501
+  _globals['_GETDRAFTERINFOREQUEST']._serialized_end=2524
+  _globals['_DRAFTERINFO']._serialized_start=2527
+  _globals['_DRAFTERINFO']._serialized_end=2707
+  _globals['_VERIFIER']._serialized_start=2832
+  _globals['_VERIFIER']._serialized_end=2988
+  _globals['_DRAFTER']._serialized_start=2991
+  _globals['_DRAFTER']._serialized_end=3143
 # @@protoc_insertion_point(module_scope)

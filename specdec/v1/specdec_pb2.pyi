@@ -102,7 +102,7 @@ class Usage(_message.Message):
     def __init__(self, prompt_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ..., cached_tokens: _Optional[int] = ...) -> None: ...
 
 class SpeculationStats(_message.Message):
-    __slots__ = ("num_drafts", "num_draft_tokens", "num_accepted_tokens", "accepted_per_position", "num_forced_tokens", "policy", "per_step_drafted", "per_step_accepted")
+    __slots__ = ("num_drafts", "num_draft_tokens", "num_accepted_tokens", "accepted_per_position", "num_forced_tokens", "policy", "per_step_drafted", "per_step_accepted", "policy_state")
     NUM_DRAFTS_FIELD_NUMBER: _ClassVar[int]
     NUM_DRAFT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     NUM_ACCEPTED_TOKENS_FIELD_NUMBER: _ClassVar[int]
@@ -111,6 +111,7 @@ class SpeculationStats(_message.Message):
     POLICY_FIELD_NUMBER: _ClassVar[int]
     PER_STEP_DRAFTED_FIELD_NUMBER: _ClassVar[int]
     PER_STEP_ACCEPTED_FIELD_NUMBER: _ClassVar[int]
+    POLICY_STATE_FIELD_NUMBER: _ClassVar[int]
     num_drafts: int
     num_draft_tokens: int
     num_accepted_tokens: int
@@ -119,7 +120,8 @@ class SpeculationStats(_message.Message):
     policy: str
     per_step_drafted: _containers.RepeatedScalarFieldContainer[int]
     per_step_accepted: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, num_drafts: _Optional[int] = ..., num_draft_tokens: _Optional[int] = ..., num_accepted_tokens: _Optional[int] = ..., accepted_per_position: _Optional[_Iterable[int]] = ..., num_forced_tokens: _Optional[int] = ..., policy: _Optional[str] = ..., per_step_drafted: _Optional[_Iterable[int]] = ..., per_step_accepted: _Optional[_Iterable[int]] = ...) -> None: ...
+    policy_state: str
+    def __init__(self, num_drafts: _Optional[int] = ..., num_draft_tokens: _Optional[int] = ..., num_accepted_tokens: _Optional[int] = ..., accepted_per_position: _Optional[_Iterable[int]] = ..., num_forced_tokens: _Optional[int] = ..., policy: _Optional[str] = ..., per_step_drafted: _Optional[_Iterable[int]] = ..., per_step_accepted: _Optional[_Iterable[int]] = ..., policy_state: _Optional[str] = ...) -> None: ...
 
 class TokenLogprob(_message.Message):
     __slots__ = ("logprob", "top_token_ids", "top_logprobs")

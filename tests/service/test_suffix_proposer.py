@@ -12,7 +12,7 @@ import pytest
 from drafter_svc.proposer import ModelOptions
 from drafter_svc.proposer_factory import proposer_factory
 from drafter_svc.server import start_drafter_server, stop_drafter_server
-from drafter_svc.suffix_proposer import SuffixMethod
+from drafter_svc.suffix_proposer import LEAD_IN_MIN_PROB, SuffixMethod
 from specdec.config import SpeculativeConfig
 from specdec.engine.sampling_params import SamplingParams
 from specdec.errors import ConfigError
@@ -120,30 +120,57 @@ def test_a_finished_output_is_drafted_from_by_later_requests_on_other_streams() 
     assert draft(second, 5) == [73, 74, 75]
     second.append_tokens(5, [73, 74, 75], None)
     assert draft(second, 5) == [76, 77]
-    # Of the prompt only its last k / max_spec_factor tokens (here all three) are held, in
-    # front of the output: a prompt ending as the first one did drafts that answer's start.
+    # A later request whose answer starts alike drafts from it at once.
     start(second, 6, [9, 1, 2, 3])
-    assert draft(second, 6) == [70, 71, 72]
+    second.append_tokens(6, [70], None)
+    assert draft(second, 6) == [71]
 
 
 @pytest.mark.parametrize("publish", ["finished", "learnt"])
 def test_an_output_is_held_behind_the_last_tokens_of_its_prompt(publish) -> None:
     method = proposer_factory(suffix(num_speculative_tokens=4))()
     assert isinstance(method, SuffixMethod) and method.params.lead_in == 4
-    prompt, output = [40, 41, 42, 43, 44, 45, 46, 47], [70, 71, 72, 73, 74, 75]
-    if publish == "finished":  # a stream whose verifier sends no finished outputs
-        start(method, 1, prompt)
-        method.append_tokens(1, output, None)
-        method.remove_sequence(1)
-    else:
-        method.learn(7, prompt, output)
-    # A new prompt ending in the whole lead-in: a full k-token draft at the first token.
-    start(method, 2, [9, 44, 45, 46, 47])
-    assert draft(method, 2, 4) == [70, 71, 72, 73]
-    start(method, 3, [9, 46, 47])  # a 2-token match drafts 2 (max_spec_factor 1)
-    assert draft(method, 3, 4) == [70, 71]
-    start(method, 4, [9, 40, 41, 42])  # the prompt before its lead-in is not held
+
+    def publish_output(seq_id: int, prompt: list[int], output: list[int]) -> None:
+        if publish == "finished":  # a stream whose verifier sends no finished outputs
+            start(method, seq_id, prompt)
+            method.append_tokens(seq_id, output, None)
+            method.remove_sequence(seq_id)
+        else:
+            method.learn(seq_id, prompt, output)
+
+    # Three answers behind one prompt ending, three others behind another; all start alike.
+    for seq_id in range(3):
+        publish_output(seq_id, [40, 41, 42, 43, 44, 45, 46, 47], [70, 71, 72, 73, 74, 75])
+        publish_output(10 + seq_id, [50, 51, 52, 53], [70, 81, 82, 83])
+    # A new prompt ending in the lead-in drafts the answers that followed it before its own
+    # answer starts: p = 3/4 (its own occurrence counts, and does not go on), k tokens.
+    start(method, 20, [9, 44, 45, 46, 47])
+    assert draft(method, 20, 4) == [70, 71, 72, 73]
+    # On "70" alone the two kinds of answer tie; the lead-in picks the one this prompt's end
+    # was followed by.
+    start(method, 21, [9, 50, 51, 52, 53])
+    method.append_tokens(21, [70], None)
+    assert draft(method, 21, 4) == [81, 82, 83]
+    start(method, 22, [9, 40, 41, 42])  # the prompt before its lead-in is not held
+    assert draft(method, 22, 4) == []
+
+
+def test_a_lead_in_draft_must_stay_likely() -> None:
+    """One earlier answer behind a prompt ending is p = 1/2 (the new prompt's own occurrence
+    counts): under LEAD_IN_MIN_PROB, so no draft from the lead-in; a chat template's header,
+    the same before every answer, would otherwise draft the commonest answer's start."""
+    method = proposer_factory(suffix(num_speculative_tokens=4))()
+    assert isinstance(method, SuffixMethod) and LEAD_IN_MIN_PROB > 0.5
+    method.learn(1, [40, 41, 42, 43], [70, 71, 72, 73])
+    start(method, 2, [9, 40, 41, 42, 43])
+    assert draft(method, 2, 4) == []
+    method.learn(3, [40, 41, 42, 43], [70, 71, 72, 73])  # two of three: p = 2/3
+    start(method, 4, [9, 40, 41, 42, 43])
     assert draft(method, 4, 4) == []
+    method.learn(5, [40, 41, 42, 43], [70, 71, 72, 73])  # p = 3/4
+    start(method, 6, [9, 40, 41, 42, 43])
+    assert draft(method, 6, 4) == [70, 71, 72, 73]
 
 
 @pytest.mark.parametrize("fields, lead_in", [

@@ -8,7 +8,7 @@ import tracemalloc
 
 import pytest
 
-from drafter_svc.suffix_tree import ROOT, SuffixTree
+from drafter_svc.suffix_tree import ROOT, SuffixTree, speculate_pooled
 
 
 def node_at(tree: SuffixTree, path: list[int]) -> int | None:
@@ -240,3 +240,31 @@ def test_a_node_with_one_child_costs_no_dict() -> None:
 def test_depth_must_be_positive() -> None:
     with pytest.raises(ValueError):
         SuffixTree(0)
+
+
+def test_pooled_tries_draft_as_one_trie_over_their_text() -> None:
+    earlier, own = SuffixTree(8), SuffixTree(8)
+    earlier.insert([1, 2, 3, 1, 2, 3])      # "1 2" went on with 3, twice
+    own_matches = own.extend([], [1, 2])    # this text's own "1 2", not gone on yet
+    pooled = speculate_pooled([(earlier, earlier.match([1, 2])), (own, own_matches)], 4, 1.0, 0.1)
+    # "1 2": 2 + 1 occurrences, 2 going on with 3: p = 2/3; then "1 2 3" (2, only in the
+    # first trie) goes on with 1 once: p = 2/3 x 1/2. At most 2 tokens (a 2-token match).
+    assert pooled.token_ids == [3, 1] and pooled.match_len == 2
+    assert pooled.score == pytest.approx(2 / 3 + 1 / 3)
+    alone = earlier.speculate(earlier.match([1, 2]), 4, 1.0, 0.1)
+    assert alone.token_ids == [3, 1] and alone.score == pytest.approx(1.0 + 0.5)
+    # The same text in one trie drafts the same.
+    both = SuffixTree(8)
+    both.insert([1, 2, 3, 1, 2, 3])
+    matches = both.extend([], [1, 2])
+    assert both.speculate(matches, 4, 1.0, 0.1).score == pytest.approx(pooled.score)
+    assert len(pooled.confidence) == 2
+
+
+def test_a_minimum_match_length_leaves_shorter_matches_out() -> None:
+    tree = SuffixTree(8)
+    matches = tree.extend([], [5, 6, 7, 9, 6, 7, 8, 6, 7])
+    # "6 7" (2 tokens) went on with 9 and 8; "7" alone too; with the match at least 3 long,
+    # only "x 6 7" counts, and no 3-token suffix of the text occurred before.
+    assert tree.speculate(matches, 2, 1.0, 0.1).token_ids
+    assert tree.speculate(matches, 2, 1.0, 0.1, min_match_len=3).token_ids == []

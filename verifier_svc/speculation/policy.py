@@ -94,6 +94,11 @@ INITIAL_RATE = 0.6
 # every ask would never be corrected (see the module docstring).
 COST_REFRESH_PLANS = 2 * MAX_PROBE_INTERVAL
 
+# A sequence's state after a plan (`SpeculationPolicy.states`): it drafts what the plan
+# expects to pay; it is off but probed (one draft token, to measure acceptance again); off.
+DRAFTING, PROBING, OFF = "drafting", "probing", "off"
+POLICY_STATES = (DRAFTING, PROBING, OFF)
+
 
 class SpeculationPolicy:
     """Plans per-sequence draft lengths from measured acceptance and step cost."""
@@ -120,6 +125,8 @@ class SpeculationPolicy:
         # (not probes), by sequence id, and for the whole step when nobody drafts ("").
         self.off_reasons: dict[int, str] = {}
         self.step_off_reason = ""
+        # Set by each plan: the state (POLICY_STATES) of each sequence that could draft.
+        self.states: dict[int, str] = {}
 
     @property
     def last_probes(self) -> list[int]:
@@ -265,6 +272,15 @@ class SpeculationPolicy:
         `num_other_tokens`: tokens the forward runs besides these sequences' one token each
         (prefill chunks), which make the step slower and drafts relatively cheaper.
         """
+        plan = self._plan(candidates, num_other_tokens)
+        probed = set(self.probes.probed)
+        self.states = {candidate.seq_id: (OFF if not plan.get(candidate.seq_id)
+                                          else PROBING if candidate.seq_id in probed
+                                          else DRAFTING)
+                       for candidate in candidates if candidate.max_tokens > 0}
+        return plan
+
+    def _plan(self, candidates: list[Candidate], num_other_tokens: int) -> dict[int, int]:
         self.probes.start_plan()
         self.off_reasons, self.step_off_reason = {}, ""
         if not self.verify_cost.has_data:
