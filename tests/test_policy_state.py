@@ -13,10 +13,10 @@ from prometheus_client import generate_latest
 from gateway.generation import speculation_usage, sum_speculation
 from specdec.engine.sampling_params import SamplingParams
 from specdec.engine.sequence import SpeculationCounters
-from tests.engine_driver import served_engine
-from tests.test_policy_reason import NGRAM, measured_that_drafting_does_not_pay
-from tests.test_speculation_policy import MS, policy_with_cost, teach
-from tests.tiny_models import make_tiny_llama
+from tests.support.engine_harness import served_engine
+from tests.service.test_policy_reason import NGRAM, measured_that_drafting_does_not_pay
+from tests.unit.test_speculation_policy import MS, policy_with_cost, teach
+from tests.support.tiny_models import make_tiny_llama
 from verifier_svc.metrics import VerifierMetrics
 from verifier_svc.requests import collect_outputs
 from verifier_svc.servicer import speculation_to_proto
