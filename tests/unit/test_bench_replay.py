@@ -17,7 +17,7 @@ from specdec.bench.replay_stream import StreamRequest, load_stream, save_stream
 from specdec.bench.replay_proposers import SpecdecSuffix, SuffixSettings
 from specdec.bench.replay_synthetic import synthetic_streams
 
-REFERENCE = Path(__file__).parent / "data" / "suffix_replay_reference.json"
+REFERENCE = Path(__file__).parents[1] / "data" / "suffix_replay_reference.json"
 
 
 class ScriptedProposer:
