@@ -16,30 +16,14 @@ import pytest
 from gateway.generation import speculation_usage
 from specdec.engine.sampling_params import SamplingParams
 from tests.support.engine_harness import served_engine
+from tests.support.policy_training import NGRAM, measured_that_drafting_does_not_pay
 from tests.support.tiny_models import make_tiny_llama
 from verifier_svc.servicer import speculation_to_proto
-from verifier_svc.speculation.policy import SpeculationPolicy
-
-NGRAM = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1,
-         "prompt_lookup_max": 3}
-STEP_S = 0.010
 
 
 @pytest.fixture(scope="module")
 def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return make_tiny_llama(tmp_path_factory.mktemp("tiny-llama-policy-reason"))
-
-
-def measured_that_drafting_does_not_pay(policy: SpeculationPolicy) -> None:
-    for num_tokens in range(1, 17):
-        policy.observe_verify(num_tokens, num_tokens % 4, STEP_S + 0.001 * num_tokens)
-        policy.observe_drafting(1 + num_tokens % 3, 0.001)
-    for _ in range(200):
-        policy.record_draft(-1, 3, 0)  # the engine-wide prior: nothing is accepted
-    for _ in range(20):
-        policy.realized.observe(1, False, 1, STEP_S, STEP_S)
-    for _ in range(300):
-        policy.realized.observe(1, True, 2, 4 * STEP_S, STEP_S)
 
 
 async def test_a_request_the_policy_does_not_draft_for_is_told_why(

@@ -14,8 +14,7 @@ from gateway.generation import speculation_usage, sum_speculation
 from specdec.engine.sampling_params import SamplingParams
 from specdec.engine.sequence import SpeculationCounters
 from tests.support.engine_harness import served_engine
-from tests.service.test_policy_reason import NGRAM, measured_that_drafting_does_not_pay
-from tests.unit.test_speculation_policy import MS, policy_with_cost, teach
+from tests.support.policy_training import MS, NGRAM, measured_that_drafting_does_not_pay, policy_with_cost, teach
 from tests.support.tiny_models import make_tiny_llama
 from verifier_svc.metrics import VerifierMetrics
 from verifier_svc.requests import collect_outputs

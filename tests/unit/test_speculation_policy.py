@@ -6,6 +6,7 @@ import random
 
 import pytest
 
+from tests.support.policy_training import MS, policy_with_cost, teach
 from verifier_svc.speculation.acceptance_stats import AcceptanceStats
 from verifier_svc.speculation.candidate import Candidate
 from verifier_svc.speculation.policy import (
@@ -26,32 +27,10 @@ from verifier_svc.speculation.step_cost import (
     _solve_linear,
 )
 
-MS = 1e-3
-
-
-def policy_with_cost(base_s: float, per_token_s: float, k: int = 4,
-                     draft_s: float = 0.0, per_seq_s: float = 0.0) -> SpeculationPolicy:
-    """A policy that has measured T(N, S) = base + per_token * N + per_seq * S over
-    N = 1..16 tokens, S = 0..3 sequences with drafts."""
-    policy = SpeculationPolicy(k)
-    for num_tokens in range(1, 17):
-        num_seqs = num_tokens % 4
-        policy.observe_verify(num_tokens, num_seqs,
-                              base_s + per_token_s * num_tokens + per_seq_s * num_seqs)
-        policy.observe_drafting(1 + num_tokens % k, draft_s)
-    return policy
-
 
 # Drafts of 4 accepting 0, 1, 2, 3, 4 tokens in turn: conditional acceptance 0.8, 0.75,
 # 0.67, 0.5 at positions 1..4.
 MIXED = (0, 1, 2, 3, 4)
-
-
-def teach(policy: SpeculationPolicy, seq_id: int, num_drafts: int, k: int,
-          num_accepted: int | tuple[int, ...]) -> None:
-    pattern = num_accepted if isinstance(num_accepted, tuple) else (num_accepted,)
-    for index in range(num_drafts):
-        policy.record_draft(seq_id, k, pattern[index % len(pattern)])
 
 
 def test_acceptance_is_conditional_per_position() -> None:
