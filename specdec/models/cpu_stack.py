@@ -79,9 +79,16 @@ def _streamed_weights(packed_layers: list[list[torch.Tensor]], lm_head: nn.Modul
     return tensors
 
 
-def unsupported_reason(model: nn.Module) -> str | None:
-    """Why `model` cannot run as a `CpuDecoderStack` here, or None if it can."""
-    if os.environ.get(CPU_STACK_ENV, "1").strip() == "0":
+def cpu_stack_from_env() -> bool:
+    """False where $SPECDEC_CPU_STACK is 0: the default of the verifier's config field and
+    the choice of a process without one (a drafter)."""
+    return os.environ.get(CPU_STACK_ENV, "1").strip() != "0"
+
+
+def unsupported_reason(model: nn.Module, enabled: bool | None = None) -> str | None:
+    """Why `model` cannot run as a `CpuDecoderStack` here, or None if it can; `enabled`
+    False (None: `cpu_stack_from_env()`) says it is switched off."""
+    if not (cpu_stack_from_env() if enabled is None else enabled):
         return f"{CPU_STACK_ENV}=0"
     if not isinstance(model, LlamaForCausalLM):
         return f"{type(model).__name__} is not a LlamaForCausalLM"
@@ -169,9 +176,10 @@ class CpuDecoderStack:
         return self.model.compute_logits(hidden)
 
 
-def make_cpu_stack(model: nn.Module) -> CpuDecoderStack | None:
-    """A `CpuDecoderStack` over `model`, or None (logged) where it cannot run it."""
-    reason = unsupported_reason(model)
+def make_cpu_stack(model: nn.Module, enabled: bool | None = None) -> CpuDecoderStack | None:
+    """A `CpuDecoderStack` over `model`, or None (logged) where it cannot run it or
+    `enabled` (see `unsupported_reason`) switches it off."""
+    reason = unsupported_reason(model, enabled)
     if reason is not None:
         logger.info("C++ decoder stack not used: %s", reason)
         return None

@@ -120,6 +120,7 @@ def _target_of(model: LlamaForCausalLM, hf_name: str) -> tuple[str, int | None]:
 def load_model(
     model_dir: Path, dtype: torch.dtype, device: torch.device, max_positions: int | None = None,
     parallel: ParallelContext | None = None, borrow_from: Path | None = None,
+    attention_backend: str | None = None,
 ) -> LlamaForCausalLM:
     """Build the model described by `model_dir/config.json` and fill it from the checkpoint.
 
@@ -128,7 +129,8 @@ def load_model(
     rank's tensor-parallel shard is built and read (see `specdec.models.parallel`); its
     `config` is then the rank-local one. With `borrow_from` (another model directory, e.g.
     the target of a shipped draft that leaves out its embedding), tensors the checkpoint
-    lacks are read from there instead, with the same shape checks.
+    lacks are read from there instead, with the same shape checks. `attention_backend`:
+    see `make_attention_backend`.
     """
     model_dir = Path(model_dir)
     started = time.perf_counter()
@@ -137,7 +139,7 @@ def load_model(
         config = rank_config(config, parallel.world_size)
     files = _weight_files(model_dir)
     backend = make_attention_backend(device, config.num_attention_heads, config.num_key_value_heads,
-                                     config.head_dim)
+                                     config.head_dim, attention_backend)
     with torch.device("meta"):
         model = LlamaForCausalLM(config, max_positions=max_positions, attention_backend=backend)
     if parallel is not None:

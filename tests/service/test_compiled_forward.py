@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from specdec.config_flags import build_config
 from specdec.engine.kv_cache import KVCache
 from specdec.errors import ConfigError
 from specdec.layers.attention import AttentionMetadata
@@ -206,7 +207,7 @@ async def test_compiled_speculation_is_plain_decoding(tiny_model: Path) -> None:
 
 def test_compile_refuses_tensor_parallel() -> None:
     with pytest.raises(ConfigError, match="compiled forward does not run with --tensor-parallel"):
-        VerifierConfig(model="m", compile=True, tensor_parallel_size=3)
+        build_config(VerifierConfig, model="m", compile=True, tensor_parallel_size=3)
 
 
 def test_compile_by_default_only_where_it_runs(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from specdec.config_flags import build_config
 from specdec.engine.kv_cache import KVCache
 from specdec.layers.attention import AttentionMetadata
 from specdec.layers.cpu_extension import linear_supports
@@ -322,7 +323,8 @@ def test_the_verifier_says_whether_it_serves_deterministically(model_dir: Path, 
     for name, value in env.items():
         monkeypatch.setenv(name, value)
     with caplog.at_level("INFO", logger="verifier_svc.builder"):
-        _, served = build_engine(VerifierConfig(model=str(model_dir), device="cpu", dtype=dtype, max_model_len=64,
-                                                block_size=BLOCK_SIZE, num_gpu_blocks_override=32))
+        _, served = build_engine(build_config(VerifierConfig, model=str(model_dir), device="cpu",
+                                              dtype=dtype, max_model_len=64,
+                                              block_size=BLOCK_SIZE, num_kv_blocks=32))
     assert served.deterministic is deterministic
     assert caplog.text.count("deterministic serving is off") == (0 if deterministic else 1)

@@ -15,6 +15,7 @@ import httpx
 
 from drafter_svc.server import start_drafter_server, stop_drafter_server
 from specdec.config import SpeculativeConfig
+from specdec.config_flags import build_config
 from tests.support.fake_verifier import SERVED_MODEL, free_port, live_gateway
 from tests.support.tiny_models import make_tiny_llama
 from verifier_svc.builder import VerifierConfig
@@ -88,8 +89,8 @@ def test_the_gateway_serves_what_is_documented(tokenizer) -> None:
 
 async def test_the_verifier_serves_what_is_documented(tmp_path: Path) -> None:
     model = make_tiny_llama(tmp_path / "tiny")
-    config = VerifierConfig(model=str(model), device="cpu", dtype="float32", max_model_len=128,
-                            block_size=4, num_gpu_blocks_override=64)
+    config = build_config(VerifierConfig, model=str(model), device="cpu", dtype="float32",
+                          max_model_len=128, block_size=4, num_kv_blocks=64)
     running = await start_verifier(config, "127.0.0.1", 0, metrics_port=0)
     try:
         assert running.engine.metrics is not None and running.engine.metrics.port is not None

@@ -29,6 +29,7 @@ from drafter_svc.proposer import NgramMethod
 from drafter_svc.proposer_factory import proposer_factory
 from drafter_svc.servicer import DrafterServicer
 from specdec.config import SpeculativeConfig
+from specdec.config_flags import build_config
 from specdec.engine.sampling_params import SamplingParams
 from specdec.v1 import specdec_pb2, specdec_pb2_grpc
 from tests.support.tiny_models import make_tiny_llama
@@ -79,12 +80,13 @@ def stop_process(process: subprocess.Popen[bytes]) -> None:
 
 async def start(model: Path, device: object, *drafter_ports: int,
                 drafter_wait_s: float = 0.0) -> RunningVerifier:
-    config = VerifierConfig(drafter_wait_s=drafter_wait_s, model=str(model), device=str(device), dtype="float32",
-                            max_model_len=512, num_gpu_blocks_override=256,
-                            speculative_config=SPEC, draft_timeout_s=DRAFT_TIMEOUT_S,
-                            drafter_targets=tuple(f"127.0.0.1:{port}" for port in drafter_ports),
-                            # Every step asks for drafts, whatever they achieved before.
-                            adaptive_speculation=False)
+    config = build_config(VerifierConfig, drafter_wait_s=drafter_wait_s, model=str(model),
+                          device=str(device), dtype="float32",
+                          max_model_len=512, num_kv_blocks=256,
+                          speculative_config=SPEC, draft_timeout_s=DRAFT_TIMEOUT_S,
+                          drafter_targets=tuple(f"127.0.0.1:{port}" for port in drafter_ports),
+                          # Every step asks for drafts, whatever they achieved before.
+                          adaptive_speculation=False)
     return await start_verifier(config, "127.0.0.1", 0)
 
 

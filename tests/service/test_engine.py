@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from specdec.config import SpeculativeConfig
+from specdec.config_flags import build_config
 from specdec.engine.sampling_params import SamplingParams
 from specdec.errors import InvalidRequestError
 from tests.support.engine_harness import (
@@ -181,7 +182,7 @@ async def test_concurrent_batch_equals_one_at_a_time(tiny_model: Path, device, e
 
 async def test_preemption_under_a_small_pool_keeps_outputs(tiny_model: Path, device, expected) -> None:
     # 14 blocks of 4 tokens: the four sequences (up to 42 tokens each) cannot all fit.
-    async with ngram_engine(tiny_model, str(device), k=3, num_gpu_blocks_override=14,
+    async with ngram_engine(tiny_model, str(device), k=3, num_kv_blocks=14,
                             max_model_len=56) as engine:
         outputs = await asyncio.gather(*(generate(engine, p, greedy()) for p in PROMPTS))
         assert engine.scheduler.num_preemptions > 0
@@ -341,21 +342,21 @@ def test_kv_pool_is_sized_from_the_memory_budget(tiny_model: Path, device) -> No
 
     model_config = load_model_config(tiny_model)
     per_block = KVCache.bytes_per_block(model_config, 4, torch.float32)
-    config = VerifierConfig(model=str(tiny_model), device=str(device), dtype="float32",
-                            max_model_len=64, max_num_seqs=64, block_size=4,
-                            kv_cache_memory_bytes=100 * per_block + per_block // 2)
+    config = build_config(VerifierConfig, model=str(tiny_model), device=str(device), dtype="float32",
+                          max_model_len=64, max_num_seqs=64, block_size=4,
+                          kv_cache_memory_bytes=100 * per_block + per_block // 2)
     engine, _ = build_engine(config)
     assert engine.scheduler.block_manager.num_blocks == 100
     assert engine.runner.kv_cache.num_blocks == 100
     # Capped at what the limits can ever use: 2 sequences x 16 blocks.
-    engine, _ = build_engine(VerifierConfig(model=str(tiny_model), device=str(device),
-                                            dtype="float32", max_model_len=64, max_num_seqs=2,
-                                            block_size=4, kv_cache_memory_bytes=100 * per_block))
+    engine, _ = build_engine(build_config(VerifierConfig, model=str(tiny_model), device=str(device),
+                                          dtype="float32", max_model_len=64, max_num_seqs=2,
+                                          block_size=4, kv_cache_memory_bytes=100 * per_block))
     assert engine.scheduler.block_manager.num_blocks == 32
     with pytest.raises(ConfigError) as info:
-        build_engine(VerifierConfig(model=str(tiny_model), device=str(device), dtype="float32",
-                                    max_model_len=64, block_size=4,
-                                    kv_cache_memory_bytes=10 * per_block))
+        build_engine(build_config(VerifierConfig, model=str(tiny_model), device=str(device), dtype="float32",
+                                  max_model_len=64, block_size=4,
+                                  kv_cache_memory_bytes=10 * per_block))
     assert info.value.param == "max_model_len"
 
 

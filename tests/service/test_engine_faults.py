@@ -24,7 +24,7 @@ from tests.support.verifier_harness import request, verifier_starter
 from verifier_svc.engine import Engine
 from verifier_svc.requests import EngineError, RequestOutput, collect_outputs
 
-NUM_BLOCKS = 256  # ngram_engine's num_gpu_blocks_override
+NUM_BLOCKS = 256  # ngram_engine's num_kv_blocks
 # Only a guard against a hang (the old engine retried forever): never reached when it works.
 HANG_GUARD_S = 60.0
 

@@ -9,6 +9,7 @@ import pytest
 
 from drafter_svc.server import start_drafter_server, stop_drafter_server
 from specdec.config import SpeculativeConfig
+from specdec.config_flags import build_config
 from specdec.v1 import specdec_pb2, specdec_pb2_grpc
 from tests.support.tiny_models import make_tiny_llama
 from verifier_svc.builder import VerifierConfig
@@ -25,9 +26,9 @@ def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture
 async def verifier(tiny_model: Path, device):
-    running = await start_verifier(VerifierConfig(
+    running = await start_verifier(build_config(VerifierConfig,
         model=str(tiny_model), device=str(device), dtype="float32", max_model_len=128,
-        block_size=4, num_gpu_blocks_override=64), "127.0.0.1", 0)
+        block_size=4, num_kv_blocks=64), "127.0.0.1", 0)
     yield running
     await running.stop()
 

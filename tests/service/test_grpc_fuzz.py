@@ -38,6 +38,7 @@ from drafter_svc.proposer_factory import proposer_factory
 from drafter_svc.server import DRAFTER_SERVICE_NAME, start_drafter_server
 from drafter_svc.servicer import DrafterServicer
 from specdec.config import SpeculativeConfig
+from specdec.config_flags import build_config
 from specdec.rpc.grpc_server import GrpcServer
 from specdec.rpc.tensors import encode_tensor
 from specdec.v1 import specdec_pb2, specdec_pb2_grpc
@@ -132,9 +133,9 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
         specdec_pb2_grpc.add_DrafterServicer_to_server(
             DrafterServicer(eagle_factory, eagle_factory().info), eagle_server.server)
         eagle_port = await eagle_server.start("127.0.0.1", 0)
-        verifier = await start_verifier(VerifierConfig(
+        verifier = await start_verifier(build_config(VerifierConfig,
             model=str(model), device="cpu", dtype="float32", max_model_len=MAX_MODEL_LEN,
-            block_size=4, num_gpu_blocks_override=NUM_BLOCKS, speculative_config=NGRAM,
+            block_size=4, num_kv_blocks=NUM_BLOCKS, speculative_config=NGRAM,
             drafter_targets=(f"127.0.0.1:{ngram_port}",), drafter_wait_s=30.0), "127.0.0.1", 0)
         return [ngram_server, eagle_server], verifier, ngram_port, eagle_port
 

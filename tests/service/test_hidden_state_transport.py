@@ -14,6 +14,7 @@ from drafter_svc.proposer import NgramMethod, ProposerInfo
 from drafter_svc.proposer_factory import proposer_factory
 from drafter_svc.servicer import DrafterServicer
 from specdec.config import SpeculativeConfig
+from specdec.config_flags import build_config
 from specdec.v1 import specdec_pb2, specdec_pb2_grpc
 from verifier_svc.drafting.drafter_pool import DrafterPool, DraftRequest
 
@@ -128,11 +129,11 @@ async def test_engine_sends_the_target_states_of_every_position(tmp_path, device
     model_dir = make_tiny_llama(tmp_path / "tiny")
     servicer = HiddenRecordingServicer((-1, 1))
     server, port = await start(servicer)
-    config = VerifierConfig(model=str(model_dir), device=str(device), dtype="float32",
-                            max_model_len=128, block_size=4, num_gpu_blocks_override=64,
-                            max_num_batched_tokens=8,  # the prompt prefills in chunks
-                            speculative_config=CONFIG, drafter_targets=(f"127.0.0.1:{port}",),
-                            draft_timeout_s=1.0)
+    config = build_config(VerifierConfig, model=str(model_dir), device=str(device), dtype="float32",
+                          max_model_len=128, block_size=4, num_kv_blocks=64,
+                          max_num_batched_tokens=8,  # the prompt prefills in chunks
+                          speculative_config=CONFIG, drafter_targets=(f"127.0.0.1:{port}",),
+                          draft_timeout_s=1.0)
     engine, _ = build_engine(config)
     await engine.start()
     try:

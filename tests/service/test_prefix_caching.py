@@ -231,8 +231,8 @@ async def test_reusing_cached_blocks_gives_the_uncached_greedy_output(tiny_model
 async def test_eviction_under_pressure_keeps_outputs(tiny_model, device) -> None:
     # 24 blocks of 4 tokens: a few requests' worth, so cached blocks are evicted all along.
     uncached, _ = await sequential_outputs(tiny_model, str(device), caching=False,
-                                           num_gpu_blocks_override=24, max_model_len=64)
-    async with ngram_engine(tiny_model, str(device), k=3, num_gpu_blocks_override=24,
+                                           num_kv_blocks=24, max_model_len=64)
+    async with ngram_engine(tiny_model, str(device), k=3, num_kv_blocks=24,
                             max_model_len=64) as engine:
         outputs = []
         for tail in TAILS + TAILS:
@@ -283,7 +283,7 @@ async def test_no_block_leaks_after_mixed_requests(tiny_model, device) -> None:
     """A few hundred requests: shared and distinct prefixes, speculation, cancellations at
     random points, and a pool small enough to preempt; every block comes back once."""
     rng = random.Random(1)
-    async with ngram_engine(tiny_model, str(device), k=3, num_gpu_blocks_override=40,
+    async with ngram_engine(tiny_model, str(device), k=3, num_kv_blocks=40,
                             max_model_len=80, max_num_seqs=6) as engine:
         manager = engine.scheduler.block_manager
 

@@ -22,6 +22,7 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from specdec.config_flags import build_config
 from specdec.v1 import specdec_pb2, specdec_pb2_grpc
 from tests.support.tiny_models import make_tiny_llama
 from verifier_svc.builder import VerifierConfig
@@ -139,9 +140,9 @@ async def test_requests_outliving_the_grace_end_with_unavailable(tiny_model: Pat
     # The short request's 10 steps fit in the grace however slow the machine (up to ~0.45 s
     # of compute a step), the long one's 200 never do (at least 10 s of sleeps).
     grace_s = 5.0
-    verifier = await start_verifier(VerifierConfig(
+    verifier = await start_verifier(build_config(VerifierConfig,
         model=str(tiny_model), device=str(device), dtype="float32", max_model_len=256,
-        block_size=4, num_gpu_blocks_override=NUM_BLOCKS), "127.0.0.1", 0)
+        block_size=4, num_kv_blocks=NUM_BLOCKS), "127.0.0.1", 0)
     engine = verifier.engine
     execute = engine.runner.execute
 

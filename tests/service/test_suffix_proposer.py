@@ -14,6 +14,7 @@ from drafter_svc.proposer_factory import proposer_factory
 from drafter_svc.server import start_drafter_server, stop_drafter_server
 from drafter_svc.suffix_proposer import LEAD_IN_MIN_PROB, SuffixMethod
 from specdec.config import SpeculativeConfig
+from specdec.config_flags import build_config
 from specdec.engine.sampling_params import SamplingParams
 from specdec.errors import ConfigError
 from tests.support.engine_harness import generate
@@ -277,9 +278,9 @@ async def run_stack(target: Path, device: str, spec: dict | None,
         options = ModelOptions(target_model=str(target), device=device)
         drafter, port = await start_drafter_server(config, "127.0.0.1", 0, options=options)
         targets = (f"127.0.0.1:{port}",)
-    engine, _ = build_engine(VerifierConfig(
+    engine, _ = build_engine(build_config(VerifierConfig,
         model=str(target), device=device, dtype="float32", max_model_len=128, block_size=4,
-        num_gpu_blocks_override=256, max_num_batched_tokens=16, speculative_config=config,
+        num_kv_blocks=256, max_num_batched_tokens=16, speculative_config=config,
         drafter_targets=targets, draft_timeout_s=2.0, adaptive_speculation=False))
     await engine.start()
     outputs: list[list[list[int]]] = []

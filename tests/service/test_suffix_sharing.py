@@ -17,6 +17,7 @@ from drafter_svc.proposer_factory import proposer_factory
 from drafter_svc.servicer import DrafterServicer, handle_propose_request
 from drafter_svc.suffix_proposer import GlobalSuffixCache, SuffixMethod
 from specdec.config import SpeculativeConfig
+from specdec.config_flags import build_config
 from specdec.engine.sampling_params import SamplingParams
 from specdec.errors import InvalidRequestError
 from specdec.v1 import specdec_pb2, specdec_pb2_grpc
@@ -214,9 +215,9 @@ async def start_replicas(target: Path, device: str, count: int, **fields) -> lis
 
 async def start_engine(target: Path, device: str, replicas: list[Replica] | None) -> Engine:
     config = suffix() if replicas else None
-    engine, _ = build_engine(VerifierConfig(
+    engine, _ = build_engine(build_config(VerifierConfig,
         model=str(target), device=device, dtype="float32", max_model_len=128, block_size=4,
-        num_gpu_blocks_override=256, max_num_batched_tokens=16, speculative_config=config,
+        num_kv_blocks=256, max_num_batched_tokens=16, speculative_config=config,
         drafter_targets=tuple(f"127.0.0.1:{r.port}" for r in replicas or ()),
         draft_timeout_s=5.0, adaptive_speculation=False))
     await engine.start()

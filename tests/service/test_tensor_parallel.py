@@ -22,6 +22,7 @@ import torch
 
 from drafter_svc.server import start_drafter_server, stop_drafter_server
 from specdec.config import SpeculativeConfig
+from specdec.config_flags import build_config
 from specdec.engine.kv_cache import KVCache
 from specdec.engine.sampling_params import SamplingParams
 from specdec.errors import ConfigError
@@ -59,10 +60,10 @@ def verifier_config(model_dir: Path, tensor_parallel_size: int, **overrides: obj
                     ) -> VerifierConfig:
     values: dict[str, object] = dict(
         model=str(model_dir), device="cpu", dtype="float32", max_model_len=128, max_num_seqs=4,
-        max_num_batched_tokens=64, block_size=4, num_gpu_blocks_override=128,
+        max_num_batched_tokens=64, block_size=4, num_kv_blocks=128,
         tensor_parallel_size=tensor_parallel_size)
     values.update(overrides)
-    return VerifierConfig(**values)  # type: ignore[arg-type]
+    return build_config(VerifierConfig, **values)  # type: ignore[arg-type]
 
 
 def greedy() -> SamplingParams:

@@ -15,6 +15,7 @@ from prometheus_client import generate_latest
 
 from specdec.cli import served_model_name
 from specdec.config import SpeculativeConfig
+from specdec.config_flags import build_config
 from specdec.engine.sampling_params import SamplingParams
 from specdec.v1 import specdec_pb2, specdec_pb2_grpc
 from tests.support.engine_harness import generate
@@ -195,9 +196,9 @@ async def test_the_engines_drafter_errors_reach_prometheus(tiny_model: Path, dev
     address = await serve_drafter(NeverAnswers())
     spec = SpeculativeConfig.parse({"method": "ngram", "num_speculative_tokens": K,
                                     "prompt_lookup_min": 1, "prompt_lookup_max": 3})
-    engine, served = build_engine(VerifierConfig(
+    engine, served = build_engine(build_config(VerifierConfig,
         model=str(tiny_model), device=str(device), dtype="float32", max_model_len=128,
-        block_size=4, num_gpu_blocks_override=64, speculative_config=spec,
+        block_size=4, num_kv_blocks=64, speculative_config=spec,
         drafter_targets=(address,), draft_timeout_s=0.01, adaptive_speculation=False))
     assert engine.metrics is None  # counted whether or not metrics are exported
     await engine.start()
@@ -218,9 +219,9 @@ async def test_the_engines_drafter_errors_reach_prometheus(tiny_model: Path, dev
 
 async def test_get_info_and_metrics_name_the_model_never_its_path(tiny_model: Path, device) -> None:
     for given, expected in ((None, tiny_model.name), ("smollm2-135m-instruct",) * 2):
-        config = VerifierConfig(model=str(tiny_model), served_model_name=given,
-                                device=str(device), dtype="float32", max_model_len=128,
-                                block_size=4, num_gpu_blocks_override=64)
+        config = build_config(VerifierConfig, model=str(tiny_model), served_model_name=given,
+                              device=str(device), dtype="float32", max_model_len=128,
+                              block_size=4, num_kv_blocks=64)
         running = await start_verifier(config, "127.0.0.1", 0, metrics_port=0)
         try:
             async with grpc.aio.insecure_channel(f"127.0.0.1:{running.port}") as channel:
@@ -258,9 +259,9 @@ def test_the_launcher_gives_the_verifier_the_name_not_the_path() -> None:
 
 async def test_prefix_cache_queries_and_hits_reach_prometheus(tiny_model: Path, device) -> None:
     for caching in (True, False):
-        engine, served = build_engine(VerifierConfig(
+        engine, served = build_engine(build_config(VerifierConfig,
             model=str(tiny_model), device=str(device), dtype="float32", max_model_len=128,
-            block_size=4, num_gpu_blocks_override=64, enable_prefix_caching=caching))
+            block_size=4, num_kv_blocks=64, enable_prefix_caching=caching))
         await engine.start()
         try:
             params = SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True)

@@ -9,6 +9,7 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from specdec.config_flags import build_config
 from specdec.v1 import specdec_pb2, specdec_pb2_grpc
 from tests.support.tiny_models import make_tiny_llama
 from verifier_svc.builder import VerifierConfig
@@ -24,8 +25,8 @@ def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture
 async def verifier(tiny_model: Path, device) -> RunningVerifier:
-    config = VerifierConfig(model=str(tiny_model), device=str(device), dtype="float32",
-                            max_model_len=128, block_size=4, num_gpu_blocks_override=NUM_BLOCKS)
+    config = build_config(VerifierConfig, model=str(tiny_model), device=str(device), dtype="float32",
+                          max_model_len=128, block_size=4, num_kv_blocks=NUM_BLOCKS)
     running = await start_verifier(config, "127.0.0.1", 0)
     yield running
     await running.stop()
@@ -111,8 +112,8 @@ async def test_concurrent_streams(verifier: RunningVerifier) -> None:
 async def test_metrics_endpoint(tiny_model: Path, device) -> None:
     import httpx
 
-    config = VerifierConfig(model=str(tiny_model), device=str(device), dtype="float32",
-                            max_model_len=128, block_size=4, num_gpu_blocks_override=NUM_BLOCKS)
+    config = build_config(VerifierConfig, model=str(tiny_model), device=str(device), dtype="float32",
+                          max_model_len=128, block_size=4, num_kv_blocks=NUM_BLOCKS)
     running = await start_verifier(config, "127.0.0.1", 0, metrics_port=0)
     try:
         async with grpc.aio.insecure_channel(f"127.0.0.1:{running.port}") as channel:

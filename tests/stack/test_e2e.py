@@ -26,6 +26,7 @@ import torch
 
 from drafter_svc.server import start_drafter_server, stop_drafter_server
 from specdec.config import SpeculativeConfig
+from specdec.config_flags import build_config
 from specdec.engine.sampling_params import SamplingParams
 from specdec.layers.cpu_extension import linear_supports
 from specdec.models.model_files import DEFAULT_MODEL, load_tokenizer, resolve_model
@@ -59,11 +60,11 @@ async def run_invariance(model_dir: Path, device: str, dtype: str,
                                     "prompt_lookup_min": 1, "prompt_lookup_max": 4})
     drafter, port = await start_drafter_server(spec, "127.0.0.1", 0)
     # bf16 runs compiled, as the CPU default serves it (fp32 runs eagerly).
-    config = VerifierConfig(model=str(model_dir), device=device, dtype=dtype,
-                            compile=dtype == "bfloat16" and device == "cpu",
-                            max_model_len=1024, max_num_seqs=4, num_gpu_blocks_override=256,
-                            speculative_config=spec, drafter_targets=(f"127.0.0.1:{port}",),
-                            draft_timeout_s=1.0)
+    config = build_config(VerifierConfig, model=str(model_dir), device=device, dtype=dtype,
+                          compile=dtype == "bfloat16" and device == "cpu",
+                          max_model_len=1024, max_num_seqs=4, num_kv_blocks=256,
+                          speculative_config=spec, drafter_targets=(f"127.0.0.1:{port}",),
+                          draft_timeout_s=1.0)
     engine, _ = build_engine(config)
     await engine.start()
     await engine.drafter_pool.wait_for_healthy()

@@ -19,6 +19,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from specdec.config_flags import build_config
 from specdec.engine.rejection_sampler import verify
 from specdec.engine.sampling_params import SamplingParams
 from specdec.errors import InvalidRequestError
@@ -103,7 +104,7 @@ async def collect_tokens(queue: asyncio.Queue) -> list[int]:
 async def run(model_dir: Path, spec: dict | None, requests: list[tuple[str, str, SamplingParams]],
               device: str = "cpu", propose=None) -> tuple[list[list[int]], Engine]:
     async with served_engine(model_dir, spec, device, max_model_len=256,
-                             num_gpu_blocks_override=512, max_num_batched_tokens=64) as engine:
+                             num_kv_blocks=512, max_num_batched_tokens=64) as engine:
         if propose is not None:
             assert engine.drafter_pool is not None
             engine.drafter_pool.propose = propose  # type: ignore[method-assign]
@@ -195,8 +196,8 @@ async def test_seeded_sampling_under_a_grammar_does_not_depend_on_speculation(mo
 
 
 async def test_a_bad_grammar_is_an_invalid_request(model_dir) -> None:
-    engine, _ = build_engine(VerifierConfig(model=str(model_dir), device="cpu", dtype="float32",
-                                            max_model_len=128, num_gpu_blocks_override=64))
+    engine, _ = build_engine(build_config(VerifierConfig, model=str(model_dir), device="cpu", dtype="float32",
+                                          max_model_len=128, num_kv_blocks=64))
     try:
         with pytest.raises(InvalidRequestError) as info:
             await engine.compile_grammar("json_schema", '{"type": "object", "properties": 3}')
@@ -248,8 +249,8 @@ async def test_a_tokenizer_without_grammar_support_is_a_clear_invalid_request(tm
     from tests.support.tiny_models import make_tiny_llama
 
     model = make_tiny_llama(tmp_path / "word-level")  # llguidance cannot read its decoder
-    engine, _ = build_engine(VerifierConfig(model=str(model), device="cpu", dtype="float32",
-                                            max_model_len=128, num_gpu_blocks_override=64))
+    engine, _ = build_engine(build_config(VerifierConfig, model=str(model), device="cpu", dtype="float32",
+                                          max_model_len=128, num_kv_blocks=64))
     try:
         for _ in range(2):  # the failure is remembered, and said the same way each time
             with pytest.raises(InvalidRequestError) as info:
@@ -302,7 +303,7 @@ async def test_constrained_and_plain_requests_mixed_in_one_batch(model_dir, defa
     plain_params = SamplingParams(temperature=0.0, max_tokens=12)
     constrained = list(CONSTRAINTS.items())
     async with served_engine(model_dir, NGRAM, "cpu", max_model_len=256,
-                             num_gpu_blocks_override=512, max_num_batched_tokens=256) as engine:
+                             num_kv_blocks=512, max_num_batched_tokens=256) as engine:
         async def one(index: int, constraint: tuple[str, str] | None) -> list[int]:
             grammar = None if constraint is None else await engine.compile_grammar(*constraint)
             prompt = [1] + list(range(100 + index, 130 + index))

@@ -43,7 +43,7 @@ def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 async def run(model: Path, device: str, spec: dict | None, params: SamplingParams,
               logprobs_mode: str = "raw_logprobs") -> tuple[list[tuple[list[int], list[TokenLogprobs]]], Engine]:
-    async with served_engine(model, spec, device, max_model_len=128, num_gpu_blocks_override=256,
+    async with served_engine(model, spec, device, max_model_len=128, num_kv_blocks=256,
                              max_num_batched_tokens=32, logprobs_mode=logprobs_mode) as engine:
         results = await asyncio.gather(*(collect(engine, prompt, params) for prompt in PROMPTS))
     return list(results), engine

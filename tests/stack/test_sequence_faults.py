@@ -144,7 +144,7 @@ def fail_stop_handling(engine: Engine, seq_id: int) -> None:
 def alone(model_dir: Path) -> list[list[int]]:
     async def run() -> list[list[int]]:
         async with served_engine(model_dir, NGRAM, "cpu", max_model_len=256,
-                                 num_gpu_blocks_override=NUM_BLOCKS) as engine:
+                                 num_kv_blocks=NUM_BLOCKS) as engine:
             return [await finish((await outcome(engine, index, PLAIN))[1])  # type: ignore[misc]
                     for index in range(5)]
     return asyncio.run(run())
@@ -159,7 +159,7 @@ def alone(model_dir: Path) -> list[list[int]]:
 ], ids=["fill_masks", "forced_tokens", "valid_prefix_len", "advance", "stop_handling"])
 async def test_a_failing_sequence_fails_alone(model_dir: Path, alone, inject) -> None:
     async with served_engine(model_dir, NGRAM, "cpu", max_model_len=256,
-                             num_gpu_blocks_override=NUM_BLOCKS) as engine:
+                             num_kv_blocks=NUM_BLOCKS) as engine:
         plain, faulty = await run_beside_plain(engine, inject)
         assert plain == alone
         assert isinstance(faulty, EngineError), faulty
@@ -174,7 +174,7 @@ async def test_a_grammar_past_its_limits_is_an_invalid_request_naming_it(model_d
     limit = GrammarLimitError("Parser Error: Current row has 20001 items; max is 2000\n"
                               "<non-verbose/>")
     async with served_engine(model_dir, NGRAM, "cpu", max_model_len=256,
-                             num_gpu_blocks_override=NUM_BLOCKS) as engine:
+                             num_kv_blocks=NUM_BLOCKS) as engine:
         plain, faulty = await run_beside_plain(engine, fail_state("fill_masks", 1, limit))
     assert plain == alone
     assert isinstance(faulty, InvalidRequestError) and faulty.param == "grammar"

@@ -17,6 +17,7 @@ import pytest
 from drafter_svc.proposer import ModelOptions
 from drafter_svc.server import start_drafter_server, stop_drafter_server
 from specdec.config import SpeculativeConfig
+from specdec.config_flags import build_config
 from specdec.drafts import SHIPPED_DRAFTS, drafts_root, shipped_draft_dir
 from specdec.engine.sampling_params import SamplingParams
 from specdec.models.model_files import DEFAULT_MODEL, load_tokenizer, resolve_model
@@ -69,9 +70,9 @@ async def _outputs(target: Path, prompts: list[list[int]], spec: SpeculativeConf
                                num_blocks=64, block_size=16)
         drafter, port = await start_drafter_server(spec, "127.0.0.1", 0, options=options)
         targets = (f"127.0.0.1:{port}",)
-    engine, _ = build_engine(VerifierConfig(
+    engine, _ = build_engine(build_config(VerifierConfig,
         model=str(target), dtype="float32", device="cpu", max_model_len=256, max_num_seqs=4,
-        num_gpu_blocks_override=64, speculative_config=spec, drafter_targets=targets,
+        num_kv_blocks=64, speculative_config=spec, drafter_targets=targets,
         draft_timeout_s=30.0, adaptive_speculation=False))  # k drafts every step
     await engine.start()
     try:

@@ -26,6 +26,7 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from gateway.verifier_client import VerifierClient
+from specdec.config_flags import build_config
 from specdec.models.model_files import PHASE_CONVERTING
 from specdec.startup_health import StartupHealth
 from specdec.v1 import specdec_pb2, specdec_pb2_grpc
@@ -67,8 +68,8 @@ async def test_a_starting_verifier_tells_its_phase_and_refuses_requests(
 
     monkeypatch.setattr(verifier_server, "build_engine", build_held_while_loading)
     port = free_port()
-    config = VerifierConfig(model=str(tiny_model), device="cpu", dtype="float32",
-                            max_model_len=128, num_gpu_blocks_override=64)
+    config = build_config(VerifierConfig, model=str(tiny_model), device="cpu", dtype="float32",
+                          max_model_len=128, num_kv_blocks=64)
     starting = asyncio.ensure_future(start_verifier(config, "127.0.0.1", port))
     client = VerifierClient([f"127.0.0.1:{port}"], reprobe_interval_s=0.05)
     try:

@@ -10,6 +10,7 @@ from pathlib import Path
 from drafter_svc.proposer import ModelOptions
 from drafter_svc.server import start_drafter_server, stop_drafter_server
 from specdec.config import SpeculativeConfig
+from specdec.config_flags import build_config
 from specdec.engine.sampling_params import SamplingParams
 from verifier_svc.builder import VerifierConfig, build_engine
 from verifier_svc.engine import Engine
@@ -25,7 +26,7 @@ PROMPTS = [
 MAX_TOKENS = 24
 # ngram_engine's batch and pool: room for PROMPTS at once, a few blocks each.
 SMALL_ENGINE: dict[str, object] = dict(
-    max_model_len=256, max_num_seqs=8, max_num_batched_tokens=64, num_gpu_blocks_override=256,
+    max_model_len=256, max_num_seqs=8, max_num_batched_tokens=64, num_kv_blocks=256,
     draft_timeout_s=1.0)
 
 
@@ -78,7 +79,7 @@ async def served_engine(model_dir: Path, spec: dict | SpeculativeConfig | None, 
         # Fixed k: these tests need drafts every step; adaptive k has tests of its own.
         adaptive_speculation=False)
     values.update(config)
-    engine, _ = build_engine(VerifierConfig(**values))  # type: ignore[arg-type]
+    engine, _ = build_engine(build_config(VerifierConfig, **values))  # type: ignore[arg-type]
     await engine.start()
     try:
         if drafter is not None:

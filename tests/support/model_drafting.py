@@ -31,7 +31,7 @@ async def serve_and_generate(target: Path, device: str, spec: dict | None,
     """Runs PROMPTS concurrently through an engine (and a drafter for `spec`)."""
     async with served_engine(
             target, spec, device, expect_healthy=expect_healthy, healthy_timeout_s=3.0,
-            drafter_options=drafter_options, max_model_len=128, num_gpu_blocks_override=256,
+            drafter_options=drafter_options, max_model_len=128, num_kv_blocks=256,
             max_num_batched_tokens=16, compile=compile_forward,
             # Drafts every step: a seeded sample with drafted probabilities depends on which
             # drafts came, and the adaptive policy's choices depend on measured times.

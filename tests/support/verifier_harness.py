@@ -9,6 +9,7 @@ from pathlib import Path
 
 import torch
 
+from specdec.config_flags import build_config
 from specdec.v1 import specdec_pb2
 from verifier_svc.builder import VerifierConfig
 from verifier_svc.server import RunningVerifier, start_verifier
@@ -36,9 +37,9 @@ async def verifier_starter(model: Path, device: torch.device, num_blocks: int,
     async def start_one(**overrides: object) -> RunningVerifier:
         values: dict[str, object] = dict(
             model=str(model), device=str(device), dtype="float32", max_model_len=128,
-            block_size=4, num_gpu_blocks_override=num_blocks)
+            block_size=4, num_kv_blocks=num_blocks)
         values.update(overrides)
-        verifier = await start_verifier(VerifierConfig(**values), "127.0.0.1", 0)  # type: ignore[arg-type]
+        verifier = await start_verifier(build_config(VerifierConfig, **values), "127.0.0.1", 0)  # type: ignore[arg-type]
         running.append(verifier)
         if step_s is not None:
             slow_down(verifier, step_s)
