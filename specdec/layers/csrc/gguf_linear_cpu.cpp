@@ -27,7 +27,7 @@
 // scale group (32 inputs, 16 for Q6_K) are summed in fp32 apart and then scaled into the
 // row's sums: acc += part * scale (+ min * sum of the group's inputs, precomputed per row).
 // So the result is the dequantised weight's product up to fp32 summation order (and, for
-// bf16 rows, the output's rounding): tests hold it to that (tests/test_gguf_linear.py).
+// bf16 rows, the output's rounding): tests hold it to that (tests/unit/test_gguf_linear.py).
 //
 // Row invariance: a row's sums take the same operations in the same order whatever the
 // number of rows in the call (tiles of up to kQuantTileRows rows share each decoded pair
