@@ -4,7 +4,7 @@ PORT ?= 18080
 SPEC ?= {"num_speculative_tokens":1,"method":"ngram","prompt_lookup_min":1,"prompt_lookup_max":8}
 PYTEST_ARGS ?=
 
-.PHONY: install install-test test test-fast serve bench protos compose-config
+.PHONY: install install-test test test-fast lint serve bench protos compose-config
 
 # pip takes torch==2.13.0 from the CPU wheel on disk (see pyproject.toml). Serving needs the
 # project alone; the tests add their extras. pip shows its progress: a first install takes
@@ -23,6 +23,13 @@ test: install-test
 # model. It installs nothing: `make install-test` once first.
 test-fast:
 	$(PYTHON) -m pytest -q tests/unit $(PYTEST_ARGS)
+
+# Static checks, as CI runs them: ruff (unused code and imports, bugbear, style) and mypy on
+# the four packages (configuration in pyproject.toml; the linters' versions are pinned there).
+lint:
+	$(PYTHON) -m pip install -q -e '.[lint]'
+	$(PYTHON) -m ruff check specdec gateway drafter_svc verifier_svc tests
+	$(PYTHON) -m mypy
 
 serve: install
 	$(PYTHON) -m specdec serve --port $(PORT) --speculative-config '$(SPEC)'
