@@ -24,6 +24,7 @@ import numpy as np
 
 from drafter_svc.ngram_proposer import NgramProposer
 from specdec.config import SpeculativeConfig
+from specdec.config_flags import flag
 from specdec.errors import ConfigError
 
 if TYPE_CHECKING:  # torch is imported only by methods that run a model
@@ -121,18 +122,26 @@ class ModelOptions:
     # The target the drafts are for: eagle heads borrow its embedding and lm_head and
     # report its tokenizer; eagle3 derives its default layer ids from its depth.
     # specdec.models.DEFAULT_MODEL, spelled out: importing it would pull in torch.
-    target_model: str = "smollm2-135m-instruct"
-    dtype: str = "auto"
-    device: str = "auto"
+    target_model: str = field(default="smollm2-135m-instruct", metadata=flag(
+        "the verifier's model (eagle / eagle3 borrow its embedding and lm_head and report its "
+        "tokenizer)"))
+    dtype: str = field(default="auto", metadata=flag(
+        "draft model dtype: auto (float32 on cpu, bfloat16 on accelerators), float32, "
+        "bfloat16, float16"))
+    device: str = field(default="auto", metadata=flag("auto, cpu, cuda or npu"))
     # The draft KV pool, shared by all streams: num_blocks x block_size token slots.
-    num_blocks: int = 512
-    block_size: int = 16
+    num_blocks: int = field(default=512, metadata=flag(
+        "draft KV cache blocks shared by all streams"))
+    block_size: int = field(default=16, metadata=flag("tokens per draft KV block"))
     # Longest context accepted and drafted for (RoPE table size); None: the model's
     # max_position_embeddings (ngram: the target's, else DEFAULT_NGRAM_MAX_MODEL_LEN).
-    max_model_len: int | None = None
+    max_model_len: int | None = field(default=None, metadata=flag(
+        "longest context held and drafted for; longer ones get no drafts (default: the "
+        "model's maximum; ngram: the --target-model directory's, else 8192)"))
     # Sample drafts from the draft distribution and send it as draft_probs (default: greedy).
-    draft_sampling: bool = False
-    seed: int = 0
+    draft_sampling: bool = field(default=False, metadata=flag(
+        "sample drafts and send their probabilities (default: greedy drafts)"))
+    seed: int = field(default=0, metadata=flag("seed for --draft-sampling"))
 
     def __post_init__(self) -> None:
         for name in ("num_blocks", "block_size"):

@@ -18,16 +18,10 @@ import grpc
 from drafter_svc.metrics import DrafterMetrics
 from drafter_svc.proposer import ModelOptions
 from drafter_svc.proposer_factory import proposer_factory
-from drafter_svc.servicer import (
-    DEFAULT_MAX_PROPOSE_STREAMS,
-    DEFAULT_MAX_SEQS_PER_STREAM,
-    DEFAULT_MAX_TOKENS_PER_STREAM,
-    DEFAULT_SEQ_IDLE_TIMEOUT_S,
-    DrafterServicer,
-    StreamLimits,
-)
-from specdec.cli import DefaultsHelpFormatter
+from drafter_svc.servicer import DrafterServicer, StreamLimits
+from specdec.cli import DEFAULT_PORTS, DefaultsHelpFormatter, add_listen_args, add_logging_args, setup_logging
 from specdec.config import SpeculativeConfig
+from specdec.config_flags import add_config_args, build_config
 from specdec.errors import ConfigError
 from specdec.heap import freeze_startup_heap
 from specdec.rpc.grpc_server import SHUTDOWN_GRACE_S, GrpcServer, run_until_signalled
@@ -41,7 +35,7 @@ from specdec.v1 import specdec_pb2, specdec_pb2_grpc
 
 logger = logging.getLogger(__name__)
 
-DEFAULT_PORT = 50052
+DEFAULT_PORT = DEFAULT_PORTS["drafter"]
 DRAFTER_SERVICE_NAME = specdec_pb2.DESCRIPTOR.services_by_name["Drafter"].full_name
 SHUTDOWN_DETAILS = "drafter shutting down"
 # How long the ended streams get to send their status before the server stops anyway.
@@ -156,50 +150,10 @@ def build_arg_parser() -> argparse.ArgumentParser:
     parser.add_argument("--speculative-config", required=True,
                         help='vLLM-style JSON, e.g. \'{"method": "ngram", '
                              '"num_speculative_tokens": 3, "prompt_lookup_max": 4}\'')
-    parser.add_argument("--host", default="127.0.0.1", help="address to bind (default %(default)s)")
-    parser.add_argument("--metrics-port", type=int, default=None,
-                        help="serve Prometheus metrics over HTTP at /metrics on this port")
-    parser.add_argument("--port", type=int, default=DEFAULT_PORT,
-                        help="port to bind; 0 picks a free one and logs it (default %(default)s)")
-    defaults = ModelOptions()
-    parser.add_argument("--target-model", default=defaults.target_model,
-                        help="the verifier's model (eagle / eagle3 borrow its embedding and "
-                             "lm_head and report its tokenizer; default %(default)s)")
-    parser.add_argument("--dtype", default=defaults.dtype,
-                        help="draft model dtype: auto (float32 on cpu, bfloat16 on accelerators), "
-                             "float32, bfloat16, float16 (default %(default)s)")
-    parser.add_argument("--device", default=defaults.device,
-                        help="auto, cpu, cuda or npu (default %(default)s)")
-    parser.add_argument("--num-blocks", type=int, default=defaults.num_blocks,
-                        help="draft KV cache blocks shared by all streams (default %(default)s)")
-    parser.add_argument("--block-size", type=int, default=defaults.block_size,
-                        help="tokens per draft KV block (default %(default)s)")
-    parser.add_argument("--max-model-len", type=int, default=None,
-                        help="longest context held and drafted for; longer ones get no drafts "
-                             "(default: the model's maximum; ngram: the --target-model "
-                             "directory's, else 8192)")
-    parser.add_argument("--max-seqs-per-stream", type=int, default=DEFAULT_MAX_SEQS_PER_STREAM,
-                        help="sequences one verifier stream may hold; a new one evicts the least "
-                             "recently updated (at least the verifier's --max-num-seqs; default "
-                             "%(default)s)")
-    parser.add_argument("--max-tokens-per-stream", type=int,
-                        default=DEFAULT_MAX_TOKENS_PER_STREAM,
-                        help="tokens one verifier stream may hold over all its sequences; a "
-                             "sequence that would pass it is not drafted for (default "
-                             "%(default)s)")
-    parser.add_argument("--max-propose-streams", type=int, default=DEFAULT_MAX_PROPOSE_STREAMS,
-                        help="Propose streams open at once; one more is refused with "
-                             "RESOURCE_EXHAUSTED (default %(default)s)")
-    parser.add_argument("--seq-idle-timeout-s", type=float, default=DEFAULT_SEQ_IDLE_TIMEOUT_S,
-                        help="evict the state of a sequence not updated for this long "
-                             "(default %(default)s)")
-    parser.add_argument("--draft-sampling", action="store_true",
-                        help="sample drafts and send their probabilities (default: greedy drafts)")
-    parser.add_argument("--seed", type=int, default=defaults.seed,
-                        help="seed for --draft-sampling (default %(default)s)")
-    parser.add_argument("--log-level", default="info", type=str.lower,
-                        choices=("debug", "info", "warning", "error"),
-                        help="logging level (default %(default)s)")
+    add_listen_args(parser, "drafter")
+    add_config_args(parser, ModelOptions)
+    add_config_args(parser, StreamLimits)
+    add_logging_args(parser)
     add_grpc_tls_args(parser, client=False)
     add_internal_auth_args(parser)
     return parser
@@ -219,9 +173,7 @@ async def serve(config: SpeculativeConfig, host: str, port: int, options: ModelO
 
 def main(argv: list[str] | None = None) -> int:
     args = build_arg_parser().parse_args(argv)
-    # The same format as specdec.cli.setup_logging (not imported: it pulls in torch).
-    logging.basicConfig(level=args.log_level.upper(),
-                        format="%(asctime)s drafter %(levelname)s %(name)s: %(message)s")
+    setup_logging(args.log_level, "drafter")
     try:
         config = SpeculativeConfig.parse(args.speculative_config)
         if config is None:
@@ -229,14 +181,8 @@ def main(argv: list[str] | None = None) -> int:
                               param="speculative_config")
         if not 0 <= args.port <= 65535:
             raise ConfigError(f"--port must be in [0, 65535], got {args.port}", param="port")
-        options = ModelOptions(target_model=args.target_model, dtype=args.dtype, device=args.device,
-                               num_blocks=args.num_blocks, block_size=args.block_size,
-                               max_model_len=args.max_model_len,
-                               draft_sampling=args.draft_sampling, seed=args.seed)
-        limits = StreamLimits(max_seqs_per_stream=args.max_seqs_per_stream,
-                              seq_idle_timeout_s=args.seq_idle_timeout_s,
-                              max_tokens_per_stream=args.max_tokens_per_stream,
-                              max_propose_streams=args.max_propose_streams)
+        options = build_config(ModelOptions, args)
+        limits = build_config(StreamLimits, args)
         tls = grpc_tls_from_args(args)
         internal_token = load_internal_token(args.internal_token_file)
         check_server_token(internal_token, args.host, args.insecure_no_internal_token,

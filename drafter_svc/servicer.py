@@ -49,7 +49,7 @@ import math
 import time
 from collections import OrderedDict
 from collections.abc import AsyncIterator, Callable, Generator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, cast
 
 import grpc
@@ -61,6 +61,7 @@ from drafter_svc.proposer import (
     Proposer,
     ProposerInfo,
 )
+from specdec.config_flags import flag
 from specdec.errors import ConfigError, InvalidRequestError, OverloadedError, SpecdecError
 from specdec.rpc.grpc_status import abort_with
 from specdec.v1 import specdec_pb2, specdec_pb2_grpc
@@ -101,16 +102,22 @@ class StreamLimits:
     """What one Propose stream may hold (drafter flags); the model's own limits (vocabulary,
     max-model-len) come from ProposerInfo."""
 
-    max_seqs_per_stream: int = DEFAULT_MAX_SEQS_PER_STREAM
-    seq_idle_timeout_s: float = DEFAULT_SEQ_IDLE_TIMEOUT_S
-    max_tokens_per_stream: int = DEFAULT_MAX_TOKENS_PER_STREAM
-    max_propose_streams: int = DEFAULT_MAX_PROPOSE_STREAMS
+    max_seqs_per_stream: int = field(default=DEFAULT_MAX_SEQS_PER_STREAM, metadata=flag(
+        "sequences one verifier stream may hold; a new one evicts the least recently updated "
+        "(at least the verifier's --max-num-seqs)"))
+    seq_idle_timeout_s: float = field(default=DEFAULT_SEQ_IDLE_TIMEOUT_S, metadata=flag(
+        "evict the state of a sequence not updated for this long"))
+    max_tokens_per_stream: int = field(default=DEFAULT_MAX_TOKENS_PER_STREAM, metadata=flag(
+        "tokens one verifier stream may hold over all its sequences; a sequence that would "
+        "pass it is not drafted for"))
+    max_propose_streams: int = field(default=DEFAULT_MAX_PROPOSE_STREAMS, metadata=flag(
+        "Propose streams open at once; one more is refused with RESOURCE_EXHAUSTED"))
 
     def __post_init__(self) -> None:
         for name in ("max_seqs_per_stream", "max_tokens_per_stream", "max_propose_streams"):
             if getattr(self, name) < 1:
-                flag = "--" + name.replace("_", "-")
-                raise ConfigError(f"{flag} must be >= 1, got {getattr(self, name)}", param=name)
+                option = "--" + name.replace("_", "-")
+                raise ConfigError(f"{option} must be >= 1, got {getattr(self, name)}", param=name)
         if not self.seq_idle_timeout_s > 0:
             raise ConfigError(f"--seq-idle-timeout-s must be > 0, got {self.seq_idle_timeout_s}",
                               param="seq_idle_timeout_s")

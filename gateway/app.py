@@ -44,6 +44,7 @@ from gateway.http_io import (
 )
 from gateway.generation import build_generate_request, choice_requests
 from gateway.logprobs import TokenTexts
+from gateway.spec_decode_metrics import MODES as SPEC_DECODE_METRICS_MODES
 from gateway.spec_decode_metrics import check_mode as check_spec_decode_metrics_mode
 from gateway.metrics import GatewayMetrics, RequestCountMiddleware
 from gateway.protocol import (
@@ -56,33 +57,55 @@ from gateway.request_options import OutputOptions, PromptOptions, boolean_field,
 from gateway.tool_chat import ToolOutput, ToolSettings, plan_tools, template_messages
 from gateway.tools import TOOL_CALL_PARSERS, template_accepts_tools
 from gateway.verifier_client import VerifierClient
+from specdec.cli import DEFAULT_PORTS
+from specdec.config_flags import flag, nested
 from specdec.errors import ConfigError
 from specdec.grammar_checker import GrammarChecker, GrammarLimits
+from specdec.rpc.address import parse_host_port
 
 logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
 class GatewayConfig:
-    """Validated start-up configuration of one gateway."""
+    """Validated start-up configuration of one gateway; `python -m gateway`'s flags are its
+    fields' (specdec.config_flags)."""
 
-    model: str
-    verifier_addresses: tuple[str, ...] = ()
+    model: str = field(metadata=flag(
+        "model whose tokenizer and chat template to load (a path or a shipped model name, as "
+        "given to the verifier)"))
+    verifier_addresses: tuple[str, ...] = field(default=(), metadata=flag(
+        "verifier gRPC address; repeat for several (round-robin)", name="--verifier",
+        metavar="HOST:PORT", repeated=True, required=True))
     # Defaults to `model` as given (vLLM).
-    served_model_name: str | None = None
+    served_model_name: str | None = field(default=None, metadata=flag(
+        "model name in the API (default: --model as given)"))
     # Defaults to the verifier's (GetInfo).
-    max_model_len: int | None = None
-    api_key: str | None = None
-    host: str = "127.0.0.1"
-    port: int = 18080
+    max_model_len: int | None = field(default=None, metadata=flag(
+        "context length limit (default: the verifier's)"))
+    trust_remote_code: bool = field(default=False, metadata=flag(
+        "accepted for vLLM compatibility"))
+    # From --api-key, --api-key-file or the environment (gateway.__main__), never a flag of
+    # its own here: a child's argv is visible to every local user.
+    api_key: str | None = field(default=None, repr=False)
+    host: str = field(default="127.0.0.1", metadata=flag("address to bind"))
+    port: int = field(default=DEFAULT_PORTS["gateway"], metadata=flag("HTTP port to bind"))
     max_request_bytes: int = 32 * 1024 * 1024
     # vLLM's flags: tool_choice "auto" needs both (and a chat template that renders tools).
-    enable_auto_tool_choice: bool = False
-    tool_call_parser: str | None = None
+    enable_auto_tool_choice: bool = field(default=False, metadata=flag(
+        'allow tool_choice "auto" (the default when a request has tools): the tools go through '
+        "the chat template (or specdec's own system prompt where it renders none), and the "
+        "output is parsed by --tool-call-parser (vLLM's flag)"))
+    tool_call_parser: str | None = field(default=None, metadata=flag(
+        'how tool_choice "auto" output is read for tool calls (vLLM\'s flag; hermes: '
+        "<tool_call>{...}</tool_call> blocks)", choices=tuple(sorted(TOOL_CALL_PARSERS))))
     # vLLM's per-request speculative metrics in responses (gateway.spec_decode_metrics).
-    per_request_spec_decode_metrics: str = "none"
+    per_request_spec_decode_metrics: str = field(default="none", metadata=flag(
+        "vLLM's per-request speculative metrics in each response's top-level `metrics` "
+        "(summary: acceptance length and rate, acceptance histogram; detailed: also each "
+        "drafting step's drafted and accepted counts)", choices=SPEC_DECODE_METRICS_MODES))
     # What one structured-output constraint may cost (specdec.grammar_checker).
-    grammar_limits: GrammarLimits = field(default_factory=GrammarLimits)
+    grammar_limits: GrammarLimits = field(default_factory=GrammarLimits, metadata=nested())
 
     def __post_init__(self) -> None:
         check_spec_decode_metrics_mode(self.per_request_spec_decode_metrics)
@@ -96,10 +119,7 @@ class GatewayConfig:
                               param="tool_call_parser")
         object.__setattr__(self, "verifier_addresses", tuple(self.verifier_addresses))
         for address in self.verifier_addresses:
-            host, _, port = address.rpartition(":")
-            if not host or not port.isdigit() or not 0 < int(port) < 65536:
-                raise ConfigError(f"--verifier must be host:port, got {address!r}",
-                                  param="verifier")
+            parse_host_port(address, "--verifier")
         if self.max_model_len is not None and self.max_model_len < 1:
             raise ConfigError(f"--max-model-len must be >= 1, got {self.max_model_len}",
                               param="max_model_len")

@@ -9,7 +9,6 @@ ignored (clients send many). `null` means "use the default".
 from __future__ import annotations
 
 import json
-import math
 import re
 from dataclasses import dataclass, field
 from typing import Any
@@ -26,17 +25,14 @@ from gateway.request_options import (
 from gateway.structured import GrammarRequest, grammar_from_request
 from gateway.tool_chat import ToolRequest, parse_tool_request
 from gateway.unhonoured_fields import refuse_unhonoured_fields
+from specdec.engine.sampling_params import INTEGER_BOUNDS, MAX_ABS_LOGIT_BIAS, check_number
 from specdec.errors import InvalidRequestError
 
-MAX_TEMPERATURE = 100.0
 MAX_STOP_STRINGS = 64
 MAX_STOP_STRING_CHARS = 1024
 MAX_STOP_TOKEN_IDS = 1024
-# OpenAI's bound on top_logprobs (and vLLM's default --max-logprobs is 20).
-MAX_TOP_LOGPROBS = 20
 # A hard bound on n; the verifier's max_num_seqs is the one that usually applies.
 MAX_CHOICES = 1024
-_SEED_RANGE = (-(2**63), 2**64 - 1)
 
 
 @dataclass(frozen=True, slots=True)
@@ -187,23 +183,14 @@ def _reject_lone_surrogates(body: dict[str, Any]) -> None:
             stack.extend((item, field) for item in value)
 
 
-def _number(body: dict[str, Any], name: str, default: float, *, minimum: float,
-            maximum: float, min_exclusive: bool = False) -> float:
+def _number(body: dict[str, Any], name: str, default: float) -> float:
+    """A sampling parameter's number, within its bounds (specdec.engine.sampling_params)."""
     value = body.get(name)
     if value is None:
         return default
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         raise InvalidRequestError(f"{name} must be a number, got {type_name(value)}.", name)
-    try:
-        number = float(value)
-    except OverflowError:
-        number = math.inf
-    too_low = number <= minimum if min_exclusive else number < minimum
-    if too_low or number > maximum or not math.isfinite(number):
-        low = "(" if min_exclusive else "["
-        raise InvalidRequestError(
-            f"{name} must be in {low}{minimum:g}, {maximum:g}], got {value}.", name)
-    return number
+    return check_number(name, value)
 
 
 def _integer(body: dict[str, Any], name: str, *, minimum: int,
@@ -219,8 +206,15 @@ def _integer(body: dict[str, Any], name: str, *, minimum: int,
     return value
 
 
+def _sampling_integer(body: dict[str, Any], name: str, field: str | None = None) -> int | None:
+    """A sampling parameter's integer, within the bounds of `field` (default `name`) in
+    specdec.engine.sampling_params."""
+    bounds = INTEGER_BOUNDS[field or name]
+    return _integer(body, name, minimum=int(bounds.low), maximum=int(bounds.high))
+
+
 def _top_k(body: dict[str, Any]) -> int:
-    value = _integer(body, "top_k", minimum=-1, maximum=2**31 - 1)
+    value = _sampling_integer(body, "top_k")
     return -1 if value is None or value == 0 else value
 
 
@@ -286,9 +280,9 @@ def _logprobs(body: dict[str, Any], chat: bool) -> int | None:
     """Chat: `logprobs` (boolean) and `top_logprobs` (0-20, needs logprobs). Completions:
     `logprobs` (0-20, the legacy integer)."""
     if not chat:
-        return _integer(body, "logprobs", minimum=0, maximum=MAX_TOP_LOGPROBS)
+        return _sampling_integer(body, "logprobs")
     enabled = boolean_field(body, "logprobs", False)
-    top = _integer(body, "top_logprobs", minimum=0, maximum=MAX_TOP_LOGPROBS)
+    top = _sampling_integer(body, "top_logprobs", "logprobs")
     if top and not enabled:
         raise InvalidRequestError("top_logprobs needs logprobs set to true.", "top_logprobs")
     return (top or 0) if enabled else None
@@ -310,10 +304,10 @@ def _logit_bias(body: dict[str, Any]) -> tuple[tuple[int, float], ...]:
                 f"logit_bias keys must be token ids (non-negative integers), got {key!r}.",
                 "logit_bias")
         if isinstance(bias, bool) or not isinstance(bias, (int, float)) or not (
-                -100.0 <= bias <= 100.0):
+                -MAX_ABS_LOGIT_BIAS <= bias <= MAX_ABS_LOGIT_BIAS):
             raise InvalidRequestError(
-                f"logit_bias values must be numbers in [-100, 100], got {bias!r} for token "
-                f"{key}.", "logit_bias")
+                f"logit_bias values must be numbers in [-{MAX_ABS_LOGIT_BIAS:g}, "
+                f"{MAX_ABS_LOGIT_BIAS:g}], got {bias!r} for token {key}.", "logit_bias")
         token_id = int(key)
         if token_id in pairs:  # "7" and "07"
             raise InvalidRequestError(f"logit_bias names token {token_id} twice.", "logit_bias")
@@ -344,24 +338,23 @@ COMPLETIONS_DEFAULT_MAX_TOKENS = 16
 def parse_sampling(body: dict[str, Any], *, chat: bool = True) -> SamplingOptions:
     _reject_unsupported(body)
     # max_completion_tokens is the newer name; it wins when both are given.
-    max_tokens = _integer(body, "max_completion_tokens", minimum=1, maximum=2**31 - 1)
+    max_tokens = _sampling_integer(body, "max_completion_tokens", "max_tokens")
     if max_tokens is None:
-        max_tokens = _integer(body, "max_tokens", minimum=1, maximum=2**31 - 1)
-    seed = _integer(body, "seed", minimum=_SEED_RANGE[0], maximum=_SEED_RANGE[1])
+        max_tokens = _sampling_integer(body, "max_tokens")
+    seed = _sampling_integer(body, "seed")
     stop_token_ids = body.get("stop_token_ids")
-    min_tokens = _integer(body, "min_tokens", minimum=0, maximum=2**31 - 1) or 0
+    min_tokens = _sampling_integer(body, "min_tokens") or 0
     if max_tokens is not None and min_tokens > max_tokens:
         raise InvalidRequestError(
             f"min_tokens ({min_tokens}) must be at most max_tokens ({max_tokens}).", "min_tokens")
     return SamplingOptions(
-        temperature=_number(body, "temperature", 1.0, minimum=0.0, maximum=MAX_TEMPERATURE),
-        top_p=_number(body, "top_p", 1.0, minimum=0.0, maximum=1.0, min_exclusive=True),
+        temperature=_number(body, "temperature", 1.0),
+        top_p=_number(body, "top_p", 1.0),
         top_k=_top_k(body),
-        repetition_penalty=_number(body, "repetition_penalty", 1.0, minimum=0.0,
-                                   maximum=MAX_TEMPERATURE, min_exclusive=True),
-        presence_penalty=_number(body, "presence_penalty", 0.0, minimum=-2.0, maximum=2.0),
-        frequency_penalty=_number(body, "frequency_penalty", 0.0, minimum=-2.0, maximum=2.0),
-        min_p=_number(body, "min_p", 0.0, minimum=0.0, maximum=1.0),
+        repetition_penalty=_number(body, "repetition_penalty", 1.0),
+        presence_penalty=_number(body, "presence_penalty", 0.0),
+        frequency_penalty=_number(body, "frequency_penalty", 0.0),
+        min_p=_number(body, "min_p", 0.0),
         min_tokens=min_tokens,
         logit_bias=_logit_bias(body),
         max_tokens=max_tokens,

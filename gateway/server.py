@@ -67,6 +67,10 @@ class ServerLimits:
 
 
 def add_server_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--listen-fd", type=int, default=None, metavar="FD",
+        help="serve on this inherited, already listening socket instead of binding --host "
+             "and --port (`specdec serve` hands over the one its start-up /health answered on)")
     defaults = ServerLimits()
     group = parser.add_argument_group("HTTP server limits")
     group.add_argument(

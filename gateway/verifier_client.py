@@ -43,6 +43,7 @@ from gateway.verifier_targets import (
     resolve_ips,
 )
 from specdec.errors import SpecdecError, UnavailableError
+from specdec.rpc.grpc_server import CHANNEL_OPTIONS
 from specdec.rpc.tls import GrpcTlsConfig, open_channel
 from specdec.v1 import specdec_pb2, specdec_pb2_grpc
 
@@ -50,10 +51,8 @@ logger = logging.getLogger(__name__)
 
 _VERIFIER_SERVICE = specdec_pb2.DESCRIPTOR.services_by_name["Verifier"].full_name
 
-MAX_MESSAGE_BYTES = 64 * 1024 * 1024
 _CHANNEL_OPTIONS = [
-    ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
-    ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+    *CHANNEL_OPTIONS,
     # A restarted verifier is found within a second, not after grpc's 120 s max backoff.
     ("grpc.initial_reconnect_backoff_ms", 100),
     ("grpc.min_reconnect_backoff_ms", 100),

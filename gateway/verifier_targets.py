@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 
 import grpc
 
+from specdec.rpc.address import format_address, split_host_port
 from specdec.rpc.tls import GrpcTlsConfig
 from specdec.v1 import specdec_pb2, specdec_pb2_grpc
 
@@ -39,10 +40,6 @@ def resolve_ips(host: str, port: int) -> list[str]:
     ips = [info[4][0] for info in infos
            if info[0] in (socket.AF_INET, socket.AF_INET6) and isinstance(info[4][0], str)]
     return list(dict.fromkeys(ips))
-
-
-def format_address(ip: str, port: int) -> str:
-    return f"[{ip}]:{port}" if ":" in ip else f"{ip}:{port}"
 
 
 @dataclass(slots=True, eq=False)
@@ -84,12 +81,11 @@ class VerifierTarget:
 
     @classmethod
     def parse(cls, index: int, address: str) -> VerifierTarget:
-        host, sep, port = address.rpartition(":")
-        host = host.strip("[]")
+        parsed = split_host_port(address)
         # A grpc URI ("dns:///name:port", "ipv4:...") names its own resolver.
-        if not sep or not host or not port.isdigit() or "/" in host or _is_literal(host):
+        if parsed is None or "/" in parsed[0] or _is_literal(parsed[0]):
             return cls(index, address, None, 0)
-        return cls(index, address, host, int(port))
+        return cls(index, address, *parsed)
 
     @property
     def resolvable(self) -> bool:

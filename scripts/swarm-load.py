@@ -78,7 +78,7 @@ def ask(url: str, prompt: int, stream: bool) -> dict:
                     result["error"] = "stream closed without [DONE] or an error event"
     except urllib.error.HTTPError as err:
         result["error"] = f"HTTP {err.code}: {err.read().decode(errors='replace')[:300]}"
-    except Exception as err:  # noqa: BLE001 - every failure is counted, none ends the load
+    except Exception as err:
         result["error"] = f"{type(err).__name__}: {err}"
     result["seconds"] = round(time.time() - started, 3)
     return result

@@ -23,6 +23,9 @@ def main(argv: list[str] | None = None) -> int:
     if argv[:2] == ["bench", "accuracy"]:  # and the accuracy check over the OpenAI API
         from specdec.bench import accuracy as bench_accuracy
         return bench_accuracy.main(argv[2:])
+    if argv[:2] == ["bench", "scale"]:  # and specdec against llama.cpp by model size and GGUF format
+        from specdec.bench import scale as bench_scale
+        return bench_scale.main(argv[2:])
     if argv[:2] == ["bench", "forward"]:  # and the verifier forward per kernel path
         from specdec.bench import forward as bench_forward
         return bench_forward.main(argv[2:])
@@ -54,6 +57,7 @@ def main(argv: list[str] | None = None) -> int:
                       "speculation; `bench concurrency --help`: on against off under load "
                       "inside one engine; `bench forward --help`: one forward per kernel path; "
                       "`bench prefix-cache --help`: prefix caching's TTFT and throughput, "
+                      "`bench scale --help`: against llama.cpp by model size and GGUF format; "
                       "and the cost of logprobs; `bench structured --help`: JSON and tool "
                       "calls under a grammar, with and without speculation; `bench replay "
                       "--help`: suffix drafts replayed offline against known answers")

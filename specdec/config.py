@@ -10,11 +10,12 @@ from __future__ import annotations
 import json
 import logging
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, overload
 
 from specdec.draft_caps import FIELD as DRAFT_CAPS_FIELD
 from specdec.draft_caps import DraftCaps
+from specdec.config_flags import flag
 from specdec.errors import ConfigError
 
 logger = logging.getLogger(__name__)
@@ -323,6 +324,7 @@ def parse_additional_config(text: str | None, used_keys: tuple[str, ...] = ()) -
 
 
 LOGPROBS_MODES = ("raw_logprobs", "processed_logprobs")
+SPECULATION_POLICIES = ("adaptive", "fixed")
 
 # The default bound on waiting requests, per running slot: a full queue drains in about
 # four times one request's latency, after which a client is better off told 429 at once.
@@ -336,30 +338,55 @@ DEFAULT_LONG_PREFILL_TOKEN_THRESHOLD = 512
 
 @dataclass(frozen=True)
 class EngineConfig:
-    """The verifier engine's limits (vLLM's flag names)."""
+    """The verifier engine's configuration, vLLM's flag names (`specdec.config_flags`
+    derives the flags from the fields).
 
-    max_model_len: int
-    max_num_seqs: int = 256
-    max_num_batched_tokens: int = 2048
+    Fields the command line leaves open (None: max_model_len, num_kv_blocks,
+    draft_timeout_s) and those the speculative config implies are filled in by the builder
+    (verifier_svc/builder.py) before the engine sees the config.
+    """
+
+    max_model_len: int | None = field(default=None, metadata=flag(
+        "context length (default: the model's)"))
+    max_num_seqs: int = field(default=256, metadata=flag("requests running at once"))
+    max_num_batched_tokens: int = field(default=2048, metadata=flag(
+        "tokens per engine step; longer prompts prefill in chunks"))
     # The largest prefill chunk in a step that also runs decodes (0: no cap): a decode's
     # time between tokens stays a few decode steps beside a long prompt; a prompt prefilled
     # alone still takes the whole budget.
-    long_prefill_token_threshold: int = DEFAULT_LONG_PREFILL_TOKEN_THRESHOLD
-    block_size: int = 16
-    num_kv_blocks: int = 0
+    long_prefill_token_threshold: int = field(
+        default=DEFAULT_LONG_PREFILL_TOKEN_THRESHOLD, metadata=flag(
+            "the largest prefill chunk of a step that also decodes, so running decodes keep "
+            "their pace beside a long prompt; 0: no cap"))
+    block_size: int = field(default=16, metadata=flag("tokens per KV block"))
+    # None: as many as the memory budget holds (verifier_svc/builder.py).
+    num_kv_blocks: int | None = field(default=None, metadata=flag(
+        "KV blocks to allocate, bypassing the memory budget", name="--num-gpu-blocks-override"))
     # Per-step deadline for drafter proposals; a late proposal means that sequence
-    # decodes one token this step.
-    draft_timeout_s: float = 0.05
+    # decodes one token this step. None: the method's default (default_draft_timeout_s).
+    draft_timeout_s: float | None = field(default=None, metadata=flag(
+        "per-step deadline for drafter proposals (default: 50 for ngram, 2000 for the model "
+        "methods)", name="--draft-timeout-ms", type=float,
+        to_field=lambda ms: ms / 1000 if ms else None, to_flag=lambda s: s * 1000))
     # Requests that may wait beyond the max_num_seqs running ones; one more is refused
     # (RESOURCE_EXHAUSTED, HTTP 429). Always bounded: None means the default,
     # DEFAULT_WAITING_PER_SEQ x max_num_seqs; 0 means no queue at all.
-    max_waiting_requests: int | None = None
+    max_waiting_requests: int | None = field(default=None, metadata=flag(
+        "requests that may wait beyond --max-num-seqs; one more is refused with "
+        "RESOURCE_EXHAUSTED (HTTP 429) (default: 4 x --max-num-seqs; 0: no queue)"))
     # A request running longer than this ends with DEADLINE_EXCEEDED (None: no limit;
     # a client's gRPC deadline applies either way).
-    request_timeout_s: float | None = None
+    request_timeout_s: float | None = field(default=None, metadata=flag(
+        "end a request that runs longer with DEADLINE_EXCEEDED (default: no limit; a "
+        "client's gRPC deadline applies either way)"))
     # Draft lengths chosen per step from measured acceptance and step cost
     # (verifier_svc.speculation.policy); False: always the request's k.
-    adaptive_speculation: bool = True
+    adaptive_speculation: bool = field(default=True, metadata=flag(
+        "adaptive: each step drafts per sequence only as many tokens as measured acceptance "
+        "and step cost make worthwhile (0 included); fixed: always num_speculative_tokens",
+        name="--speculation-policy", type=str, choices=SPECULATION_POLICIES,
+        to_field=lambda policy: policy == "adaptive",
+        to_flag=lambda adaptive: "adaptive" if adaptive else "fixed"))
     # The speculative config's disable_by_batch_size: a step whose running batch holds more
     # requests than this drafts for none of them. None: no limit.
     disable_by_batch_size: int | None = None
@@ -368,11 +395,23 @@ class EngineConfig:
     # Automatic prefix caching (vLLM v1's default): full blocks of verified tokens are kept
     # by content hash after their request ends and reused by any later request sharing
     # the prefix (specdec/engine/block_manager.py).
-    enable_prefix_caching: bool = True
+    enable_prefix_caching: bool = field(default=True, metadata=flag(
+        "keep full KV blocks of finished requests by content hash and reuse them for any "
+        "request with the same prefix (default: on; --no-enable-prefix-caching turns it off)"))
     # What logprobs report: the model's raw log-probabilities, or those after the request's
     # logits processing (penalties, bias, temperature, top-k/top-p/min-p), as vLLM's
     # --logprobs-mode.
-    logprobs_mode: str = "raw_logprobs"
+    logprobs_mode: str = field(default="raw_logprobs", metadata=flag(
+        "what logprobs report: the model's log-probabilities before any sampling parameter "
+        "(default, as vLLM) or after the request's penalties, bias, temperature and "
+        "top-k/top-p/min-p", choices=LOGPROBS_MODES))
+    # vLLM's --seed: seeds the random stream of the requests that give no seed of their own,
+    # so a server started again answers the same requests, sent in the same order, alike.
+    # A seeded request keeps its own stream (specdec/engine/position_random.py); greedy
+    # requests draw nothing. None: unseeded requests differ from run to run.
+    seed: int | None = field(default=None, metadata=flag(
+        "random seed for the requests that give no seed of their own (default: none, a new "
+        "stream each run)"))
     # The drafter matches text (ngram, suffix) rather than running a model. Such a drafter
     # takes a context in as it arrives, so a new request's prompt is sent to it as the
     # prefill starts (no drafts asked) and its first ask carries only the tokens verified
@@ -388,7 +427,7 @@ class EngineConfig:
                               f"{self.logprobs_mode!r}", param="logprobs_mode")
         for name in ("max_model_len", "max_num_seqs", "max_num_batched_tokens", "block_size"):
             value = getattr(self, name)
-            if value < 1:
+            if value is not None and value < 1:
                 raise ConfigError(f"{name} must be >= 1, got {value}", param=name)
         if self.long_prefill_token_threshold < 0:
             raise ConfigError("long_prefill_token_threshold must be >= 0 (0: no cap), got "
@@ -401,10 +440,10 @@ class EngineConfig:
         if self.request_timeout_s is not None and self.request_timeout_s <= 0:
             raise ConfigError(f"request_timeout_s must be > 0, got {self.request_timeout_s}",
                               param="request_timeout_s")
-        if self.num_kv_blocks < 1:
+        if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
             raise ConfigError(f"num_kv_blocks must be >= 1, got {self.num_kv_blocks} (the "
                               "memory budget holds no KV block)", param="gpu_memory_utilization")
-        if self.draft_timeout_s <= 0:
+        if self.draft_timeout_s is not None and self.draft_timeout_s <= 0:
             raise ConfigError("draft timeout must be > 0", param="draft_timeout_ms")
 
     @property

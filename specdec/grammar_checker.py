@@ -12,14 +12,14 @@ most `num_workers` checks run at once; the others wait for a worker.
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import json
 import logging
 import sys
 from collections import OrderedDict
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
+from specdec.config_flags import flag
 from specdec.errors import ConfigError, InvalidRequestError, SpecdecError
 from specdec.grammar_spec import MAX_GRAMMAR_CHARS
 
@@ -39,9 +39,15 @@ MAX_REMEMBERED = 256
 class GrammarLimits:
     """What one constraint may cost (the --grammar-* flags of the gateway and verifier)."""
 
-    compile_timeout_s: float = DEFAULT_CHECK_TIMEOUT_S
-    compile_workers: int = DEFAULT_CHECK_WORKERS
-    max_chars: int = MAX_GRAMMAR_CHARS
+    compile_timeout_s: float = field(default=DEFAULT_CHECK_TIMEOUT_S, metadata=flag(
+        "a structured-output constraint that takes longer to compile is refused with a 400",
+        name="--grammar-compile-timeout-s"))
+    compile_workers: int = field(default=DEFAULT_CHECK_WORKERS, metadata=flag(
+        "processes that compile constraints; more wait for one",
+        name="--grammar-compile-workers"))
+    max_chars: int = field(default=MAX_GRAMMAR_CHARS, metadata=flag(
+        "a longer constraint (schema, regex, grammar, choice list) is refused with a 400",
+        name="--max-grammar-chars"))
 
     def __post_init__(self) -> None:
         if not self.compile_timeout_s > 0:
@@ -52,32 +58,6 @@ class GrammarLimits:
                               param="grammar_compile_workers")
         if self.max_chars < 1:
             raise ConfigError("--max-grammar-chars must be >= 1", param="max_grammar_chars")
-
-
-def add_grammar_args(parser: argparse.ArgumentParser) -> None:
-    defaults = GrammarLimits()
-    parser.add_argument("--grammar-compile-timeout-s", type=float,
-                        default=defaults.compile_timeout_s,
-                        help="a structured-output constraint that takes longer to compile is "
-                             f"refused with a 400 (default {defaults.compile_timeout_s:g})")
-    parser.add_argument("--grammar-compile-workers", type=int, default=defaults.compile_workers,
-                        help="processes that compile constraints; more wait for one (default "
-                             f"{defaults.compile_workers})")
-    parser.add_argument("--max-grammar-chars", type=int, default=defaults.max_chars,
-                        help="a longer constraint (schema, regex, grammar, choice list) is "
-                             f"refused with a 400 (default {defaults.max_chars})")
-
-
-def grammar_limits_from_args(args: argparse.Namespace) -> GrammarLimits:
-    return GrammarLimits(args.grammar_compile_timeout_s, args.grammar_compile_workers,
-                         args.max_grammar_chars)
-
-
-def grammar_flags(limits: GrammarLimits) -> list[str]:
-    """The flags that give a child process `limits` (the launcher)."""
-    return ["--grammar-compile-timeout-s", str(limits.compile_timeout_s),
-            "--grammar-compile-workers", str(limits.compile_workers),
-            "--max-grammar-chars", str(limits.max_chars)]
 
 
 class GrammarChecker:

@@ -26,21 +26,13 @@ import sys
 import time
 import urllib.request
 from collections.abc import Callable
+from typing import cast
 
-from specdec.cli import (
-    ADDITIONAL_CONFIG_KEYS,
-    DEFAULT_GATEWAY_PORT,
-    add_engine_args,
-    add_logging_args,
-    add_model_args,
-    add_shutdown_args,
-    add_spec_decode_metrics_arg,
-    add_speculative_args,
-    served_model_name,
-)
-from specdec.config import SpeculativeConfig, parse_additional_config
-from specdec.grammar_checker import add_grammar_args, grammar_flags, grammar_limits_from_args
-
+from drafter_svc.proposer import ModelOptions
+from gateway.app import GatewayConfig
+from specdec.cli import add_logging_args, add_shutdown_args, served_model_name
+from specdec.config import SpeculativeConfig
+from specdec.config_flags import add_config_args, build_config, config_argv
 from specdec.models.loader import load_model_config
 from specdec.models.model_files import resolve_model
 from specdec.models.parallel import check_tensor_parallel
@@ -49,13 +41,13 @@ from specdec.rpc.internal_auth import (
     TOKEN_ENV,
     TOKEN_FILE_ENV,
     VLLM_API_KEY_ENV,
+    add_api_key_args,
     generate_token,
     load_api_key,
 )
 from specdec.rpc.tls import add_grpc_tls_args, grpc_tls_flags, grpc_tls_from_args
 from specdec.startup_health import PHASE_STARTING_SERVICES, StartupHealth
-
-TOOL_CALL_PARSER_NAMES = ("hermes",)
+from verifier_svc.builder import VerifierConfig
 
 logger = logging.getLogger(__name__)
 
@@ -70,30 +62,21 @@ RESTART_BACKOFF_S = (0.5, 30.0)
 RESTART_RESET_S = 60.0
 
 
+# What the launcher sets itself rather than take from its command line: the verifier's
+# drafters (the one it starts), and the gateway's model, verifiers and context length
+# (the verifier's, from GetInfo); the grammar limits are the verifier's flags too.
+VERIFIER_FIELDS_SET = ("drafter_targets", "drafter_wait_s")
+GATEWAY_FIELDS_SET = ("model", "served_model_name", "verifier_addresses", "max_model_len",
+                      "trust_remote_code", "grammar_limits")
+
+
 def add_serve_args(parser: argparse.ArgumentParser) -> None:
-    add_model_args(parser)
-    add_engine_args(parser)
-    add_speculative_args(parser)
-    parser.add_argument("--host", default="127.0.0.1", help="gateway host")
-    parser.add_argument("--port", type=int, default=DEFAULT_GATEWAY_PORT, help="gateway (HTTP) port")
-    parser.add_argument("--api-key", default=None,
-                        help="required Bearer key for /v1 routes. Kept for vLLM parity, but "
-                             "argv is visible to every local user (ps): prefer --api-key-file or "
-                             "the environment. First match wins: --api-key, --api-key-file, "
-                             "$SPECDEC_API_KEY, $VLLM_API_KEY; none: no key. The gateway gets it "
-                             "in its environment, never in its argv")
-    parser.add_argument("--api-key-file", default=None, metavar="PATH",
-                        help="file holding the API key (see --api-key)")
+    add_config_args(parser, VerifierConfig, exclude=VERIFIER_FIELDS_SET)
+    add_config_args(parser, GatewayConfig, exclude=GATEWAY_FIELDS_SET)
+    add_api_key_args(parser)
     parser.add_argument("--enable-reflection", action="store_true",
                         help="serve gRPC reflection on the verifier and the drafter (off by "
                              "default)")
-    parser.add_argument("--enable-auto-tool-choice", action="store_true",
-                        help='passed to the gateway: allow tool_choice "auto"')
-    # The gateway's parsers (gateway/tools.py TOOL_CALL_PARSERS; a test keeps them equal),
-    # checked here so that a bad name fails at once, not in the gateway child.
-    parser.add_argument("--tool-call-parser", default=None, choices=TOOL_CALL_PARSER_NAMES,
-                        help="passed to the gateway: how \"auto\" tool calls are parsed")
-    add_spec_decode_metrics_arg(parser)
     parser.add_argument("--verifier-port", type=int, default=0, help="0: a free port")
     parser.add_argument("--drafter-metrics-port", type=int, default=None,
                         help="serve the drafter's Prometheus metrics over HTTP on this port")
@@ -104,7 +87,6 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
     add_shutdown_args(parser)
     add_logging_args(parser)
     add_grpc_tls_args(parser)
-    add_grammar_args(parser)
 
 
 def _free_port() -> int:
@@ -114,66 +96,39 @@ def _free_port() -> int:
 
 
 def _child_commands(args: argparse.Namespace, model_path: str) -> list[tuple[str, list[str]]]:
+    """Each child's command, from the configs the launcher's flags make (specdec.config_flags):
+    a child gets every setting that differs from its own default."""
     python = sys.executable
-    served_name = args.served_model_name or args.model
-    verifier_port = args.verifier_port or _free_port()
     spec = SpeculativeConfig.parse(args.speculative_config)
-    common = ["--log-level", args.log_level]
-    commands: list[tuple[str, list[str]]] = []
+    verifier_port = args.verifier_port or _free_port()
+    drafter_port = (args.drafter_port or _free_port()) if spec is not None else 0
     # The model as the user named it (not the resolved path) names the verifier's model.
-    verifier = [python, "-m", "verifier_svc", "--model", model_path,
-                "--served-model-name", served_model_name(args.model, args.served_model_name),
-                "--port", str(verifier_port), "--dtype", args.dtype, "--device", args.device,
-                "--max-num-seqs", str(args.max_num_seqs),
-                "--max-num-batched-tokens", str(args.max_num_batched_tokens),
-                "--long-prefill-token-threshold", str(args.long_prefill_token_threshold),
-                "--gpu-memory-utilization", str(args.gpu_memory_utilization),
-                "--block-size", str(args.block_size),
-                "--tensor-parallel-size", str(args.tensor_parallel_size),
-                "--speculation-policy", args.speculation_policy,
-                "--logprobs-mode", args.logprobs_mode,
-                *([] if args.enable_prefix_caching else ["--no-enable-prefix-caching"]),
-                *(["--enforce-eager"] if args.enforce_eager else []), *common]
+    verifier = build_config(
+        VerifierConfig, args, model=model_path,
+        served_model_name=served_model_name(args.model, args.served_model_name),
+        drafter_targets=(f"127.0.0.1:{drafter_port}",) if spec is not None else (),
+        drafter_wait_s=DRAFTER_WAIT_S if spec is not None else 0.0)
+    gateway = build_config(GatewayConfig, args, model=model_path,
+                           served_model_name=args.served_model_name or args.model,
+                           verifier_addresses=(f"127.0.0.1:{verifier_port}",),
+                           max_model_len=None, grammar_limits=verifier.grammar_limits)
+    common = ["--log-level", args.log_level]
     reflection = ["--enable-reflection"] if args.enable_reflection else []
-    verifier += reflection
-    for flag, value in (("--max-model-len", args.max_model_len),
-                        ("--num-gpu-blocks-override", args.num_gpu_blocks_override),
-                        ("--kv-cache-memory-bytes", args.kv_cache_memory_bytes),
-                        ("--metrics-port", args.verifier_metrics_port),
-                        ("--draft-timeout-ms", args.draft_timeout_ms),
-                        ("--max-waiting-requests", args.max_waiting_requests),
-                        ("--request-timeout-s", args.request_timeout_s),
-                        ("--shutdown-grace-s", args.shutdown_grace_s),
-                        ("--threads", args.threads),
-                        ("--quantization", args.quantization),
-                        ("--additional-config", args.additional_config)):
-        if value is not None:
-            verifier += [flag, str(value)]
+    commands: list[tuple[str, list[str]]] = []
     if spec is not None:
-        drafter_port = args.drafter_port or _free_port()
         # Model drafters run on the same device and dtype as the target; EAGLE heads also
         # read the target's embedding, head and tokenizer.
-        commands.append(("drafter", [python, "-m", "drafter_svc", "--port", str(drafter_port),
-                                     "--speculative-config", spec.to_json(),
-                                     "--target-model", model_path, "--dtype", args.dtype,
-                                     "--device", args.device, *reflection, *common]))
-        if args.drafter_metrics_port is not None:
-            commands[-1][1].extend(["--metrics-port", str(args.drafter_metrics_port)])
-        verifier += ["--speculative-config", spec.to_json(),
-                     "--drafter", f"127.0.0.1:{drafter_port}",
-                     "--drafter-wait-s", str(DRAFTER_WAIT_S)]
-    grammar = grammar_flags(grammar_limits_from_args(args))
-    verifier += grammar
-    commands.append(("verifier", verifier))
-    gateway = [python, "-m", "gateway", "--model", model_path, "--served-model-name", served_name,
-               "--verifier", f"127.0.0.1:{verifier_port}", "--host", args.host,
-               "--port", str(args.port), *grammar, *common]
-    if args.enable_auto_tool_choice:
-        gateway.append("--enable-auto-tool-choice")
-    if args.tool_call_parser is not None:
-        gateway += ["--tool-call-parser", args.tool_call_parser]
-    gateway += ["--per-request-spec-decode-metrics", args.per_request_spec_decode_metrics]
-    commands.append(("gateway", gateway))
+        drafter = ModelOptions(target_model=model_path, dtype=verifier.dtype,
+                               device=verifier.device)
+        commands.append(("drafter", [
+            python, "-m", "drafter_svc", "--port", str(drafter_port),
+            "--speculative-config", spec.to_json(), *config_argv(drafter), *reflection,
+            *_optional("--metrics-port", args.drafter_metrics_port), *common]))
+    commands.append(("verifier", [
+        python, "-m", "verifier_svc", *config_argv(verifier), "--port", str(verifier_port),
+        "--shutdown-grace-s", str(args.shutdown_grace_s), *reflection,
+        *_optional("--metrics-port", args.verifier_metrics_port), *common]))
+    commands.append(("gateway", [python, "-m", "gateway", *config_argv(gateway), *common]))
     # gRPC TLS: each child gets the flags of its sides (drafter: server; gateway: client).
     tls = grpc_tls_from_args(args)
     sides = {"drafter": (True, False), "verifier": (True, True), "gateway": (False, True)}
@@ -181,6 +136,10 @@ def _child_commands(args: argparse.Namespace, model_path: str) -> list[tuple[str
         server, client = sides[name]
         command += grpc_tls_flags(tls, server=server, client=client)
     return commands
+
+
+def _optional(flag: str, value: object | None) -> list[str]:
+    return [] if value is None else [flag, str(value)]
 
 
 def _child_environments(api_key: str | None, internal_token: str) -> dict[str, dict[str, str]]:
@@ -230,8 +189,7 @@ def serve(args: argparse.Namespace, started: float | None = None) -> int:
     (time.monotonic()), from which "ready in N s" counts; default now."""
     started = time.monotonic() if started is None else started
     # Validate everything before starting anything.
-    SpeculativeConfig.parse(args.speculative_config)
-    parse_additional_config(args.additional_config, ADDITIONAL_CONFIG_KEYS)
+    _child_commands(args, args.model)
     grpc_tls_from_args(args)
     if args.api_key is not None:
         logger.warning("--api-key on the command line is visible to every local user (ps); "
@@ -259,20 +217,27 @@ def serve(args: argparse.Namespace, started: float | None = None) -> int:
     signal.signal(signal.SIGINT, request_stop)
     children: list[tuple[str, subprocess.Popen[bytes]]] = []
     environments = _child_environments(api_key, generate_token())
+    listen_fd: int | None = None  # the launcher's /health socket, handed to the gateway
     try:
         for name, command in _child_commands(args, model_path):
             if name == "gateway":
                 # Once the verifier listens, so that the gateway's /health tells its start-up
                 # phase from the first answer, never "unreachable" on a normal start.
                 verifier = children[-1][1]
-                _wait_until_listening(int(verifier.args[verifier.args.index("--port") + 1]),
+                verifier_args = _command_of(verifier)
+                _wait_until_listening(int(verifier_args[verifier_args.index("--port") + 1]),
                                       verifier, lambda: stop_requested)
-                startup_health.close()
+                listen_fd = startup_health.hand_over()
+                if listen_fd is not None:
+                    command = [*command, "--listen-fd", str(listen_fd)]
             logger.info("starting %s: %s", name, " ".join(command))
             # Own process group: a terminal's Ctrl-C reaches the launcher, which stops
             # the children in order.
-            children.append((name, subprocess.Popen(command, env=environments[name],
-                                                    start_new_session=True)))
+            children.append((name, subprocess.Popen(
+                command, env=environments[name], start_new_session=True,
+                pass_fds=(listen_fd,) if name == "gateway" and listen_fd is not None else ())))
+            if name == "gateway":
+                startup_health.close()
         ready = False
         children_started = time.monotonic()
         health_url = f"http://{args.host}:{args.port}/health"
@@ -301,6 +266,11 @@ def serve(args: argparse.Namespace, started: float | None = None) -> int:
     finally:
         startup_health.close()
         _stop_all(children, args.shutdown_grace_s + STOP_MARGIN_S)
+
+
+def _command_of(proc: subprocess.Popen[bytes]) -> list[str]:
+    """The command a child was started with (always a list of str here)."""
+    return cast(list[str], proc.args)
 
 
 def _wait_until_listening(port: int, proc: subprocess.Popen[bytes],
@@ -357,5 +327,5 @@ class _RestartWithBackoff:
         self._backoff_s = min(2 * self._backoff_s, RESTART_BACKOFF_S[1])
         self.num_restarts += 1
         logger.info("restarting %s (restart %d): %s", self.name, self.num_restarts,
-                    " ".join(proc.args))
+                    " ".join(_command_of(proc)))
         return subprocess.Popen(proc.args, env=self.env, start_new_session=True)

@@ -2,8 +2,10 @@
 starts (downloading and converting the default model on a first start, a minute or more).
 
 It answers on the gateway's address, in the gateway's shape, `503 {"status": "starting",
-"phase": ...}`, and closes before the gateway binds that address. Where the address is
-taken it does not answer at all (the gateway will then fail to bind and say so).
+"phase": ...}`, then hands its listening socket to the gateway (`hand_over`): a client
+that polls while the gateway starts waits in the socket's backlog for the gateway's
+answer, never finds the address closed. Where the address is taken it does not answer at
+all (the gateway will then fail to bind and say so).
 """
 
 from __future__ import annotations
@@ -54,8 +56,19 @@ class StartupHealth:
         logger.info("start-up: %s", phase)
         self.phase = phase
 
+    def hand_over(self) -> int | None:
+        """Stops answering but keeps the address: the listening socket's descriptor, made
+        inheritable for the gateway to serve on (None: there is none). Connections that
+        arrive meanwhile wait in its backlog. `close()` once the gateway has it."""
+        if self._server is None:
+            return None
+        self._server.shutdown()
+        self._server.socket.set_inheritable(True)
+        return self._server.socket.fileno()
+
     def close(self) -> None:
-        """Frees the address (the gateway binds it next)."""
+        """Closes this process's hold on the address (after `hand_over`, the gateway's
+        copy of the socket keeps it)."""
         if self._server is not None:
             self._server.shutdown()
             self._server.server_close()

@@ -96,12 +96,14 @@ class TensorParallelGroup:
               device: torch.device, num_blocks: int, block_size: int,
               max_positions: int | None = None, threads: int | None = None,
               linear_kernel: str | None = None, message_inline: int | None = None,
-              ready_timeout_s: float = READY_TIMEOUT_S) -> TensorParallelGroup:
+              ready_timeout_s: float = READY_TIMEOUT_S,
+              attention_backend: str | None = None) -> TensorParallelGroup:
         """Starts ranks 1..N-1 and joins them; returns once every rank has loaded its shard.
 
         `linear_kernel` is the packed kernel rank 0 uses (`specdec.models.packed_linear`), so
         every rank computes its shard the same way (and, for int8, holds the same model).
         `message_inline` (default MESSAGE_INLINE) is the length of the first broadcast.
+        `attention_backend`: rank 0's (None: each rank's environment's).
         """
         message_inline = max(HEADER_LEN, message_inline or MESSAGE_INLINE)
         if dist.is_initialized():
@@ -130,6 +132,8 @@ class TensorParallelGroup:
                     command += ["--threads", str(threads)]
                 if linear_kernel is not None:
                     command += ["--linear-kernel", linear_kernel]
+                if attention_backend is not None:
+                    command += ["--attention-backend", attention_backend]
                 procs.append(subprocess.Popen(command))
             _wait_ready(store, procs, ready_timeout_s)
             dist.init_process_group(backend, store=store, rank=0, world_size=world_size,
@@ -331,7 +335,8 @@ def run_worker(args: argparse.Namespace) -> int:
     context = ParallelContext(rank=args.rank, world_size=args.world_size)
     dtype = DTYPES[args.dtype]
     try:
-        model = load_model(Path(args.model_dir), dtype, device, args.max_positions, parallel=context)
+        model = load_model(Path(args.model_dir), dtype, device, args.max_positions, parallel=context,
+                           attention_backend=args.attention_backend)
         if args.linear_kernel is not None:
             from specdec.models.packed_linear import pack_linears
 
@@ -360,7 +365,7 @@ def run_worker(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from specdec.cli import DefaultsHelpFormatter, setup_logging
+    from specdec.cli import LOG_LEVELS, DefaultsHelpFormatter, setup_logging
 
     parser = argparse.ArgumentParser(prog="python -m verifier_svc.tp_worker",
                                      formatter_class=DefaultsHelpFormatter,
@@ -379,10 +384,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--message-inline", type=int, default=MESSAGE_INLINE)
     parser.add_argument("--threads", type=int, default=None)
     parser.add_argument("--linear-kernel", default=None, help="packed linear kernel, as rank 0's")
+    parser.add_argument("--attention-backend", default=None, help="rank 0's")
     parser.add_argument("--log-level", default="info")
     args = parser.parse_args(argv)
-    setup_logging(args.log_level if args.log_level in ("debug", "info", "warning", "error")
-                  else "info", f"tp-worker-{args.rank}")
+    setup_logging(args.log_level if args.log_level in LOG_LEVELS else "info",
+                  f"tp-worker-{args.rank}")
     return run_worker(args)
 
 

@@ -56,6 +56,7 @@ from specdec.models.gguf_precision import (
     gguf_at_precision,
     precision_for_dtype,
 )
+from specdec.models.gguf_model import native_gguf_file
 from specdec.models.loader import load_model_config
 from specdec.models.model_files import (
     DEFAULT_MODEL,
@@ -201,8 +202,9 @@ async def build_systems(args: argparse.Namespace, specs: list[SpeculativeConfig]
     gguf = None if reason or not llama_names else gguf_file(args)
     if reason is None and gguf is None:
         reason = "no GGUF file for this model (pass --gguf PATH)"
-    if gguf is not None and args.llama_cpp_precision != "file":
-        gguf = gguf_at_precision(gguf, llama_cpp_precision(args), default_cache_dir() / "gguf")
+    precision = llama_cpp_precision(args) if gguf is not None else "file"
+    if gguf is not None and precision != "file":
+        gguf = gguf_at_precision(gguf, precision, default_cache_dir() / "gguf")
     for name in llama_names:
         if reason is not None:
             unavailable.append(Unavailable(name, "llama.cpp", reason))
@@ -232,10 +234,14 @@ def gguf_file(args: argparse.Namespace) -> Path | None:
 
 def llama_cpp_precision(args: argparse.Namespace) -> str:
     """The GGUF precision llama.cpp runs at: --llama-cpp-precision, or for `same` the one
-    that matches specdec's dtype and quantization."""
+    that matches specdec's dtype and quantization (`file` where specdec serves the GGUF on
+    its own blocks)."""
     if args.llama_cpp_precision != "same":
         return args.llama_cpp_precision
-    dtype = resolve_dtype(args.dtype, resolve_device(args.device))
+    device = resolve_device(args.device)
+    dtype = resolve_dtype(args.dtype, device)
+    if native_gguf_file(args.model, args.dtype, args.quantization, device, dtype, 1) is not None:
+        return "file"
     return precision_for_dtype(str(dtype).removeprefix("torch."), args.quantization)
 
 
@@ -302,7 +308,8 @@ def build_parser() -> argparse.ArgumentParser:
                         help="GGUF file for llama.cpp (default: the model's own)")
     parser.add_argument("--llama-cpp-precision", default="same",
                         choices=["same", "file", *PRECISIONS],
-                        help="weights llama.cpp reads: same (F32 for float32, F16 for 16-bit "
+                        help="weights llama.cpp reads: same (the file itself where specdec serves "
+                             "a .gguf on its blocks, else F32 for float32, F16 for 16-bit "
                              "dtypes, Q8_0 with --quantization int8; another GGUF type is "
                              "converted once into the cache), file (the GGUF as it is), or "
                              "F32 / F16 / BF16 / Q8_0")

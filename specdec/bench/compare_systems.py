@@ -29,6 +29,7 @@ import torch
 from drafter_svc.proposer import ModelOptions
 from drafter_svc.server import start_drafter_server, stop_drafter_server
 from specdec.config import SpeculativeConfig
+from specdec.config_flags import build_config
 from specdec.device import resolve_device, resolve_dtype
 from specdec.engine.sampling_params import SamplingParams
 from specdec.engine.sequence import SpeculationCounters
@@ -98,11 +99,11 @@ class SpecdecEngine:
             targets = (f"127.0.0.1:{port}",)
         # One sequence at a time: the pool needs one max-length sequence plus a draft.
         num_blocks = -(-max_model_len // 16) + 2
-        config = VerifierConfig(model=str(model_dir), dtype=dtype, device=device,
-                                max_model_len=max_model_len, max_num_seqs=1,
-                                num_gpu_blocks_override=num_blocks, speculative_config=spec,
-                                drafter_targets=targets, compile=compile_forward,
-                                quantization=quantization)
+        config = build_config(VerifierConfig, model=str(model_dir), dtype=dtype, device=device,
+                              max_model_len=max_model_len, max_num_seqs=1,
+                              num_kv_blocks=num_blocks, speculative_config=spec,
+                              drafter_targets=targets, compile=compile_forward,
+                              quantization=quantization)
         try:
             engine, _ = build_engine(config)
             await engine.start()

@@ -47,13 +47,11 @@ import torch
 
 from drafter_svc.server import stop_drafter_server
 from gateway.chat import render_chat_prompt, tokenize_prompt
-from specdec.bench.decode import ServeJob, serve_all, start_engine
+from specdec.bench.decode import ServeJob, add_engine_config_args, serve_all, start_engine
 from specdec.bench.serve_requests import SHIPPED_DATASETS, BenchRequest, load_requests
 from specdec.cli import (
     DefaultsHelpFormatter,
-    add_engine_args,
     add_logging_args,
-    add_model_args,
     setup_logging,
 )
 from specdec.config import SpeculativeConfig
@@ -258,8 +256,7 @@ def format_summary(concurrency: int, num_requests: int, seconds: float, period_s
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m specdec bench concurrency", description=__doc__,
                                      formatter_class=DefaultsHelpFormatter)
-    add_model_args(parser)
-    add_engine_args(parser)
+    add_engine_config_args(parser, exclude=("seed",))
     parser.add_argument("--speculative-config", default=DEFAULT_SPECULATIVE_CONFIG)
     parser.add_argument("--dataset", default="builtin",
                         help=f"{' | '.join(SHIPPED_DATASETS)} or a JSONL file, as bench serve takes")

@@ -32,14 +32,15 @@ import torch
 from drafter_svc.proposer import ModelOptions
 from drafter_svc.server import start_drafter_server, stop_drafter_server
 from gateway.chat import render_chat_prompt
-from specdec.cli import add_engine_args, add_logging_args, add_model_args
+from specdec.cli import add_logging_args
 from specdec.config import SpeculativeConfig
+from specdec.config_flags import add_config_args, build_config
 from specdec.device import resolve_device, resolve_dtype
 from specdec.engine.sampling_params import SamplingParams
 from specdec.engine.sequence import SpeculationCounters
 from specdec.models.model_files import load_tokenizer, resolve_model
 from specdec.rpc.grpc_server import GrpcServer
-from verifier_svc.builder import VerifierConfig, build_engine, compile_by_default
+from verifier_svc.builder import VerifierConfig, build_engine
 from specdec.engine.engine import Engine
 from verifier_svc.requests import collect_outputs
 
@@ -63,9 +64,17 @@ class RunResult:
     spec: SpeculationCounters | None
 
 
+# The verifier's fields a bench sets itself (it starts its own drafter), not flags.
+BENCH_SET_FIELDS = ("speculative_config", "drafter_targets", "drafter_wait_s")
+
+
+def add_engine_config_args(parser: argparse.ArgumentParser, exclude: tuple[str, ...] = ()) -> None:
+    """The verifier's flags, as the benches that build an engine in-process take them."""
+    add_config_args(parser, VerifierConfig, exclude=BENCH_SET_FIELDS + exclude)
+
+
 def add_bench_args(parser: argparse.ArgumentParser) -> None:
-    add_model_args(parser)
-    add_engine_args(parser)
+    add_engine_config_args(parser)
     parser.add_argument("--speculative-config",
                         default='{"method": "ngram", "num_speculative_tokens": 3, '
                                 '"prompt_lookup_min": 2, "prompt_lookup_max": 5}',
@@ -129,20 +138,16 @@ async def serve_all(engine: Engine, jobs: list[ServeJob], concurrency: int) -> i
 
 async def start_engine(args: argparse.Namespace, spec: SpeculativeConfig, model_dir: Path,
                  max_num_seqs: int = 4, adaptive: bool | None = None) -> tuple[Engine, GrpcServer]:
-    """A drafter server and an engine using it; `adaptive` None: the --speculation-policy flag."""
-    if adaptive is None:
-        adaptive = getattr(args, "speculation_policy", "adaptive") == "adaptive"
+    """A drafter server and an engine using it, the other settings from the verifier's
+    flags in `args`; `adaptive` None: the --speculation-policy flag."""
     options = ModelOptions(target_model=str(model_dir), dtype=args.dtype, device=args.device)
     drafter, drafter_port = await start_drafter_server(spec, "127.0.0.1", 0, options=options)
-    config = VerifierConfig(
-        model=str(model_dir), dtype=args.dtype, device=args.device,
-        max_model_len=args.max_model_len or 2048, max_num_seqs=max_num_seqs,
-        max_num_batched_tokens=args.max_num_batched_tokens,
-        num_gpu_blocks_override=args.num_gpu_blocks_override or 512,
-        speculative_config=spec, drafter_targets=(f"127.0.0.1:{drafter_port}",),
-        draft_timeout_s=args.draft_timeout_ms / 1000 if args.draft_timeout_ms else None,
-        adaptive_speculation=adaptive, quantization=getattr(args, "quantization", None),
-        compile=compile_by_default(args.device, 1, getattr(args, "enforce_eager", False)))
+    given: dict[str, object] = {} if adaptive is None else {"adaptive_speculation": adaptive}
+    config = build_config(
+        VerifierConfig, args, model=str(model_dir), max_model_len=args.max_model_len or 2048,
+        max_num_seqs=max_num_seqs, num_kv_blocks=args.num_gpu_blocks_override or 512,
+        speculative_config=spec, drafter_targets=(f"127.0.0.1:{drafter_port}",), compile=None,
+        **given)
     try:
         engine, _ = build_engine(config)
     except BaseException:

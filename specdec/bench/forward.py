@@ -31,6 +31,8 @@ from specdec.engine.kv_cache import KVCache
 from specdec.layers.attention import AttentionMetadata
 from specdec.models.compiled_forward import CompiledForward, linears_to_pack, warm_up
 from specdec.models.cpu_stack import CpuDecoderStack
+from specdec.models.gguf_linear import GgufLinear
+from specdec.models.gguf_model import gguf_file_of, load_gguf_model
 from specdec.models.llama import LlamaForCausalLM
 from specdec.models.loader import load_model
 from specdec.models.model_files import DEFAULT_MODEL, resolve_model
@@ -58,6 +60,9 @@ PATHS: dict[str, tuple[torch.dtype, str | None, str]] = {
     "bf16-stack-sdpa": (torch.bfloat16, "cpu", "stack-sdpa"),
     "bf16-int8": (torch.bfloat16, "int8", "eager"),
     "bf16-int8-stack": (torch.bfloat16, "int8", "stack"),
+    # The model's GGUF file on its own blocks (the default model's Q4_1, or a .gguf --model).
+    "fp32-gguf-stack": (torch.float32, "gguf", "stack"),
+    "bf16-gguf-stack": (torch.bfloat16, "gguf", "stack"),
 }
 BLOCK_SIZE = 16
 
@@ -71,11 +76,19 @@ class Path:
     weight_bytes: int
 
 
-def _load(model_dir, name: str, num_blocks: int) -> Path:
+def _load(model_dir, name: str, num_blocks: int, model_name: str) -> Path:
     dtype, kernel, kind = PATHS[name]
     compiled = kind == "compiled"
-    model = load_model(model_dir, dtype, torch.device("cpu"))
+    if kernel == "gguf":
+        gguf_path = gguf_file_of(model_name)
+        if gguf_path is None:
+            raise SystemExit(f"path {name} needs a GGUF --model (a .gguf file or the default model)")
+        model = load_gguf_model(gguf_path, model_dir, dtype, torch.device("cpu"))
+        kernel = "cpu"  # for the linears the file holds dense
+    else:
+        model = load_model(model_dir, dtype, torch.device("cpu"))
     weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    weight_bytes += sum(m.packed.numel() for m in model.modules() if isinstance(m, GgufLinear))  # a GGUF's blocks
     if kernel == "int8":  # a byte a linear weight (a tied head's included: the int8 copy is read)
         weight_bytes -= sum(linear.weight.numel() * (linear.weight.element_size() - 1)
                             for linear in model.modules() if isinstance(linear, nn.Linear))
@@ -162,7 +175,7 @@ def main(argv: list[str] | None = None) -> int:
     num_blocks = -(-max(args.context_len, args.prefill_len) // BLOCK_SIZE) + 1
     shapes = (1, 1 + args.num_speculative_tokens) + ((args.prefill_len,) if args.prefill_len else ())
     with torch.inference_mode():
-        paths = [_load(model_dir, name, num_blocks) for name in names]
+        paths = [_load(model_dir, name, num_blocks, args.model) for name in names]
         for path in paths:
             for num_tokens in shapes:
                 _forward(path, num_tokens, args.context_len)  # warm-up

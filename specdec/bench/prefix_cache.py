@@ -28,13 +28,11 @@ from typing import Any
 
 from drafter_svc.server import stop_drafter_server
 from gateway.chat import render_chat_prompt
-from specdec.bench.decode import ServeJob, serve_all, start_engine
+from specdec.bench.decode import ServeJob, add_engine_config_args, serve_all, start_engine
 from specdec.bench.serve_requests import load_requests
 from specdec.cli import (
     DefaultsHelpFormatter,
-    add_engine_args,
     add_logging_args,
-    add_model_args,
     setup_logging,
 )
 from specdec.config import SpeculativeConfig
@@ -167,8 +165,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m specdec bench prefix-cache",
                                      description=__doc__,
                                      formatter_class=DefaultsHelpFormatter)
-    add_model_args(parser)
-    add_engine_args(parser)
+    add_engine_config_args(parser)
     parser.add_argument("--speculative-config", default=DEFAULT_SPECULATIVE_CONFIG)
     parser.add_argument("--system-tokens", type=int, default=1500)
     parser.add_argument("--ttft-requests", type=int, default=6,

@@ -21,6 +21,7 @@ from gateway.chat import render_chat_prompt
 from specdec.bench.replay_stream import StreamRequest, load_stream, save_stream
 from specdec.bench.serve_requests import load_requests
 from specdec.bench.workloads import WORKLOADS
+from specdec.config_flags import build_config
 from specdec.engine.sampling_params import SamplingParams
 from specdec.models.model_files import DEFAULT_MODEL, load_tokenizer, resolve_model
 from verifier_svc.builder import VerifierConfig, build_engine
@@ -62,9 +63,9 @@ async def _generate_streams(names: Sequence[str], model: str, max_num_seqs: int,
     """Each stream is written to `stream_dir` (when given) as soon as it is complete."""
     model_dir = resolve_model(model)
     tokenizer = load_tokenizer(model_dir)
-    engine, _ = build_engine(VerifierConfig(model=str(model_dir), device="cpu",
-                                            max_model_len=4096, max_num_seqs=max_num_seqs,
-                                            adaptive_speculation=False))
+    engine, _ = build_engine(build_config(VerifierConfig, model=str(model_dir), device="cpu",
+                                          max_model_len=4096, max_num_seqs=max_num_seqs,
+                                          adaptive_speculation=False))
     await engine.start()
     try:
         streams = {}

@@ -12,7 +12,7 @@ composed (deterministic: the same lines on every machine and Python 3 version):
 - `multi-turn`: chats whose later user turns quote earlier turns;
 - `chat`: open questions with short answers.
 
-specdec ships the generated lines as specdec/prompts/NAME.jsonl (tests/test_bench_workloads.py
+specdec ships the generated lines as specdec/prompts/NAME.jsonl (tests/service/test_bench_workloads.py
 checks the files match this generator); `python -m specdec.bench.workloads` rewrites them.
 Every line has "messages" and its own "max_tokens"; for the completions endpoint
 `load_requests` sends the conversation as plain text (`transcript`).

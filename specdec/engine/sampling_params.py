@@ -21,6 +21,72 @@ MAX_ABS_PENALTY = 2.0
 MAX_ABS_LOGIT_BIAS = 100.0
 # OpenAI's top_logprobs bound.
 MAX_TOP_LOGPROBS = 20
+# specdec's own: beyond these the distribution is flat, or the penalty all there is.
+MAX_TEMPERATURE = 100.0
+MAX_REPETITION_PENALTY = 100.0
+MAX_INT32 = 2**31 - 1
+
+
+@dataclass(frozen=True, slots=True)
+class Bounds:
+    """The interval a sampling parameter must lie in: [low, high], or (low, high]."""
+
+    low: float
+    high: float
+    low_open: bool = False
+
+    def __contains__(self, value: float) -> bool:
+        above = value > self.low if self.low_open else value >= self.low
+        return above and value <= self.high
+
+    def __str__(self) -> str:
+        return f"{'(' if self.low_open else '['}{self.low:g}, {self.high:g}]"
+
+
+# The one definition of each parameter's bounds, checked by the gateway on a request's JSON
+# (gateway/protocol.py) and by SamplingParams on whatever reaches the verifier (a direct
+# gRPC client included), with the same words.
+NUMBER_BOUNDS = {
+    "temperature": Bounds(0.0, MAX_TEMPERATURE),
+    "top_p": Bounds(0.0, 1.0, low_open=True),
+    "repetition_penalty": Bounds(0.0, MAX_REPETITION_PENALTY, low_open=True),
+    "presence_penalty": Bounds(-MAX_ABS_PENALTY, MAX_ABS_PENALTY),
+    "frequency_penalty": Bounds(-MAX_ABS_PENALTY, MAX_ABS_PENALTY),
+    "min_p": Bounds(0.0, 1.0),
+}
+INTEGER_BOUNDS = {
+    "top_k": Bounds(-1, MAX_INT32),
+    "max_tokens": Bounds(1, MAX_INT32),
+    "min_tokens": Bounds(0, MAX_INT32),
+    "logprobs": Bounds(0, MAX_TOP_LOGPROBS),
+    # The wire carries uint64; a negative seed keeps its two's-complement bits.
+    "seed": Bounds(-(2**63), 2**64 - 1),
+}
+
+
+def check_number(name: str, value: object) -> float:
+    """`value` of the number parameter `name`, or InvalidRequestError naming it."""
+    if not _is_number(value):
+        raise InvalidRequestError(f"{name} must be a number, got {value!r}", param=name)
+    try:
+        number = float(value)  # type: ignore[arg-type]
+    except OverflowError:
+        number = math.inf
+    bounds = NUMBER_BOUNDS[name]
+    if not math.isfinite(number) or number not in bounds:
+        raise InvalidRequestError(f"{name} must be in {bounds}, got {value!r}", param=name)
+    return number
+
+
+def check_integer(name: str, value: object) -> int:
+    """`value` of the integer parameter `name`, or InvalidRequestError naming it."""
+    if not _is_int(value):
+        raise InvalidRequestError(f"{name} must be an integer, got {value!r}", param=name)
+    bounds = INTEGER_BOUNDS[name]
+    if value not in bounds:  # type: ignore[operator]
+        raise InvalidRequestError(f"{name} must be an integer in [{int(bounds.low)}, "
+                                  f"{int(bounds.high)}], got {value!r}", param=name)
+    return value  # type: ignore[return-value]
 
 
 def _is_int(value: object) -> bool:
@@ -34,6 +100,8 @@ def _is_number(value: object) -> bool:
 @dataclass(frozen=True, slots=True)
 class SamplingParams:
     """How one request turns target logits into tokens.
+
+    Each field's bounds are NUMBER_BOUNDS' or INTEGER_BOUNDS'.
 
     temperature: 0 (below `GREEDY_TEMPERATURE_EPS`) means greedy, i.e. argmax.
     top_p: keep the smallest set of tokens whose probability sums to at least top_p; in (0, 1].
@@ -72,49 +140,21 @@ class SamplingParams:
     logprobs: int | None = None
 
     def __post_init__(self) -> None:
-        if not _is_number(self.temperature) or not math.isfinite(self.temperature) or self.temperature < 0:
-            raise InvalidRequestError(
-                f"temperature must be a finite number >= 0, got {self.temperature!r}", param="temperature"
-            )
-        if not _is_number(self.top_p) or not (0.0 < self.top_p <= 1.0):
-            raise InvalidRequestError(f"top_p must be in (0, 1], got {self.top_p!r}", param="top_p")
-        if not _is_int(self.top_k) or self.top_k < -1:
-            raise InvalidRequestError(
-                f"top_k must be an integer >= 1, or -1 (or 0) to disable it, got {self.top_k!r}", param="top_k"
-            )
-        if (
-            not _is_number(self.repetition_penalty)
-            or not math.isfinite(self.repetition_penalty)
-            or self.repetition_penalty <= 0
-        ):
-            raise InvalidRequestError(
-                f"repetition_penalty must be a finite number > 0, got {self.repetition_penalty!r}",
-                param="repetition_penalty",
-            )
-        if self.seed is not None and not _is_int(self.seed):
-            raise InvalidRequestError(f"seed must be an integer or null, got {self.seed!r}", param="seed")
-        if not _is_int(self.max_tokens) or self.max_tokens < 1:
-            raise InvalidRequestError(f"max_tokens must be an integer >= 1, got {self.max_tokens!r}",
-                                      param="max_tokens")
+        for name in NUMBER_BOUNDS:
+            check_number(name, getattr(self, name))
+        for name in ("top_k", "max_tokens", "min_tokens"):
+            check_integer(name, getattr(self, name))
+        for name in ("seed", "logprobs"):  # None: not given
+            if getattr(self, name) is not None:
+                check_integer(name, getattr(self, name))
+        if self.min_tokens > self.max_tokens:
+            raise InvalidRequestError(f"min_tokens ({self.min_tokens}) must be at most "
+                                      f"max_tokens ({self.max_tokens})", param="min_tokens")
         stop_token_ids = tuple(self.stop_token_ids)
         if any(not _is_int(token_id) or token_id < 0 for token_id in stop_token_ids):
             raise InvalidRequestError(
                 f"stop_token_ids must be non-negative integers, got {list(stop_token_ids)!r}", param="stop_token_ids"
             )
-        for name in ("presence_penalty", "frequency_penalty"):
-            value = getattr(self, name)
-            if not _is_number(value) or not (-MAX_ABS_PENALTY <= value <= MAX_ABS_PENALTY):
-                raise InvalidRequestError(f"{name} must be in [-2, 2], got {value!r}", param=name)
-        if not _is_int(self.min_tokens) or not (0 <= self.min_tokens <= self.max_tokens):
-            raise InvalidRequestError(
-                f"min_tokens must be an integer in [0, max_tokens={self.max_tokens}], got "
-                f"{self.min_tokens!r}", param="min_tokens")
-        if not _is_number(self.min_p) or not (0.0 <= self.min_p <= 1.0):
-            raise InvalidRequestError(f"min_p must be in [0, 1], got {self.min_p!r}", param="min_p")
-        if self.logprobs is not None and (not _is_int(self.logprobs)
-                                          or not 0 <= self.logprobs <= MAX_TOP_LOGPROBS):
-            raise InvalidRequestError(f"logprobs must be an integer in [0, {MAX_TOP_LOGPROBS}] "
-                                      f"or null, got {self.logprobs!r}", param="logprobs")
         logit_bias = _logit_bias_pairs(self.logit_bias)
         # Frozen: normalise through object.__setattr__ (0 means "off" for top_k, as in vLLM).
         object.__setattr__(self, "stop_token_ids", stop_token_ids)
@@ -150,8 +190,8 @@ def _logit_bias_pairs(value: object) -> tuple[tuple[int, float], ...]:
                 f"logit_bias keys must be non-negative token ids, got {token_id!r}", param="logit_bias")
         if not _is_number(bias) or not (-MAX_ABS_LOGIT_BIAS <= bias <= MAX_ABS_LOGIT_BIAS):
             raise InvalidRequestError(
-                f"logit_bias values must be in [-100, 100], got {bias!r} for token {token_id}",
-                param="logit_bias")
+                f"logit_bias values must be in [-{MAX_ABS_LOGIT_BIAS:g}, {MAX_ABS_LOGIT_BIAS:g}], "
+                f"got {bias!r} for token {token_id}", param="logit_bias")
     if len({token_id for token_id, _ in pairs}) != len(pairs):
         raise InvalidRequestError("logit_bias names a token id twice", param="logit_bias")
     return tuple(sorted((token_id, float(bias)) for token_id, bias in pairs))

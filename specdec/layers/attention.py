@@ -17,7 +17,8 @@ from specdec.layers.attention_metadata import AttentionBackend, AttentionMetadat
 from specdec.layers.attention_torch import TorchPagedAttention, write_kv
 
 __all__ = ["ATTENTION_BACKENDS", "ATTENTION_BACKEND_ENV", "AttentionBackend", "AttentionMetadata",
-           "TorchPagedAttention", "make_attention_backend", "write_kv"]
+           "TorchPagedAttention", "attention_backend_from_env", "make_attention_backend",
+           "write_kv"]
 
 # Which backend `make_attention_backend` builds: auto (the fused NPU backend on npu, the C++
 # kernel on cpu, the reference elsewhere), torch (the reference everywhere), cpu (the C++
@@ -27,10 +28,17 @@ ATTENTION_BACKEND_ENV = "SPECDEC_ATTENTION_BACKEND"
 ATTENTION_BACKENDS = ("auto", "torch", "cpu", "npu_fused")
 
 
+def attention_backend_from_env() -> str:
+    """$SPECDEC_ATTENTION_BACKEND, "auto" where unset: the default of the verifier's config
+    field and the choice of a process without one (a drafter, a tensor-parallel rank)."""
+    return os.environ.get(ATTENTION_BACKEND_ENV, "auto").strip().lower() or "auto"
+
+
 def make_attention_backend(device: torch.device, num_heads: int, num_kv_heads: int, head_dim: int,
-                           ) -> AttentionBackend:
-    """The one place a model's attention backend is chosen (see ATTENTION_BACKEND_ENV)."""
-    choice = os.environ.get(ATTENTION_BACKEND_ENV, "auto").strip().lower() or "auto"
+                           choice: str | None = None) -> AttentionBackend:
+    """The one place a model's attention backend is chosen: `choice` (one of
+    ATTENTION_BACKENDS), None for `attention_backend_from_env()`."""
+    choice = attention_backend_from_env() if choice is None else choice
     if choice not in ATTENTION_BACKENDS:
         raise ConfigError(f"{ATTENTION_BACKEND_ENV}={choice!r} is not supported; allowed values: "
                           f"{', '.join(ATTENTION_BACKENDS)}", param=ATTENTION_BACKEND_ENV)

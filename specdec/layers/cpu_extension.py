@@ -51,7 +51,8 @@ import torch
 logger = logging.getLogger(__name__)
 
 CSRC = Path(__file__).parent / "csrc"
-SOURCES = tuple(CSRC / name for name in ("paged_attention_cpu.cpp", "linear_cpu.cpp", "decoder_cpu.cpp"))
+SOURCES = tuple(CSRC / name for name in ("paged_attention_cpu.cpp", "linear_cpu.cpp", "gguf_linear_cpu.cpp",
+                                          "decoder_cpu.cpp"))
 HEADERS = (CSRC / "cpu_kernels.h",)
 PREBUILT_ENV = "SPECDEC_CPU_KERNELS_DIR"
 # A build lock this long untouched (nor anything beside it) was left by a dead builder;

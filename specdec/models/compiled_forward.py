@@ -166,7 +166,7 @@ class CompiledForward:
             # holds several), not all (every KV cache tensor and weight, on each call: 0.5-1
             # ms of a 9 ms bf16 step on the default model). Sound because such a step cannot
             # need another graph: its token count is the only input that varies and warm-up
-            # compiled one for each class of it (tests/test_compiled_forward.py). Any other
+            # compiled one for each class of it (tests/service/test_compiled_forward.py). Any other
             # call (other aux layers, inference tensors from a tool) keeps the full guards.
             try:
                 with torch.compiler.set_stance("default", skip_guard_eval_unsafe=True):

@@ -29,6 +29,7 @@ from specdec.engine.kv_cache import KVCache
 from specdec.layers.attention import AttentionMetadata
 from specdec.layers.batch_invariance import batch_invariant_requested
 from specdec.layers.cpu_extension import linear_supports, load_extension
+from specdec.models.gguf_linear import GgufEmbedding, GgufLinear
 from specdec.models.llama import LlamaForCausalLM, check_aux_layer_ids
 from specdec.models.packed_linear import PackedLinear
 from specdec.models.weight_arena import move_into_arena
@@ -40,10 +41,13 @@ CPU_STACK_ENV = "SPECDEC_CPU_STACK"
 
 
 def _operands(linear: nn.Module) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None] | None:
-    """The weight (packed by `pack_weight` or `pack_weight_int8`, or [out, in] to pack), int8
-    scales and bias of a linear the C++ kernel can run, or None."""
+    """The weight (packed by `pack_weight` or `pack_weight_int8`, a GGUF linear's blocks, or
+    [out, in] to pack), int8 scales (a GGUF linear's block table) and bias of a linear the C++
+    kernel can run, or None."""
     scales = None
-    if isinstance(linear, PackedLinear):
+    if isinstance(linear, GgufLinear):
+        weight, scales, bias = linear.packed, linear.table, linear.bias
+    elif isinstance(linear, PackedLinear):
         if linear.kernel == "cpu":
             weight, bias = linear.packed, linear.bias
         elif linear.kernel == "int8" and linear.own_int8:
@@ -62,7 +66,7 @@ def _operands(linear: nn.Module) -> tuple[torch.Tensor, torch.Tensor | None, tor
 def _packed(linear: nn.Module) -> torch.Tensor:
     """A linear's weight as the C++ kernel reads it: a `PackedLinear`'s own tensor object (so
     that moving it moves the layer's), or a plain linear's packed here (a copy)."""
-    if isinstance(linear, PackedLinear):
+    if isinstance(linear, (PackedLinear, GgufLinear)):
         return linear.packed
     weight, _, _ = _operands(linear)  # type: ignore[misc]
     return torch.ops.specdec_cpu.pack_weight(weight)
@@ -72,20 +76,36 @@ def _streamed_weights(packed_layers: list[list[torch.Tensor]], lm_head: nn.Modul
     """The matrices a decode step reads, in the order it reads them: each layer's qkv, o,
     gate_up and down projections, then the LM head's (packed, or the weight it multiplies)."""
     tensors = [weight for layer in packed_layers for weight in layer]
-    if isinstance(lm_head, PackedLinear):
+    if isinstance(lm_head, (PackedLinear, GgufLinear)):
         tensors.append(lm_head.packed)
     elif isinstance(lm_head, nn.Linear):
         tensors.append(lm_head.weight)  # the parameter itself, so that moving it moves the head's
     return tensors
 
 
-def unsupported_reason(model: nn.Module) -> str | None:
-    """Why `model` cannot run as a `CpuDecoderStack` here, or None if it can."""
-    if os.environ.get(CPU_STACK_ENV, "1").strip() == "0":
+def _embedding_like(model: LlamaForCausalLM) -> torch.Tensor:
+    """An empty tensor of the embedding's dtype and device (a GGUF embedding's rows come out
+    in the model's dtype)."""
+    embed = model.model.embed_tokens
+    if isinstance(embed, GgufEmbedding):
+        return embed.blocks.new_empty(0, dtype=embed.dtype)
+    return embed.weight.new_empty(0)
+
+
+def cpu_stack_from_env() -> bool:
+    """False where $SPECDEC_CPU_STACK is 0: the default of the verifier's config field and
+    the choice of a process without one (a drafter)."""
+    return os.environ.get(CPU_STACK_ENV, "1").strip() != "0"
+
+
+def unsupported_reason(model: nn.Module, enabled: bool | None = None) -> str | None:
+    """Why `model` cannot run as a `CpuDecoderStack` here, or None if it can; `enabled`
+    False (None: `cpu_stack_from_env()`) says it is switched off."""
+    if not (cpu_stack_from_env() if enabled is None else enabled):
         return f"{CPU_STACK_ENV}=0"
     if not isinstance(model, LlamaForCausalLM):
         return f"{type(model).__name__} is not a LlamaForCausalLM"
-    embed = model.model.embed_tokens.weight
+    embed = _embedding_like(model)
     if embed.device.type != "cpu":
         return f"the model is on {embed.device.type}"
     if embed.dtype not in (torch.float32, torch.bfloat16) or not linear_supports(embed.dtype):
@@ -122,7 +142,7 @@ class CpuDecoderStack:
         # The moved tensors keep its buffer alive, and every tensor object sharing one (a
         # PackedLinear's own) now reads it.
         move_into_arena(_streamed_weights(packed_layers, model.lm_head))
-        empty = model.model.embed_tokens.weight.new_empty(0)
+        empty = _embedding_like(model)
         tensors: list[torch.Tensor] = []
         for layer, linears, packed in zip(model.model.layers, kernel_linears, packed_layers):
             # Each linear's weight, int8 scales and bias (an empty tensor for none).
@@ -135,7 +155,10 @@ class CpuDecoderStack:
             tensors += [layer.input_layernorm.weight.detach(), *qkv, *o,
                         layer.post_attention_layernorm.weight.detach(), *gate_up, *down]
         self._layer_tensors = [tensor.contiguous() for tensor in tensors]
-        self._embed = model.model.embed_tokens.weight.detach()
+        # A GGUF embedding is looked up here, the stack then taking its rows as its table.
+        embed = model.model.embed_tokens
+        self._gguf_embedding = embed if isinstance(embed, GgufEmbedding) else None
+        self._embed = embed.weight.detach() if self._gguf_embedding is None else empty
         self._final_norm = model.model.norm.weight.detach()
         self._rotary = model.model.rotary_emb
         self._shape = (config.num_attention_heads, config.num_key_value_heads, config.head_dim,
@@ -156,8 +179,12 @@ class CpuDecoderStack:
         """As `LlamaForCausalLM.forward`: the final normed hidden states, with the residual
         streams entering `aux_layer_ids` when asked."""
         check_aux_layer_ids(aux_layer_ids, self._num_layers)
+        embed = self._embed
+        if self._gguf_embedding is not None:
+            embed = self._gguf_embedding(input_ids)
+            input_ids = torch.arange(input_ids.shape[0])
         outputs = self._kernel.decoder_stack(
-            input_ids, positions, self._embed, self._rotary.cos_cache, self._rotary.sin_cache,
+            input_ids, positions, embed, self._rotary.cos_cache, self._rotary.sin_cache,
             self._layer_tensors, self._final_norm, kv_cache.key_caches, kv_cache.value_caches,
             attn_metadata.slot_mapping, attn_metadata.query_start_locs, attn_metadata.context_lens,
             attn_metadata.block_tables, list(aux_layer_ids), *self._shape, self.batch_invariant)
@@ -169,9 +196,10 @@ class CpuDecoderStack:
         return self.model.compute_logits(hidden)
 
 
-def make_cpu_stack(model: nn.Module) -> CpuDecoderStack | None:
-    """A `CpuDecoderStack` over `model`, or None (logged) where it cannot run it."""
-    reason = unsupported_reason(model)
+def make_cpu_stack(model: nn.Module, enabled: bool | None = None) -> CpuDecoderStack | None:
+    """A `CpuDecoderStack` over `model`, or None (logged) where it cannot run it or
+    `enabled` (see `unsupported_reason`) switches it off."""
+    reason = unsupported_reason(model, enabled)
     if reason is not None:
         logger.info("C++ decoder stack not used: %s", reason)
         return None

@@ -120,6 +120,8 @@ def _target_of(model: LlamaForCausalLM, hf_name: str) -> tuple[str, int | None]:
 def load_model(
     model_dir: Path, dtype: torch.dtype, device: torch.device, max_positions: int | None = None,
     parallel: ParallelContext | None = None, borrow_from: Path | None = None,
+    leave_out: frozenset[str] = frozenset(),
+    attention_backend: str | None = None,
 ) -> LlamaForCausalLM:
     """Build the model described by `model_dir/config.json` and fill it from the checkpoint.
 
@@ -128,7 +130,10 @@ def load_model(
     rank's tensor-parallel shard is built and read (see `specdec.models.parallel`); its
     `config` is then the rank-local one. With `borrow_from` (another model directory, e.g.
     the target of a shipped draft that leaves out its embedding), tensors the checkpoint
-    lacks are read from there instead, with the same shape checks.
+    lacks are read from there instead, with the same shape checks. Parameters named in
+    `leave_out` (ours, e.g. `model.layers.0.self_attn.qkv_proj.weight`) are neither read nor
+    required: the caller replaces their modules (their memory, never written, is never
+    resident). `attention_backend`: see `make_attention_backend`.
     """
     model_dir = Path(model_dir)
     started = time.perf_counter()
@@ -137,7 +142,7 @@ def load_model(
         config = rank_config(config, parallel.world_size)
     files = _weight_files(model_dir)
     backend = make_attention_backend(device, config.num_attention_heads, config.num_key_value_heads,
-                                     config.head_dim)
+                                     config.head_dim, attention_backend)
     with torch.device("meta"):
         model = LlamaForCausalLM(config, max_positions=max_positions, attention_backend=backend)
     if parallel is not None:
@@ -151,6 +156,8 @@ def load_model(
     params = dict(model.named_parameters())  # tied lm_head appears once, as embed_tokens
     expected: set[tuple[str, int | None]] = set()
     for name in params:
+        if name in leave_out:
+            continue
         fused = next((f for f, _, _ in model.stacked_params if f".{f}." in name), None)
         if fused is None:
             expected.add((name, None))
@@ -165,6 +172,8 @@ def load_model(
             if config.tie_word_embeddings and hf_name == "lm_head.weight":
                 continue  # some tied checkpoints store the shared matrix twice
             name, shard = _target_of(model, hf_name)
+            if name in leave_out:
+                continue
             if parallel is not None:
                 tensor = shard_tensor(hf_name, tensor, parallel)
             if name not in params:

@@ -154,9 +154,9 @@ def choose_kernel(device: torch.device, dtype: torch.dtype, quantization: str | 
     own kernel where it is built for the dtype; else bf16 via oneDNN beats stock bf16
     `F.linear`, and fp32 keeps `specdec.models.linear`'s few-row path.
     """
-    if quantization is not None:
+    if quantization is not None and quantization != "gguf":  # gguf: the file's own blocks (gguf_model)
         if quantization != "int8":
-            raise ConfigError(f"--quantization {quantization!r} is not supported; allowed: int8",
+            raise ConfigError(f"--quantization {quantization!r} is not supported; allowed: int8, gguf",
                               param="quantization")
         if device.type != "cpu":
             raise ConfigError("--quantization int8 runs on the cpu only (its weight-only int8 "

@@ -17,7 +17,9 @@ from specdec.rpc.internal_auth import InternalTokenInterceptor
 
 logger = logging.getLogger(__name__)
 
-# Explicit on both ends: hidden states for a long prompt can be tens of MB.
+# Explicit on both ends: hidden states for a long prompt can be tens of MB. The one limit of
+# every gRPC server and channel (the gateway's to the verifiers, the verifier's to the
+# drafters).
 MAX_MESSAGE_BYTES = 64 << 20
 CHANNEL_OPTIONS = (
     ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),

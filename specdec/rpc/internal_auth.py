@@ -110,6 +110,19 @@ def read_secret_file(path: str, flag: str, param: str) -> str:
         raise ConfigError(f"{flag} {path!r} is not UTF-8 text", param=param) from None
 
 
+def add_api_key_args(parser: argparse.ArgumentParser) -> None:
+    """--api-key and --api-key-file (the gateway's, and the launcher's for its gateway)."""
+    parser.add_argument("--api-key", default=None,
+                        help="require 'Authorization: Bearer KEY' on /v1/*. Kept for vLLM "
+                             "parity, but argv is visible to every local user (ps): prefer "
+                             "--api-key-file or the environment. First match wins: --api-key, "
+                             "--api-key-file, $SPECDEC_API_KEY, $VLLM_API_KEY; none: no key. "
+                             "The launcher gives it to its gateway in the environment, never "
+                             "in its argv")
+    parser.add_argument("--api-key-file", default=None, metavar="PATH",
+                        help="file holding the API key (see --api-key)")
+
+
 def load_api_key(flag_value: str | None, file_flag: str | None) -> str | None:
     """The gateway's API key: --api-key, else --api-key-file, else $SPECDEC_API_KEY, else
     $VLLM_API_KEY; None (no key required) when none is set."""

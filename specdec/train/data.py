@@ -20,6 +20,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from specdec.config_flags import build_config
 from specdec.engine.sampling_params import SamplingParams
 from specdec.models.loader import load_model_config
 from specdec.models.model_files import load_tokenizer, resolve_model
@@ -76,10 +77,10 @@ async def _generate(options: GenerateOptions, prompts: list[str]) -> int:
         logger.info("all %d answers already in %s", len(done), options.output)
         return 0
     max_model_len = min(1024, load_model_config(model_dir).max_position_embeddings)
-    engine, _ = build_engine(VerifierConfig(
+    engine, _ = build_engine(build_config(VerifierConfig,
         model=str(model_dir), dtype=options.dtype, max_model_len=max_model_len,
         max_num_seqs=options.batch_size, max_num_batched_tokens=4096,
-        num_gpu_blocks_override=options.batch_size * (max_model_len // 16) + 64))
+        num_kv_blocks=options.batch_size * (max_model_len // 16) + 64))
     await engine.start()
     deadline = time.monotonic() + 60 * options.max_minutes if options.max_minutes else None
     progress = Progress("generate", total=len(requests), unit="answers")

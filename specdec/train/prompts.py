@@ -4,7 +4,7 @@
 purpose: explanations, lists, stories, code, maths, rewriting, advice, comparisons. The
 *held-out chat prompts* (`specdec/prompts/heldout_chat.jsonl`, read by `heldout_prompts`)
 are hand-written and used only by `python -m specdec bench`; `bench serve` uses
-`specdec/prompts/builtin.jsonl`. `tests/test_train.py` checks that no training prompt equals
+`specdec/prompts/builtin.jsonl`. `tests/service/test_train.py` checks that no training prompt equals
 or contains one of either set, and that no held-out prompt names a training subject in a
 training template.
 """

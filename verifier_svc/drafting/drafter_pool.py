@@ -41,8 +41,9 @@ from dataclasses import dataclass
 
 import torch
 
-from specdec.errors import ConfigError, DrafterMismatchError, InvalidRequestError
-from specdec.rpc.grpc_server import client_keepalive_options
+from specdec.errors import DrafterMismatchError, InvalidRequestError
+from specdec.rpc.address import format_address, parse_host_port
+from specdec.rpc.grpc_server import CHANNEL_OPTIONS, client_keepalive_options
 from specdec.rpc.tensors import FLOAT_DTYPE_NAMES, decode_tensor, encode_tensor
 from specdec.rpc.tls import GrpcTlsConfig
 from specdec.v1 import specdec_pb2
@@ -91,12 +92,12 @@ class DrafterPool:
     def __init__(self, targets: list[str], *, resolve_interval_s: float = 10.0,
                  backoff_initial_s: float = 0.5, backoff_max_s: float = 10.0,
                  vocab_size: int, tokenizer_fingerprint: str,
-                 max_message_bytes: int = 64 << 20, tls: GrpcTlsConfig | None = None,
+                 tls: GrpcTlsConfig | None = None,
                  internal_token: str | None = None,
                  replay_max_outputs: int = DEFAULT_MAX_OUTPUTS,
                  replay_max_tokens: int = DEFAULT_MAX_TOKENS,
                  finished_flush_delay_s: float = DEFAULT_FLUSH_DELAY_S) -> None:
-        self._targets = [_split_host_port(target) for target in targets]
+        self._targets = [parse_host_port(target, "--drafter") for target in targets]
         self._resolve_interval_s = resolve_interval_s
         self.backoff_initial_s = backoff_initial_s
         self.backoff_max_s = backoff_max_s
@@ -105,8 +106,7 @@ class DrafterPool:
         self.tls = tls  # client side (CA, client certificate) of the drafter channels
         self.internal_token = internal_token  # sent on every call (specdec.rpc.internal_auth)
         self.channel_options = [
-            ("grpc.max_send_message_length", max_message_bytes),
-            ("grpc.max_receive_message_length", max_message_bytes),
+            *CHANNEL_OPTIONS,
             # Our own backoff decides when to retry; a shared subchannel stuck in gRPC's
             # reconnect backoff (up to 120 s) would make a restarted drafter look down.
             ("grpc.use_local_subchannel_pool", 1),
@@ -403,7 +403,7 @@ class DrafterPool:
                 logger.warning("drafter pool: cannot resolve %s:%d: %s", host, port, exc)
                 continue
             self._addresses_by_target[(host, port)] = {
-                _format_address(info[4][0], port) for info in infos
+                format_address(info[4][0], port) for info in infos
                 if info[0] in (socket.AF_INET, socket.AF_INET6) and isinstance(info[4][0], str)}
         wanted = set().union(*self._addresses_by_target.values())
         for address in sorted(set(self._replicas) - wanted):
@@ -427,12 +427,3 @@ def _decode_probs(message: specdec_pb2.Tensor, num_tokens: int, vocab_size: int,
     return probs.float() if probs.shape[1] else None
 
 
-def _split_host_port(target: str) -> tuple[str, int]:
-    host, sep, port = target.rpartition(":")
-    if not sep or not host or not port.isdigit():
-        raise ConfigError(f"drafter target {target!r} is not host:port", param="drafters")
-    return host.strip("[]"), int(port)
-
-
-def _format_address(ip: str, port: int) -> str:
-    return f"[{ip}]:{port}" if ":" in ip else f"{ip}:{port}"

@@ -28,7 +28,10 @@ What is measured, not assumed:
   decode steps' verify times (inputs, forward, logits, rejection sampling) against the
   tokens verified N and the sequences with drafts S: a sequence's first draft costs more
   than its later ones;
-- drafting time against the longest draft asked, fit the same way;
+- drafting time against the longest draft asked, fit the same way; both fits priced at
+  the machine's quiet speed (step_cost.QuietSpeed: a low quantile of recent timings over
+  the fit's prediction for their counted work), since another process's load delays the
+  drafter's round trip far more than the verify step and would price drafting out;
 - apart from it, what a sequence's first ask (its whole context: for EAGLE and draft models
   the drafter prefills it) adds to a round trip, a median over recent ones: it is charged to
   a never-asked sequence's first draft (the shipped draft model's first ask cost 14-28 ms
@@ -121,6 +124,12 @@ class SpeculationPolicy:
         self.first_ask_cost = FirstAskCost()
         self.calibration = ConfidenceCalibration()
         self.realized = RealizedThroughput()
+        # The last round trip's time beyond its quiet cost (the fit at the machine's quiet
+        # speed, plus its first asks): another process's load, which lands on the drafter's
+        # round trip far more than on the verify step. The realized check (observe_step)
+        # takes it out of the drafting step it delayed, so that it compares drafting and
+        # plain steps on the same footing: the steps' own work, under the load both share.
+        self._round_trip_excess = 0.0
         # Set by each plan: why it planned no draft for each sequence that could draft
         # (not probes), by sequence id, and for the whole step when nobody drafts ("").
         self.off_reasons: dict[int, str] = {}
@@ -178,9 +187,13 @@ class SpeculationPolicy:
 
     def observe_step(self, num_seqs: int, asked: bool, num_tokens: int, seconds: float) -> None:
         """A decode step's wall time and tokens (`asked`: it asked the drafter; otherwise it
-        drafted nothing): checks the fitted costs against what drafting realizes."""
+        drafted nothing): checks the fitted costs against what drafting realizes. A drafting
+        step's round trip counts at its quiet cost (see `_round_trip_excess`)."""
+        excess, self._round_trip_excess = self._round_trip_excess, 0.0
         if not self.verify_cost.has_data:
             return
+        if asked:
+            seconds -= excess
         verify_base, verify_slope, _ = self.verify_cost.fit()
         self.realized.observe(num_seqs, asked, num_tokens, seconds,
                               verify_base + verify_slope * num_seqs)
@@ -194,6 +207,7 @@ class SpeculationPolicy:
         if self._draft_cost_stale:  # re-measured after a spell without asks: start afresh
             self.draft_cost, self._draft_cost_stale = LinearCostModel(0.0), False
         self.draft_cost.observe(max_draft_tokens, seconds)
+        self._round_trip_excess = max(0.0, seconds - self._steady_round_trip(max_draft_tokens))
 
     def observe_first_asks(self, num_first_asks: int, max_draft_tokens: int, seconds: float) -> None:
         """A round trip that carried `num_first_asks` sequences' first ask (their whole
@@ -208,6 +222,8 @@ class SpeculationPolicy:
         self.first_ask_cost.observe(num_first_asks, seconds, steady)
         if seconds < steady:
             self.draft_cost.observe(max_draft_tokens, seconds)
+        self._round_trip_excess = max(0.0, seconds - self._steady_round_trip(max_draft_tokens)
+                                      - num_first_asks * self.first_ask_cost.per_first_ask())
 
     def _steady_round_trip(self, max_draft_tokens: int) -> float:
         base, per_token = self.draft_cost.fit()  # (0, 0) with no data

@@ -5,12 +5,21 @@ sequence's first ask adds to it (used by verifier_svc/speculation/policy.py).
 Both are exponentially weighted least-squares fits with a weak prior, so that a few
 observations at one size give a sane model, and both cap a timing at SPIKE_FACTOR times
 their prediction (one spike is a bounded slowdown; a lasting one is still learnt).
+
+The fits give the shape of a cost (what a row, a sequence, a drafted token adds); its level
+is the machine's quiet speed (QuietSpeed): the fit scaled down to a low quantile of recent
+timings over its own prediction for the same counted work. Another process's load lands as
+scheduling delays, some steps hit and some not, and far more on the drafter's round trip
+(another process, woken per ask) than on the verify step; a mean takes them in unevenly and
+prices drafting out on a busy machine, while the steps that ran undisturbed show what the
+work costs on both sides alike.
 """
 
 from __future__ import annotations
 
 import statistics
 from collections import deque
+from collections.abc import Callable
 
 # The cost model's prior: a forward over PRIOR_FLAT_TOKENS tokens costs twice a
 # one-token forward.
@@ -21,39 +30,84 @@ COST_DECAY = 0.98
 # next step costs, and a mean that swallowed one would, for the drafter, stop the drafting
 # whose timings could correct it. A lasting slowdown still gets in, a factor per timing.
 SPIKE_FACTOR = 3.0
+# The quiet speed: the QUIET_QUANTILE of the last QUIET_WINDOW timings over the fit's
+# prediction for their work, once QUIET_MIN_TIMINGS were seen.
+QUIET_QUANTILE = 0.1
+QUIET_WINDOW = 64
+QUIET_MIN_TIMINGS = 2
+# The fit takes a timing at most QUIET_SLACK times its quiet prediction: the delays of a
+# loaded step are noise about the work's cost, and one delayed step at an unusual size
+# (a probe's two rows among one-row steps) would otherwise set the fit's slope.
+QUIET_SLACK = 1.5
+
+
+class QuietSpeed:
+    """The recent timings with their counted work, and what share of the fit's prediction
+    the quiet ones took: the factor that turns a fit taken over loaded and quiet steps alike
+    into the machine's quiet cost. Above 1 once nearly every recent timing ran over the fit:
+    a lasting slowdown (more context, a slower drafter) is learnt within a window."""
+
+    def __init__(self) -> None:
+        self._timings: deque[tuple[tuple[float, ...], float]] = deque(maxlen=QUIET_WINDOW)
+
+    def observe(self, features: tuple[float, ...], seconds: float) -> None:
+        self._timings.append((features, seconds))
+
+    def factor(self, predict: Callable[[tuple[float, ...]], float]) -> float:
+        """The low quantile of timing / predict(work) over the window (1 with too few)."""
+        if len(self._timings) < QUIET_MIN_TIMINGS:
+            return 1.0
+        ratios = sorted(seconds / predicted for features, seconds in self._timings
+                        if (predicted := predict(features)) > 0.0)
+        if len(ratios) < QUIET_MIN_TIMINGS:
+            return 1.0
+        return ratios[int(QUIET_QUANTILE * (len(ratios) - 1))]
 
 
 class LinearCostModel:
     """seconds = base + slope * x, fit by exponentially weighted least squares.
 
     While the observed x are too alike to give a slope, `prior_slope_fraction * base`
-    stands in.
+    stands in. `fit()` is at the quiet speed (QuietSpeed); `mean_fit()` the fit itself.
     """
 
     def __init__(self, prior_slope_fraction: float, decay: float = COST_DECAY) -> None:
         self.prior_slope_fraction = prior_slope_fraction
         self.decay = decay
         self._sums = [0.0] * 5  # weight, x, y, x*x, x*y
+        self._mean_fitted: tuple[float, float] | None = None  # mean_fit() until the next observe
         self._fitted: tuple[float, float] | None = None  # fit() until the next observe
+        self.quiet = QuietSpeed()
 
     def observe(self, x: float, seconds: float) -> None:
+        self.quiet.observe((x,), seconds)
         if self.has_data:
-            base, slope = self.fit()
-            seconds = min(seconds, SPIKE_FACTOR * (base + slope * x))
+            base, slope = self.mean_fit()
+            quiet_base, quiet_slope = self.fit()
+            seconds = min(seconds, SPIKE_FACTOR * (base + slope * x),
+                          QUIET_SLACK * (quiet_base + quiet_slope * x))
         decayed = [value * self.decay for value in self._sums]
         self._sums = [decayed[0] + 1.0, decayed[1] + x, decayed[2] + seconds,
                       decayed[3] + x * x, decayed[4] + x * seconds]
-        self._fitted = None
+        self._mean_fitted = self._fitted = None
 
     @property
     def has_data(self) -> bool:
         return self._sums[0] > 0.0
 
     def fit(self) -> tuple[float, float]:
-        """(base, slope); with no data (0, 0)."""
+        """(base, slope) at the machine's quiet speed; with no data (0, 0)."""
         if self._fitted is None:
-            self._fitted = self._solve()
+            base, slope = self.mean_fit()
+            factor = self.quiet.factor(lambda features: base + slope * features[0])
+            self._fitted = (base * factor, slope * factor)
         return self._fitted
+
+    def mean_fit(self) -> tuple[float, float]:
+        """(base, slope) of the timings as they came, load included; with no data (0, 0)."""
+        if self._mean_fitted is None:
+            self._mean_fitted = self._solve()
+        return self._mean_fitted
 
     def _solve(self) -> tuple[float, float]:
         prior_slope_fraction = self.prior_slope_fraction
@@ -102,7 +156,7 @@ class VerifyCostModel:
     attention takes the multi-row, masked path; the sampler walks its drafts). A weak prior
     (`PRIOR_OBSERVATIONS` pseudo-observations: a forward over PRIOR_FLAT_TOKENS tokens costs
     twice a one-token forward, no per-sequence term) keeps the fit sane while N and S have
-    hardly varied.
+    hardly varied. `fit()` is at the quiet speed (QuietSpeed); `mean_fit()` the fit itself.
     """
 
     PRIOR_OBSERVATIONS = 2.0
@@ -113,30 +167,46 @@ class VerifyCostModel:
         # torch cost ~0.2 ms a step in op dispatch (a few us in Python).
         self._gram = [[0.0] * 3 for _ in range(3)]  # sum of f f^T, f = (1, N, S)
         self._moment = [0.0] * 3                    # sum of f * seconds
+        self._mean_fitted: tuple[float, float, float] | None = None  # until the next observe
         self._fitted: tuple[float, float, float] | None = None  # fit() until the next observe
+        self.quiet = QuietSpeed()
 
     def observe(self, num_tokens: int, num_drafting_seqs: int, seconds: float) -> None:
+        self.quiet.observe((float(num_tokens), float(num_drafting_seqs)), seconds)
         if self.has_data:
-            base, per_token, per_seq = self.fit()
+            base, per_token, per_seq = self.mean_fit()
+            quiet_base, quiet_per_token, quiet_per_seq = self.fit()
             seconds = min(seconds, SPIKE_FACTOR * (base + per_token * num_tokens
-                                                   + per_seq * num_drafting_seqs))
+                                                   + per_seq * num_drafting_seqs),
+                          QUIET_SLACK * (quiet_base + quiet_per_token * num_tokens
+                                         + quiet_per_seq * num_drafting_seqs))
         features = (1.0, float(num_tokens), float(num_drafting_seqs))
         decay = self.decay
         for i, row in enumerate(self._gram):
             for j in range(3):
                 row[j] = row[j] * decay + features[i] * features[j]
             self._moment[i] = self._moment[i] * decay + features[i] * seconds
-        self._fitted = None
+        self._mean_fitted = self._fitted = None
 
     @property
     def has_data(self) -> bool:
         return self._gram[0][0] > 0
 
     def fit(self) -> tuple[float, float, float]:
-        """(base, per_token, per_drafting_seq), none negative; zeros with no data."""
+        """(base, per_token, per_drafting_seq) at the machine's quiet speed, none negative;
+        zeros with no data."""
         if self._fitted is None:
-            self._fitted = self._solve()
+            base, per_token, per_seq = self.mean_fit()
+            factor = self.quiet.factor(
+                lambda features: base + per_token * features[0] + per_seq * features[1])
+            self._fitted = (base * factor, per_token * factor, per_seq * factor)
         return self._fitted
+
+    def mean_fit(self) -> tuple[float, float, float]:
+        """(base, per_token, per_drafting_seq) of the timings as they came, load included."""
+        if self._mean_fitted is None:
+            self._mean_fitted = self._solve()
+        return self._mean_fitted
 
     def _solve(self) -> tuple[float, float, float]:
         gram, moment = self._gram, self._moment

@@ -90,6 +90,17 @@ void check_packed(const at::Tensor& packed, const c10::optional<at::Tensor>& sca
                   int64_t out_features, at::ScalarType dtype);
 bool linear_supports(at::ScalarType dtype, bool int8_weights);
 
+// gguf_linear_cpu.cpp: the same for weights in GGUF's quantized formats, one uint8 tensor of
+// blocks and an int64 [blocks, 4] table (see there); linear_out and check_packed hand them on.
+inline bool is_gguf_packed(const at::Tensor& packed) { return packed.dim() == 1 && packed.scalar_type() == at::kByte; }
+bool gguf_linear_supported(at::ScalarType dtype);
+// A block's bytes in `format` (a GGML type id) for `in_features` inputs; -1 if it has none.
+int64_t gguf_block_bytes(int64_t format, int64_t in_features);
+void check_gguf_packed(const at::Tensor& bytes, const at::Tensor& table, int64_t in_features, int64_t out_features,
+                       at::ScalarType dtype);
+void gguf_linear_out(const at::Tensor& x, const at::Tensor& bytes, const at::Tensor& table,
+                     const c10::optional<at::Tensor>& bias, at::Tensor& out);
+
 // paged_attention_cpu.cpp: writes the step's K/V into the paged cache, attends every query token.
 //
 // What a step's attention does not owe to its layer (slots, block tables, the units of work),

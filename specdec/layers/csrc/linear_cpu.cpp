@@ -492,6 +492,10 @@ at::Tensor pack_weight_int8(const at::Tensor& weight) {
 
 void check_packed(const at::Tensor& packed, const c10::optional<at::Tensor>& scales, int64_t in_features,
                   int64_t out_features, at::ScalarType dtype) {
+  if (is_gguf_packed(packed)) {
+    TORCH_CHECK(scales.has_value(), "specdec_cpu::linear: GGUF weights need their block table");
+    return check_gguf_packed(packed, *scales, in_features, out_features, dtype);
+  }
   const bool int8_weights = packed.scalar_type() == at::kByte;
   TORCH_CHECK(int8_weights || packed.scalar_type() == dtype, "specdec_cpu::linear: x is ", dtype,
               " but the weight is ", packed.scalar_type());
@@ -536,6 +540,7 @@ void linear_out(const at::Tensor& x, const at::Tensor& packed, const c10::option
   const at::Tensor rows = x.is_contiguous() ? x : x.contiguous();
   const c10::optional<at::Tensor> b =
       bias.has_value() ? c10::optional<at::Tensor>(bias->is_contiguous() ? *bias : bias->contiguous()) : c10::nullopt;
+  if (is_gguf_packed(packed)) return gguf_linear_out(rows, packed, *scales, b, out);
 #if defined(SPECDEC_HAS_INT8_BF16_KERNEL)
   if (packed.scalar_type() == at::kByte && x.scalar_type() == at::kBFloat16) {
     return linear_rows<Int8Bf16Ops>(rows, packed, scales, b, out);
@@ -563,9 +568,12 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& packed, const c10::opti
 }  // namespace specdec_cpu
 
 TORCH_LIBRARY(specdec_cpu, m) {
+  // scales: int8 weights' per-column scales, or a GGUF weight's block table.
   m.def("linear(Tensor x, Tensor packed, Tensor? bias, int out_features, Tensor? scales=None) -> Tensor");
   m.def("pack_weight(Tensor weight) -> Tensor", &specdec_cpu::pack_weight);
   m.def("pack_weight_int8(Tensor weight) -> Tensor", &specdec_cpu::pack_weight_int8);
+  m.def("gguf_supports(ScalarType dtype) -> bool",
+        [](at::ScalarType dtype) { return specdec_cpu::gguf_linear_supported(dtype); });
   m.def("linear_supports(ScalarType dtype, bool int8_weights=False) -> bool",
         [](at::ScalarType dtype, bool int8_weights) { return specdec_cpu::linear_supports(dtype, int8_weights); });
 }

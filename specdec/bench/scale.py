@@ -1,0 +1,142 @@
+"""`python -m specdec bench scale`: specdec against llama.cpp on the same GGUF file, by model
+size and format.
+
+For each preset (`specdec.bench.scale_models`: random Llamas near 0.5B to 3B, built and
+cached on first use) and each format (F16, Q8_0, Q4_K_M, Q4_0), specdec serves the file as
+it is (its quantized blocks on the C++ kernels; F16 as bf16) and llama.cpp
+(llama-cpp-python, optional) loads the same file. One request at a time, plain greedy
+decoding of `--max-tokens` tokens after the default chat prompt, the two systems
+interleaved round by round so that the machine's drift falls on both; tokens/s over the
+request's wall time (prefill included), the median of the rounds. Beside it the bytes a
+decode step reads (the file's matrices: the layers' and the LM head's) and the rate at
+which each system read them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import statistics
+import sys
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from gateway.chat import render_chat_prompt
+from specdec.bench.compare_systems import (
+    LLAMA_CPP_MISSING,
+    LlamaCppSystem,
+    SpecdecEngine,
+    SpecdecSystem,
+    System,
+    llama_cpp_installed,
+)
+from specdec.bench.scale_models import FORMATS, PRESETS, build_gguf
+from specdec.cli import DefaultsHelpFormatter, setup_logging
+from specdec.models.model_files import DEFAULT_MODEL, default_cache_dir, load_tokenizer, resolve_model
+
+logger = logging.getLogger(__name__)
+
+PROMPT = "Write a short story about a lighthouse keeper who finds a message in a bottle."
+MAX_MODEL_LEN = 1024
+
+
+def decode_bytes(gguf_path: Path) -> int:
+    """Bytes of the matrices a decode step reads: every layer's and the LM head (the output
+    matrix, else the tied embedding); an untied embedding is only gathered from."""
+    import gguf
+
+    tensors = [t for t in gguf.GGUFReader(gguf_path).tensors if t.data.ndim == 2 or len(t.shape) > 1]
+    names = {t.name for t in tensors}
+    return sum(int(t.n_bytes) for t in tensors
+               if not (t.name == "token_embd.weight" and "output.weight" in names))
+
+
+async def _interleaved(systems: list[System], prompt_ids: list[int], max_tokens: int, rounds: int
+                       ) -> dict[str, list[float]]:
+    """tok/s of each system per round, after one warm-up run each."""
+    for system in systems:
+        await system.generate(prompt_ids, max_tokens)
+    speeds: dict[str, list[float]] = {system.name: [] for system in systems}
+    for round_index in range(rounds):
+        order = systems if round_index % 2 == 0 else systems[::-1]
+        for system in order:
+            generation = await system.generate(prompt_ids, max_tokens)
+            speeds[system.name].append(generation.num_output_tokens / generation.seconds)
+    return speeds
+
+
+async def measure(preset: str, precision: str, args: argparse.Namespace, tokenizer_dir: Path) -> dict[str, Any]:
+    gguf_path = build_gguf(preset, precision, args.cache_dir, tokenizer_dir)
+    tokenizer = load_tokenizer(tokenizer_dir)
+    prompt_ids = render_chat_prompt(tokenizer, [{"role": "user", "content": PROMPT}])
+    engine = await SpecdecEngine.start(gguf_path, str(gguf_path), "auto", "cpu", None, MAX_MODEL_LEN)
+    systems: list[System] = [SpecdecSystem("specdec", engine, speculate=False, tokenizer=tokenizer)]
+    if args.llama_cpp and llama_cpp_installed():
+        systems.append(LlamaCppSystem("llama.cpp", gguf_path, args.threads, MAX_MODEL_LEN, None))
+    try:
+        speeds = await _interleaved(systems, prompt_ids, args.max_tokens, args.rounds)
+    finally:
+        for system in systems:
+            await system.close()
+        await engine.stop()
+    row: dict[str, Any] = {"preset": preset, "format": precision, "file_mb": gguf_path.stat().st_size / 1e6,
+                           "decode_mb": decode_bytes(gguf_path) / 1e6}
+    for name, values in speeds.items():
+        row[name] = statistics.median(values)
+        row[f"{name} rounds"] = values
+    return row
+
+
+TABLE_HEADER = ("| model | format | file MB | MB read a token | specdec tok/s (GB/s) "
+                "| llama.cpp tok/s (GB/s) | ratio |\n"
+                "|---|---|---|---|---|---|---|")
+
+
+def format_row(row: dict[str, Any]) -> str:
+    cells = []
+    for name in ("specdec", "llama.cpp"):
+        speed = row.get(name)
+        cells.append("-" if speed is None else f"{speed:.1f} ({speed * row['decode_mb'] / 1e3:.1f})")
+    ratio = f"{row['specdec'] / row['llama.cpp']:.2f}x" if row.get("llama.cpp") else "-"
+    return (f"| {row['preset']} | {row['format']} | {row['file_mb']:.0f} | {row['decode_mb']:.0f} | "
+            f"{cells[0]} | {cells[1]} | {ratio} |")
+
+
+def add_scale_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--presets", default="0.8b", help=f"comma-separated: {', '.join(PRESETS)}")
+    parser.add_argument("--formats", default=",".join(FORMATS), help=f"comma-separated: {', '.join(FORMATS)}")
+    parser.add_argument("--rounds", type=int, default=3, help="interleaved rounds per system (after a warm-up)")
+    parser.add_argument("--max-tokens", type=int, default=64)
+    parser.add_argument("--threads", type=int, default=torch.get_num_threads(), help="llama.cpp's threads")
+    parser.add_argument("--cache-dir", type=Path, default=default_cache_dir() / "scale",
+                        help="where the random models are built and kept")
+    parser.add_argument("--no-llama-cpp", dest="llama_cpp", action="store_false",
+                        help="measure specdec alone")
+    parser.add_argument("--tokenizer-model", default=DEFAULT_MODEL,
+                        help="the model whose tokenizer, chat template and vocabulary the random models take")
+    parser.add_argument("--log-level", default="warning")
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m specdec bench scale", description=__doc__,
+                                     formatter_class=DefaultsHelpFormatter)
+    add_scale_args(parser)
+    args = parser.parse_args(argv)
+    setup_logging(args.log_level, "specdec")
+    presets = [name.strip() for name in args.presets.split(",")]
+    formats = [name.strip() for name in args.formats.split(",")]
+    unknown = [name for name in presets if name not in PRESETS] + [name for name in formats if name not in FORMATS]
+    if unknown:
+        parser.error(f"unknown preset or format: {', '.join(unknown)}")
+    if args.llama_cpp and not llama_cpp_installed():
+        print(f"llama.cpp: {LLAMA_CPP_MISSING}; measuring specdec alone", file=sys.stderr)
+    tokenizer_dir = resolve_model(args.tokenizer_model)
+    # Row by row, so that a long run (or a crash inside llama.cpp) leaves what it measured.
+    print(TABLE_HEADER, flush=True)
+    for preset in presets:
+        for precision in formats:
+            print(format_row(asyncio.run(measure(preset, precision, args, tokenizer_dir))), flush=True)
+    return 0

@@ -1,0 +1,408 @@
+// y = x W^T + b where W is held in GGUF's quantized formats (Q8_0, Q4_0, Q4_1, Q4_K, Q6_K),
+// decoded in registers; never dequantised to memory (see specdec/models/gguf_linear.py).
+//
+// Why: a decode or verify step on a CPU is bound by reading the weights. A GGUF file at
+// 4 bits dequantised to bf16 reads ~3.5x the bytes per token; here the kernel reads the
+// file's own integers and scales.
+//
+// Layout (made by specdec/models/gguf_blocks.py, holding exactly the file's values): the
+// output columns in blocks of 32, each block one ascending stream of *units* along the input
+// (32 inputs for Q8_0 / Q4_0 / Q4_1, a 256-input super-block for Q4_K / Q6_K). A unit is its
+// header, then its codes in pair rows (inputs k, k + 1 of the 32 columns: 64 codes):
+//
+//   format  unit header (32 columns each)                 a pair row's codes
+//   Q8_0    d f16                                          64 int8, column-major pairs
+//   Q4_0    d f16                                          32 bytes of 4-bit codes u (w = d (u - 8))
+//   Q4_1    d f16, m f16                                   32 bytes of u (w = d u + m)
+//   Q4_K    d f16, dmin f16, sc u8 [8], m u8 [8]           32 bytes of u (w = d sc_j u - dmin m_j)
+//   Q6_K    d f16, sc i8 [16]                              32 bytes of low 4 bits, 16 of high 2 (w = d sc_j (q - 32))
+//
+// A block's format is its own (a table row: byte offset, GGML type id, first output column,
+// column count), so a fused projection whose parts the file stores in different formats
+// (Q4_K_M's q/k at Q4_K, v at Q6_K) is one operand.
+//
+// How: each pair row's codes become bf16 pairs in registers (4- and 6-bit codes by two byte
+// lookups, vpermb, that give the bf16's low and high bytes; int8 by conversion), all exact;
+// bf16 rows multiply them by vdpbf16ps, fp32 rows widen them and use FMAs. The products of a
+// scale group (32 inputs, 16 for Q6_K) are summed in fp32 apart and then scaled into the
+// row's sums: acc += part * scale (+ min * sum of the group's inputs, precomputed per row).
+// So the result is the dequantised weight's product up to fp32 summation order (and, for
+// bf16 rows, the output's rounding): tests hold it to that (tests/unit/test_gguf_linear.py).
+//
+// Row invariance: a row's sums take the same operations in the same order whatever the
+// number of rows in the call (tiles of up to kQuantTileRows rows share each decoded pair
+// row; every fused multiply-add is written out), and threads split the blocks.
+
+#include "cpu_kernels.h"
+
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif
+
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+
+namespace specdec_cpu {
+namespace {
+
+constexpr int64_t kBlockColumns = 32;
+// Rows summed at once at most: each row holds 2 registers of sums and 2 of a group's part.
+constexpr int64_t kQuantTileRows = 6;
+constexpr int64_t kMinBlocksPerThread = 8;
+constexpr int64_t kMinGroup = 32;  // the inputs a min-sum covers (Q4_1, Q4_K)
+
+// GGML's type ids.
+constexpr int64_t kQ4_0 = 2, kQ4_1 = 3, kQ8_0 = 8, kQ4_K = 12, kQ6_K = 14;
+
+struct FormatShape {
+  int64_t unit_inputs, header_bytes, pair_row_bytes;
+};
+
+bool shape_of(int64_t format, FormatShape& shape) {
+  switch (format) {
+    case kQ8_0: shape = {32, 64, 64}; return true;
+    case kQ4_0: shape = {32, 64, 32}; return true;
+    case kQ4_1: shape = {32, 128, 32}; return true;
+    case kQ4_K: shape = {256, 64 + 64 + 8 * 32 + 8 * 32, 32}; return true;
+    case kQ6_K: shape = {256, 64 + 16 * 32, 48}; return true;
+    default: return false;
+  }
+}
+
+int64_t unit_bytes(const FormatShape& s) { return s.header_bytes + s.unit_inputs / 2 * s.pair_row_bytes; }
+
+}  // namespace
+
+int64_t gguf_block_bytes(int64_t format, int64_t in_features) {
+  FormatShape shape;
+  if (!shape_of(format, shape) || in_features % shape.unit_inputs != 0) return -1;
+  return in_features / shape.unit_inputs * unit_bytes(shape);
+}
+
+#if defined(__AVX512F__) && defined(__AVX512BF16__) && defined(__AVX512VL__) && defined(__AVX512VBMI__)
+#define SPECDEC_HAS_GGUF_KERNEL 1
+
+namespace {
+
+// bf16 bits of small integers, as two 64-byte tables (low bytes, high bytes) for vpermb.
+struct LookupTable {
+  __m512i low, high;
+  explicit LookupTable(int offset) {
+    alignas(64) uint8_t lo[64], hi[64];
+    for (int i = 0; i < 64; ++i) {
+      const uint16_t bits = from_float<at::BFloat16>(static_cast<float>(i + offset)).x;  // exact
+      lo[i] = static_cast<uint8_t>(bits & 0xFF), hi[i] = static_cast<uint8_t>(bits >> 8);
+    }
+    low = _mm512_load_si512(lo), high = _mm512_load_si512(hi);
+  }
+  // 64 indices (positions ordered for the unpacks) -> a pair row's two registers of bf16 pairs.
+  void decode(__m512i index, __m512i& w0, __m512i& w1) const {
+    const __m512i lo = _mm512_permutexvar_epi8(index, low), hi = _mm512_permutexvar_epi8(index, high);
+    w0 = _mm512_unpacklo_epi8(lo, hi);
+    w1 = _mm512_unpackhi_epi8(lo, hi);
+  }
+};
+
+// 32 bytes of 4-bit codes -> 64 byte indices: bytes 0-31 the low nibbles, 32-63 the high.
+inline __m512i nibbles(const uint8_t* p) {
+  const __m512i both = _mm512_broadcast_i64x4(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+  const __m512i shifted = _mm512_srlv_epi64(both, _mm512_set_epi64(4, 4, 4, 4, 0, 0, 0, 0));
+  return _mm512_and_si512(shifted, _mm512_set1_epi8(0x0F));
+}
+
+struct Int8Codes {
+  static constexpr int64_t kBytes = 64;
+  static void decode(const uint8_t* p, __m512i& w0, __m512i& w1) {
+    const auto floats = [p](int quarter) {
+      const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 16 * quarter));
+      return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(bytes));
+    };
+    w0 = (__m512i)_mm512_cvtne2ps_pbh(floats(1), floats(0));
+    w1 = (__m512i)_mm512_cvtne2ps_pbh(floats(3), floats(2));
+  }
+};
+
+struct NibbleCodes {
+  static constexpr int64_t kBytes = 32;
+  LookupTable table;
+  explicit NibbleCodes(int offset) : table(offset) {}
+  void decode(const uint8_t* p, __m512i& w0, __m512i& w1) const { table.decode(nibbles(p), w0, w1); }
+};
+
+// Q6_K: the low 4 bits as NibbleCodes, then 16 bytes holding each index's high 2 bits (index
+// 16 L + i in byte i, bits 2L and 2L + 1).
+struct SixBitCodes {
+  static constexpr int64_t kBytes = 48;
+  LookupTable table{-32};
+  void decode(const uint8_t* p, __m512i& w0, __m512i& w1) const {
+    const __m512i high = _mm512_broadcast_i32x4(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 32)));
+    const __m512i counts = _mm512_set_epi64(0x0006000600060006LL, 0x0006000600060006LL, 0x0004000400040004LL,
+                                            0x0004000400040004LL, 0x0002000200020002LL, 0x0002000200020002LL, 0, 0);
+    const __m512i bits = _mm512_and_si512(_mm512_srlv_epi16(high, counts), _mm512_set1_epi8(0x03));
+    table.decode(_mm512_or_si512(nibbles(p), _mm512_slli_epi16(bits, 4)), w0, w1);
+  }
+};
+
+struct Bf16Rows {
+  using T = at::BFloat16;
+  using W = __m512bh;
+  using X = __m512bh;
+  static W weights(__m512i pairs) { return (__m512bh)pairs; }
+  static X broadcast(const T* x) {
+    int32_t pair;
+    std::memcpy(&pair, x, sizeof(pair));
+    return (__m512bh)_mm512_set1_epi32(pair);
+  }
+  static __m512 dot(__m512 acc, W w, X x) { return _mm512_dpbf16_ps(acc, w, x); }
+  static __m512 load_bias(const T* b, __mmask16 mask) {
+    const __m256i bits = _mm256_maskz_loadu_epi16(mask, b);
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(bits), 16));
+  }
+  static void store(T* out, __m512 sums, __mmask16 mask) {
+    _mm256_mask_storeu_epi16(out, mask, (__m256i)_mm512_cvtneps_pbh(sums));
+  }
+  static float value(T v) { return to_float(v); }
+};
+
+struct Fp32Rows {
+  using T = float;
+  struct W {
+    __m512 first, second;  // the weights at k = 2p and 2p + 1
+  };
+  using X = W;
+  static W weights(__m512i pairs) {
+    return {_mm512_castsi512_ps(_mm512_slli_epi32(pairs, 16)),
+            _mm512_castsi512_ps(_mm512_and_si512(pairs, _mm512_set1_epi32(static_cast<int>(0xFFFF0000u))))};
+  }
+  static X broadcast(const T* x) { return {_mm512_set1_ps(x[0]), _mm512_set1_ps(x[1])}; }
+  static __m512 dot(__m512 acc, const W& w, const X& x) {
+    return _mm512_fmadd_ps(w.second, x.second, _mm512_fmadd_ps(w.first, x.first, acc));
+  }
+  static __m512 load_bias(const T* b, __mmask16 mask) { return _mm512_maskz_loadu_ps(mask, b); }
+  static void store(T* out, __m512 sums, __mmask16 mask) { _mm512_mask_storeu_ps(out, mask, sums); }
+  static float value(T v) { return v; }
+};
+
+// part[2m], part[2m + 1] (columns 0-15, 16-31 of row m) = the products of `pairs` pair rows
+// of codes at p with the MR rows' inputs [k0, k0 + 2 pairs), summed in input order.
+template <typename Rows, typename Codes, int MR>
+inline void group_sums(const Codes& codes, const uint8_t* p, int64_t pairs, const typename Rows::T* x, int64_t K,
+                       int64_t k0, __m512* part) {
+  for (int i = 0; i < 2 * MR; ++i) part[i] = _mm512_setzero_ps();
+  for (int64_t r = 0; r < pairs; ++r, p += Codes::kBytes) {
+    __m512i pairs0, pairs1;
+    codes.decode(p, pairs0, pairs1);
+    const typename Rows::W w0 = Rows::weights(pairs0), w1 = Rows::weights(pairs1);
+    for (int m = 0; m < MR; ++m) {
+      const typename Rows::X b = Rows::broadcast(x + m * K + k0 + 2 * r);
+      part[2 * m] = Rows::dot(part[2 * m], w0, b);
+      part[2 * m + 1] = Rows::dot(part[2 * m + 1], w1, b);
+    }
+  }
+}
+
+inline __m512 halves(const uint8_t* f16, int half) {
+  return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(f16 + 32 * half)));
+}
+inline __m512 bytes_as_floats(const uint8_t* p, bool is_signed) {
+  const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  return _mm512_cvtepi32_ps(is_signed ? _mm512_cvtepi8_epi32(bytes) : _mm512_cvtepu8_epi32(bytes));
+}
+
+// acc += part * scale (+ min * the group's input sum) for each of the MR rows.
+template <int MR>
+inline void scale_into(__m512* acc, const __m512* part, __m512 scale_lo, __m512 scale_hi) {
+  for (int m = 0; m < MR; ++m) {
+    acc[2 * m] = _mm512_fmadd_ps(part[2 * m], scale_lo, acc[2 * m]);
+    acc[2 * m + 1] = _mm512_fmadd_ps(part[2 * m + 1], scale_hi, acc[2 * m + 1]);
+  }
+}
+template <int MR>
+inline void add_mins(__m512* acc, __m512 min_lo, __m512 min_hi, const float* group_sums, int64_t sums_per_row) {
+  for (int m = 0; m < MR; ++m) {
+    const __m512 s = _mm512_set1_ps(group_sums[m * sums_per_row]);
+    acc[2 * m] = _mm512_fmadd_ps(min_lo, s, acc[2 * m]);
+    acc[2 * m + 1] = _mm512_fmadd_ps(min_hi, s, acc[2 * m + 1]);
+  }
+}
+
+struct Decoders {
+  NibbleCodes signed4{-8}, unsigned4{0};
+  SixBitCodes six;
+};
+
+// One call's operands.
+template <typename Rows>
+struct QuantOperands {
+  using T = typename Rows::T;
+  int64_t M, K, N;
+  const uint8_t* bytes;
+  const int64_t* table;  // [blocks, 4]
+  const T* x;
+  const float* sums;  // [M, K / kMinGroup] input sums, or nullptr
+  const T* bias;
+  T* out;
+};
+
+// Block `block`'s columns for the MR rows from row m0.
+template <typename Rows, int MR>
+void block_rows(const Decoders& d, const QuantOperands<Rows>& a, int64_t block, int64_t m0) {
+  using T = typename Rows::T;
+  const int64_t* row = a.table + 4 * block;
+  const uint8_t* unit = a.bytes + row[0];
+  const int64_t format = row[1], n = row[2], columns = row[3];
+  FormatShape shape;
+  shape_of(format, shape);
+  const int64_t K = a.K, per_unit = unit_bytes(shape), groups_per_row = K / kMinGroup;
+  const T* x = a.x + m0 * K;
+  const float* sums = a.sums == nullptr ? nullptr : a.sums + m0 * groups_per_row;
+  __m512 acc[2 * MR], part[2 * MR];
+  for (int i = 0; i < 2 * MR; ++i) acc[i] = _mm512_setzero_ps();
+  for (int64_t k0 = 0; k0 < K; k0 += shape.unit_inputs, unit += per_unit) {
+    const uint8_t* codes = unit + shape.header_bytes;
+    switch (format) {
+      case kQ8_0:
+        group_sums<Rows, Int8Codes, MR>(Int8Codes{}, codes, 16, x, K, k0, part);
+        scale_into<MR>(acc, part, halves(unit, 0), halves(unit, 1));
+        break;
+      case kQ4_0:
+        group_sums<Rows, NibbleCodes, MR>(d.signed4, codes, 16, x, K, k0, part);
+        scale_into<MR>(acc, part, halves(unit, 0), halves(unit, 1));
+        break;
+      case kQ4_1:
+        group_sums<Rows, NibbleCodes, MR>(d.unsigned4, codes, 16, x, K, k0, part);
+        scale_into<MR>(acc, part, halves(unit, 0), halves(unit, 1));
+        add_mins<MR>(acc, halves(unit + 64, 0), halves(unit + 64, 1), sums + k0 / kMinGroup, groups_per_row);
+        break;
+      case kQ4_K: {
+        const __m512 d_lo = halves(unit, 0), d_hi = halves(unit, 1);
+        const __m512 dmin_lo = halves(unit + 64, 0), dmin_hi = halves(unit + 64, 1);
+        const uint8_t* sc = unit + 128;
+        const uint8_t* mins = sc + 8 * 32;
+        for (int64_t j = 0; j < 8; ++j) {
+          group_sums<Rows, NibbleCodes, MR>(d.unsigned4, codes + j * 16 * 32, 16, x, K, k0 + 32 * j, part);
+          scale_into<MR>(acc, part, _mm512_mul_ps(d_lo, bytes_as_floats(sc + 32 * j, false)),
+                         _mm512_mul_ps(d_hi, bytes_as_floats(sc + 32 * j + 16, false)));
+          // -(dmin m): exact, as the dequantised weight's term.
+          add_mins<MR>(acc, _mm512_mul_ps(dmin_lo, _mm512_sub_ps(_mm512_setzero_ps(), bytes_as_floats(mins + 32 * j, false))),
+                       _mm512_mul_ps(dmin_hi, _mm512_sub_ps(_mm512_setzero_ps(), bytes_as_floats(mins + 32 * j + 16, false))),
+                       sums + (k0 + 32 * j) / kMinGroup, groups_per_row);
+        }
+        break;
+      }
+      default: {  // kQ6_K
+        const __m512 d_lo = halves(unit, 0), d_hi = halves(unit, 1);
+        const uint8_t* sc = unit + 64;
+        for (int64_t j = 0; j < 16; ++j) {
+          group_sums<Rows, SixBitCodes, MR>(d.six, codes + j * 8 * 48, 8, x, K, k0 + 16 * j, part);
+          scale_into<MR>(acc, part, _mm512_mul_ps(d_lo, bytes_as_floats(sc + 32 * j, true)),
+                         _mm512_mul_ps(d_hi, bytes_as_floats(sc + 32 * j + 16, true)));
+        }
+        break;
+      }
+    }
+  }
+  const __mmask16 lo_mask = columns >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << columns) - 1);
+  const __mmask16 hi_mask = columns <= 16 ? 0 : static_cast<__mmask16>((1u << (columns - 16)) - 1);
+  __m512 lo_bias = _mm512_setzero_ps(), hi_bias = _mm512_setzero_ps();
+  if (a.bias != nullptr) lo_bias = Rows::load_bias(a.bias + n, lo_mask), hi_bias = Rows::load_bias(a.bias + n + 16, hi_mask);
+  for (int m = 0; m < MR; ++m) {
+    T* o = a.out + (m0 + m) * a.N + n;
+    Rows::store(o, _mm512_add_ps(acc[2 * m], lo_bias), lo_mask);
+    Rows::store(o + 16, _mm512_add_ps(acc[2 * m + 1], hi_bias), hi_mask);
+  }
+}
+
+template <typename Rows>
+void walk(const QuantOperands<Rows>& a, int64_t begin, int64_t end) {
+  const Decoders decoders;
+  const int64_t tiles = num_balanced_parts(a.M, kQuantTileRows);
+  for (int64_t block = begin; block < end; ++block) {
+    for (int64_t tile = 0, m = 0; tile < tiles; ++tile) {
+      const int64_t rows = balanced_part(a.M, tiles, tile);
+      switch (rows) {
+        case 6: block_rows<Rows, 6>(decoders, a, block, m); break;
+        case 5: block_rows<Rows, 5>(decoders, a, block, m); break;
+        case 4: block_rows<Rows, 4>(decoders, a, block, m); break;
+        case 3: block_rows<Rows, 3>(decoders, a, block, m); break;
+        case 2: block_rows<Rows, 2>(decoders, a, block, m); break;
+        default: block_rows<Rows, 1>(decoders, a, block, m); break;
+      }
+      m += rows;
+    }
+  }
+}
+
+template <typename Rows>
+void gguf_rows(const at::Tensor& x, const at::Tensor& bytes, const at::Tensor& table,
+               const c10::optional<at::Tensor>& bias, at::Tensor& out) {
+  using T = typename Rows::T;
+  const int64_t M = x.size(0), K = x.size(1), blocks = table.size(0);
+  const int64_t* rows = table.data_ptr<int64_t>();
+  bool has_mins = false;
+  for (int64_t b = 0; b < blocks; ++b) has_mins |= rows[4 * b + 1] == kQ4_1 || rows[4 * b + 1] == kQ4_K;
+  // Each row's input sums per group of 32, in input order (the min terms' factor).
+  std::vector<float> sums(has_mins ? M * (K / kMinGroup) : 0);
+  const T* xs = x.data_ptr<T>();
+  for (size_t g = 0; g < sums.size(); ++g) {
+    const T* p = xs + static_cast<int64_t>(g) * kMinGroup;
+    float s = 0.f;
+    for (int64_t i = 0; i < kMinGroup; ++i) s += Rows::value(p[i]);
+    sums[g] = s;
+  }
+  const QuantOperands<Rows> operands{M, K, out.size(1), static_cast<const uint8_t*>(bytes.data_ptr()), rows, xs,
+                                     has_mins ? sums.data() : nullptr,
+                                     bias.has_value() ? bias->data_ptr<T>() : nullptr, out.data_ptr<T>()};
+  at::parallel_for(0, blocks, kMinBlocksPerThread,
+                   [&](int64_t begin, int64_t end) { walk<Rows>(operands, begin, end); });
+}
+
+}  // namespace
+#endif
+
+bool gguf_linear_supported(at::ScalarType dtype) {
+#if defined(SPECDEC_HAS_GGUF_KERNEL)
+  return dtype == at::kFloat || dtype == at::kBFloat16;
+#else
+  (void)dtype;
+  return false;
+#endif
+}
+
+void check_gguf_packed(const at::Tensor& bytes, const at::Tensor& table, int64_t in_features, int64_t out_features,
+                       at::ScalarType dtype) {
+  TORCH_CHECK(gguf_linear_supported(dtype), "specdec_cpu::linear has no ", dtype,
+              " kernel for GGUF weights on this machine (it needs AVX512-BF16 and AVX512-VBMI)");
+  TORCH_CHECK(bytes.dim() == 1 && bytes.scalar_type() == at::kByte && bytes.is_contiguous() && bytes.device().is_cpu(),
+              "specdec_cpu::linear: GGUF weights are one contiguous uint8 CPU tensor");
+  TORCH_CHECK(table.dim() == 2 && table.size(1) == 4 && table.scalar_type() == at::kLong && table.is_contiguous(),
+              "specdec_cpu::linear: a GGUF weight's block table is int64 [blocks, 4]");
+  const int64_t* rows = table.data_ptr<int64_t>();
+  int64_t offset = 0, column = 0;
+  for (int64_t b = 0; b < table.size(0); ++b) {
+    const int64_t* row = rows + 4 * b;
+    const int64_t size = gguf_block_bytes(row[1], in_features);
+    TORCH_CHECK(size > 0, "specdec_cpu::linear: block ", b, " has GGML type ", row[1],
+                ", which is not one of Q8_0, Q4_0, Q4_1, Q4_K, Q6_K for ", in_features, " inputs");
+    TORCH_CHECK(row[0] == offset && row[2] == column && row[3] >= 1 && row[3] <= kBlockColumns,
+                "specdec_cpu::linear: block ", b, " of the GGUF table is out of order");
+    offset += size, column += row[3];
+  }
+  TORCH_CHECK(offset == bytes.size(0) && column == out_features, "specdec_cpu::linear: the GGUF weight holds ",
+              bytes.size(0), " bytes and ", column, " columns, not ", offset, " bytes and ", out_features);
+}
+
+void gguf_linear_out(const at::Tensor& x, const at::Tensor& bytes, const at::Tensor& table,
+                     const c10::optional<at::Tensor>& bias, at::Tensor& out) {
+#if defined(SPECDEC_HAS_GGUF_KERNEL)
+  if (x.scalar_type() == at::kBFloat16) return gguf_rows<Bf16Rows>(x, bytes, table, bias, out);
+  if (x.scalar_type() == at::kFloat) return gguf_rows<Fp32Rows>(x, bytes, table, bias, out);
+#endif
+  TORCH_CHECK(false, "specdec_cpu::linear: no GGUF kernel for ", x.scalar_type(), " on this machine");
+}
+
+}  // namespace specdec_cpu

@@ -1,0 +1,158 @@
+"""Serving a GGUF file as it is: its quantized matrices stay in their blocks.
+
+Why: the people who run models on CPUs download GGUF files, mostly Q4_K_M, Q8_0 or Q4_0;
+dequantised to 16 bits such a model reads ~2-3.5x the bytes per token and holds as much
+more memory. `load_gguf_model` builds the model from the converted directory
+(`specdec.models.model_files`: config, tokenizer, and the tensors kept dense: embedding,
+norms, biases, any matrix in a type the kernel does not read) and, for every linear whose
+matrices the file holds as Q8_0, Q4_0, Q4_1, Q4_K or Q6_K, a `GgufLinear` over the file's
+own blocks (the projections fused as the model fuses them; llama.cpp's per-head q/k row
+order undone, as transformers undoes it), and a quantized embedding stays in its blocks too
+(`GgufEmbedding` dequantises the rows a step looks up). Those weights are never
+dequantised whole: the resident weights are the file's blocks plus the dense tensors
+(norms, biases, matrices in other types).
+
+When: a GGUF file served at `--dtype auto` on a CPU whose kernels read the blocks runs as
+the file is, unless `--quantization int8` asks otherwise; an explicit `--dtype` (bfloat16,
+float32, float16) dequantises as before. The default model (its shipped Q4_1 file) keeps
+its dequantised bf16 default; `--quantization gguf` (vLLM's name) asks for the file's
+blocks for it, or refuses where they cannot run.
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from specdec.errors import ConfigError
+from specdec.models.gguf_blocks import TYPE_NAMES, QuantFields, unpack
+from specdec.models.gguf_linear import GgufEmbedding, GgufLinear, gguf_kernel_supports
+from specdec.models.gguf_writer import rope_permutation
+from specdec.models.llama import LlamaForCausalLM
+from specdec.models.loader import load_model, load_model_config
+from specdec.models.model_config import ModelConfig
+from specdec.models.model_files import DEFAULT_MODEL, default_cache_dir, fetch_default_gguf
+
+logger = logging.getLogger(__name__)
+
+GGUF_QUANTIZATION = "gguf"
+# Our fused linears and the file's matrices they concatenate, in row order.
+_LAYER_LINEARS = (("self_attn.qkv_proj", ("attn_q", "attn_k", "attn_v")), ("self_attn.o_proj", ("attn_output",)),
+                  ("mlp.gate_up_proj", ("ffn_gate", "ffn_up")), ("mlp.down_proj", ("ffn_down",)))
+
+
+def gguf_file_of(model: str) -> Path | None:
+    """The GGUF file `--model` names (a .gguf path, or the default model's shipped file), or
+    None for a Hugging Face directory or a shipped draft."""
+    if model.strip().lower() == DEFAULT_MODEL:
+        return fetch_default_gguf(default_cache_dir())
+    path = Path(model).expanduser()
+    return path.resolve() if path.is_file() and path.suffix.lower() == ".gguf" else None
+
+
+def native_gguf_file(model: str, dtype_name: str, quantization: str | None, device: torch.device,
+                     dtype: torch.dtype, tensor_parallel_size: int) -> Path | None:
+    """The GGUF file to serve as it is, or None to load the dequantised model (see the module
+    docstring); ConfigError where `--quantization gguf` asks for what cannot run here."""
+    asked = quantization == GGUF_QUANTIZATION
+    if quantization not in (None, GGUF_QUANTIZATION):
+        return None
+    if not asked and (dtype_name != "auto" or model.strip().lower() == DEFAULT_MODEL):
+        return None
+    source = gguf_file_of(model)
+    if source is None:
+        if asked:
+            raise ConfigError("--quantization gguf needs a GGUF model (a .gguf file or the default model)",
+                              param="quantization")
+        return None
+    reason = None
+    if device.type != "cpu":
+        reason = f"GGUF blocks run on the cpu only, not {device.type}"
+    elif tensor_parallel_size != 1:
+        reason = "GGUF blocks do not run with tensor parallelism"
+    elif not gguf_kernel_supports(dtype):
+        reason = f"this machine's C++ kernels read no GGUF blocks for {dtype} rows (AVX512-BF16 and VBMI)"
+    if reason is None:
+        return source
+    if asked:
+        raise ConfigError(f"--quantization gguf: {reason}", param="quantization")
+    logger.info("GGUF %s dequantised: %s", source.name, reason)
+    return None
+
+
+def _fields(tensor: Any, rope_heads: int | None) -> QuantFields:
+    """A file matrix as the kernel's fields, its rows in our order."""
+    in_features, num_rows = (int(n) for n in tensor.shape)
+    raw = np.asarray(tensor.data).reshape(num_rows, -1)
+    if rope_heads is not None:
+        raw = raw[np.argsort(rope_permutation(num_rows, rope_heads))]
+    return unpack(raw, int(tensor.tensor_type), in_features)
+
+
+def native_linears(reader: Any, config: ModelConfig) -> dict[str, list[Any]]:
+    """Our linear modules whose file matrices are all in types the kernel reads, with those
+    matrices in row order. The LM head is `output.weight`, or the embedding where tied."""
+    tensors = {tensor.name: tensor for tensor in reader.tensors}
+    plan: dict[str, list[Any]] = {}
+    for layer in range(config.num_hidden_layers):
+        for module, names in _LAYER_LINEARS:
+            parts = [tensors.get(f"blk.{layer}.{name}.weight") for name in names]
+            if all(part is not None and int(part.tensor_type) in TYPE_NAMES for part in parts):
+                plan[f"model.layers.{layer}.{module}"] = parts
+    head = tensors.get("output.weight", tensors.get("token_embd.weight"))
+    if head is not None and int(head.tensor_type) in TYPE_NAMES:
+        plan["lm_head"] = [head]
+    return plan
+
+
+def load_gguf_model(gguf_path: Path, model_dir: Path, dtype: torch.dtype, device: torch.device,
+                    max_positions: int | None = None, attention_backend: str | None = None) -> LlamaForCausalLM:
+    """The model of `model_dir` (the conversion of `gguf_path`) with its quantized linears on
+    the file's blocks; see the module docstring."""
+    import gguf
+
+    if device.type != "cpu" or not gguf_kernel_supports(dtype):
+        raise ConfigError(f"GGUF blocks run on specdec's C++ CPU kernels, not here ({device}, {dtype})",
+                          param="quantization")
+    reader = gguf.GGUFReader(gguf_path)
+    config = load_model_config(model_dir)
+    plan = native_linears(reader, config)
+    tied_head = config.tie_word_embeddings and "output.weight" not in {t.name for t in reader.tensors}
+    leave_out = {f"{module}.weight" for module in plan if not (module == "lm_head" and tied_head)}
+    embedding = next((t for t in reader.tensors if t.name == "token_embd.weight"), None)
+    if embedding is not None and int(embedding.tensor_type) in TYPE_NAMES:
+        leave_out.add("model.embed_tokens.weight")
+    else:
+        embedding = None
+    model = load_model(model_dir, dtype, device, max_positions=max_positions, leave_out=frozenset(leave_out),
+                       attention_backend=attention_backend)
+    if embedding is not None:
+        dense = model.model.embed_tokens
+        lookup = GgufEmbedding(np.asarray(embedding.data).reshape(dense.num_embeddings, -1),
+                               int(embedding.tensor_type), dense.embedding_dim, dtype)
+        model.model.embed_tokens = lookup  # type: ignore[assignment]  # the same call, no dense weight
+    llama_order = str(reader.fields["general.architecture"].contents()) == "llama"
+    rope_heads = {"attn_q": config.num_attention_heads, "attn_k": config.num_key_value_heads}
+    num_bytes = 0
+    with torch.no_grad():
+        for module_name, tensors in plan.items():
+            parent_name, _, leaf = module_name.rpartition(".")
+            parent = model.get_submodule(parent_name) if parent_name else model
+            dense = getattr(parent, leaf)
+            parts = [_fields(tensor, rope_heads.get(tensor.name.split(".")[-2]) if llama_order else None)
+                     for tensor in tensors]
+            linear = GgufLinear(parts, bias=dense.bias)
+            if (linear.in_features, linear.out_features) != (dense.in_features, dense.out_features):
+                raise ConfigError(f"GGUF {gguf_path.name}: {module_name} is [{linear.out_features}, "
+                                  f"{linear.in_features}] in the file, [{dense.out_features}, "
+                                  f"{dense.in_features}] in its config", param="model")
+            setattr(parent, leaf, linear)
+            num_bytes += linear.packed.numel()
+    types = sorted({TYPE_NAMES[int(t.tensor_type)] for tensors in plan.values() for t in tensors})
+    logger.info("GGUF %s served as the file is: %d linears on its blocks (%s, %.1f MB); other tensors "
+                "dense in %s", gguf_path.name, len(plan), ", ".join(types) or "none", num_bytes / 1e6, dtype)
+    return model

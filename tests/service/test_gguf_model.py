@@ -1,0 +1,126 @@
+"""A GGUF file served as it is (`specdec.models.gguf_model`): tiny random Llamas written as
+GGUF at Q8_0, Q4_0, Q4_1 and Q4_K_M (Q4_K with Q6_K), loaded on their blocks, and served
+with ngram speculation giving the quantized model's own greedy output.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import gguf
+import pytest
+import torch
+
+from specdec.engine.sampling_params import SamplingParams
+from specdec.errors import ConfigError
+from specdec.models.cpu_stack import CpuDecoderStack
+from specdec.models.gguf_linear import GgufEmbedding, GgufLinear, gguf_kernel_supports
+from specdec.models.gguf_model import load_gguf_model, native_gguf_file
+from specdec.models.gguf_writer import write_llama_gguf
+from specdec.models.loader import load_model
+from specdec.models.model_files import resolve_model
+from tests.support.engine_harness import generate, ngram_engine
+from tests.support.tiny_models import make_gguf_ready_llama
+
+PRECISIONS = ("Q8_0", "Q4_0", "Q4_1", "Q4_K_M")
+# Token ids of the byte-level vocabulary, with repeats for the ngram drafter to find.
+PROMPTS = [[70, 71, 72, 73, 74, 70, 71, 72, 73, 74, 70, 71], [100, 101, 102, 100, 101, 102, 100],
+           [40, 41, 42, 43, 44, 45, 46, 47, 48, 40, 41, 42, 43]]
+CPU = torch.device("cpu")
+
+needs_kernel = pytest.mark.skipif(not gguf_kernel_supports(torch.bfloat16),
+                                  reason="no GGUF kernel here (needs AVX-512 with BF16 and VBMI)")
+
+
+@pytest.fixture(scope="module")
+def gguf_files(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("gguf-models")
+    hf_dir = make_gguf_ready_llama(root / "hf", num_layers=2)
+    return {precision: write_llama_gguf(hf_dir, root / f"tiny.{precision}.gguf", precision)
+            for precision in PRECISIONS}
+
+
+@pytest.fixture(autouse=True)
+def _own_cache(tmp_path_factory: pytest.TempPathFactory, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("SPECDEC_CACHE_DIR", str(tmp_path_factory.getbasetemp() / "specdec-cache"))
+
+
+def test_which_gguf_runs_on_its_blocks(gguf_files: dict[str, Path], monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr("specdec.models.gguf_model.gguf_kernel_supports", lambda dtype: True)
+    path = str(gguf_files["Q4_0"])
+    assert native_gguf_file(path, "auto", None, CPU, torch.bfloat16, 1) == gguf_files["Q4_0"]
+    assert native_gguf_file(path, "auto", "gguf", CPU, torch.bfloat16, 1) == gguf_files["Q4_0"]
+    # A dtype given, int8 asked for, or the default model not asked: dequantised.
+    assert native_gguf_file(path, "bfloat16", None, CPU, torch.bfloat16, 1) is None
+    assert native_gguf_file(path, "auto", "int8", CPU, torch.bfloat16, 1) is None
+    assert native_gguf_file("smollm2-135m-instruct", "auto", None, CPU, torch.bfloat16, 1) is None
+    # Where the blocks cannot run: dequantised, or refused when asked for.
+    assert native_gguf_file(path, "auto", None, CPU, torch.bfloat16, 2) is None
+    with pytest.raises(ConfigError, match="tensor parallelism") as error:
+        native_gguf_file(path, "auto", "gguf", CPU, torch.bfloat16, 2)
+    assert error.value.param == "quantization"
+    with pytest.raises(ConfigError, match="needs a GGUF model"):
+        native_gguf_file(str(gguf_files["Q4_0"].parent), "auto", "gguf", CPU, torch.bfloat16, 1)
+
+
+@needs_kernel
+@pytest.mark.parametrize("precision", PRECISIONS)
+def test_the_blocks_hold_the_dequantised_weights(gguf_files: dict[str, Path], precision: str) -> None:
+    """Each linear on the file's blocks multiplies by exactly the weight transformers
+    dequantises from the file (q/k rows in HF's order, projections fused in ours): the
+    identity's rows give the weight's columns bit for bit."""
+    model_dir = resolve_model(str(gguf_files[precision]))
+    native = load_gguf_model(gguf_files[precision], model_dir, torch.float32, CPU)
+    dense = load_model(model_dir, torch.float32, CPU)
+    names = [name for name, module in native.named_modules() if isinstance(module, GgufLinear)]
+    assert len(names) == 4 * native.config.num_hidden_layers + 1  # every projection and the LM head
+    for name in names:
+        linear = native.get_submodule(name)
+        weight = dense.get_submodule(name).weight
+        columns = linear(torch.eye(linear.in_features))
+        assert torch.equal(columns.T, weight), name
+    if precision == "Q4_K_M":
+        assert native.model.layers[1].self_attn.qkv_proj.qtypes == ("Q4_K", "Q6_K")
+        assert native.model.layers[1].mlp.down_proj.qtypes == ("Q6_K",)
+    # The LM head tied to the embedding: on the embedding's blocks.
+    assert native.lm_head.qtypes == (precision[:4],)
+    # The embedding stays in its blocks too; a looked-up row is the dense model's.
+    assert isinstance(native.model.embed_tokens, GgufEmbedding)
+    token_ids = torch.tensor([[0, 7, 259], [3, 3, 100]])
+    assert torch.equal(native.model.embed_tokens(token_ids), dense.model.embed_tokens(token_ids))
+    # What stays resident: the blocks, about the size of the file's (Q4_K's 6-bit scales and
+    # mins take a byte each, 148 bytes a super-block instead of 144; a matrix's last block of
+    # 32 rows is padded whole; the tied LM head's blocks beside the embedding's), and the
+    # norms. Nothing dense of a matrix's size.
+    blocks = sum(native.get_submodule(name).packed.numel() for name in names)
+    blocks += native.model.embed_tokens.blocks.numel()
+    tensors = gguf.GGUFReader(gguf_files[precision]).tensors
+    in_file = sum(int(t.n_bytes) for t in tensors if t.data.ndim == 2)
+    embedding = next(int(t.n_bytes) for t in tensors if t.name == "token_embd.weight")
+    assert in_file <= blocks <= (in_file + embedding) * 1.05
+    assert all(p.dim() == 1 for p in native.parameters())
+
+
+@needs_kernel
+@pytest.mark.parametrize("precision", PRECISIONS)
+async def test_speculation_gives_the_quantized_models_greedy_output(gguf_files: dict[str, Path],
+                                                                    precision: str) -> None:
+    params = SamplingParams(temperature=0.0, max_tokens=48, ignore_eos=True)
+    async with ngram_engine(gguf_files[precision], "cpu", k=3, dtype="auto") as engine:
+        assert isinstance(engine.runner.forward, CpuDecoderStack)
+        assert isinstance(engine.runner.model.lm_head, GgufLinear)
+        for prompt in PROMPTS:
+            plain = await generate(engine, prompt, params, num_speculative_tokens=0)
+            assert await generate(engine, prompt, params) == plain
+        assert engine.spec.num_accepted_tokens > 0, "ngram never helped"
+
+
+def test_bench_compare_gives_llama_cpp_the_file_specdec_serves(gguf_files: dict[str, Path],
+                                                               monkeypatch: pytest.MonkeyPatch) -> None:
+    from specdec.bench import compare as bench_compare
+
+    monkeypatch.setattr("specdec.models.gguf_model.gguf_kernel_supports", lambda dtype: True)
+    path = str(gguf_files["Q4_K_M"])
+    assert bench_compare.llama_cpp_precision(bench_compare.build_parser().parse_args(["--model", path])) == "file"
+    dequantised = bench_compare.build_parser().parse_args(["--model", path, "--dtype", "bfloat16"])
+    assert bench_compare.llama_cpp_precision(dequantised) == "F16"

@@ -1,0 +1,166 @@
+"""Grammar limits before admission (issue 44, items 2 and 3).
+
+A constraint is checked in a process of its own under a time budget: past it the request
+is a 400 naming the field and the worker is killed; a check whose request ends (the call
+cancelled, the client gone) kills its worker too, and the next check gets a fresh one. A
+choice longer than llguidance's row limit is a 400 naming it, and a grammar whose first
+token already takes llguidance past its limits (`(a{1000}){1000}`) is refused by the
+verifier's probe before admission.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from collections.abc import Iterator
+
+import httpx
+import openai
+import pytest
+
+from specdec.errors import InvalidRequestError
+from specdec.grammar_checker import GrammarChecker, GrammarLimits
+from specdec.models.model_files import DEFAULT_MODEL, load_tokenizer, resolve_model
+from tests.support.fake_verifier import (
+    SERVED_MODEL,
+    FakeVerifier,
+    FakeVerifierServer,
+    LiveGateway,
+    build_tiny_tokenizer,
+    gateway_config,
+    live_gateway,
+    openai_client,
+)
+from verifier_svc.grammar import GrammarBackend
+
+# Checked in ~25 s here (llguidance checks the patterns pairwise, ~n^3): far past the
+# budgets below on any machine, and a check nobody cancels would hold its worker that long.
+EXPENSIVE_SCHEMA = {"type": "object", "additionalProperties": False, "patternProperties": {
+    f"^x{i}_[a-z]*$": {"type": "integer"} for i in range(400)}}
+BUDGET_S = 0.5
+# Only a guard against a hang: a killed worker is seen at once when it works.
+HANG_GUARD_S = 30.0
+
+
+async def test_a_check_past_its_budget_is_a_400_naming_the_field() -> None:
+    checker = GrammarChecker(GrammarLimits(compile_timeout_s=BUDGET_S, compile_workers=1))
+    try:
+        with pytest.raises(InvalidRequestError) as refused:
+            await checker.check("json_schema", json.dumps(EXPENSIVE_SCHEMA),
+                                param="response_format.json_schema.schema")
+        assert refused.value.param == "response_format.json_schema.schema"
+        assert "took longer than 0.5 s to compile" in refused.value.message
+        assert checker.num_killed == 1
+        # The one worker was replaced: the next check is served.
+        assert "regex" in await checker.check("regex", "[ab]{2}", param="regex")
+    finally:
+        await checker.close()
+
+
+async def test_a_cancelled_check_kills_its_worker() -> None:
+    checker = GrammarChecker(GrammarLimits(compile_timeout_s=600, compile_workers=1))
+    try:
+        check = asyncio.ensure_future(checker.check("json_schema", json.dumps(EXPENSIVE_SCHEMA),
+                                                     param="x"))
+        while not checker._workers:  # started
+            await asyncio.sleep(0.01)
+        worker = next(iter(checker._workers))
+        await asyncio.sleep(0.2)
+        check.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await check
+        assert checker.num_killed == 1
+        assert await asyncio.wait_for(worker.wait(), HANG_GUARD_S) != 0
+        assert "regex" in await checker.check("regex", "[ab]{2}", param="regex")
+    finally:
+        await checker.close()
+
+
+@pytest.fixture(scope="module")
+def gateway(tokenizer) -> Iterator[LiveGateway]:
+    limits = GrammarLimits(compile_timeout_s=2.0, compile_workers=1)
+    with live_gateway(tokenizer, grammar_limits=limits) as (live, _):
+        yield live
+
+
+@pytest.fixture(scope="module")
+def client(gateway: LiveGateway) -> openai.OpenAI:
+    return openai_client(gateway, timeout=60)
+
+
+def _refused(client: openai.OpenAI, **fields: object) -> openai.BadRequestError:
+    with pytest.raises(openai.BadRequestError) as refused:
+        client.chat.completions.create(model=SERVED_MODEL, max_tokens=8,
+                                       messages=[{"role": "user", "content": "Hi"}], **fields)
+    return refused.value
+
+
+def test_the_gateway_refuses_grammars_past_their_limits_naming_the_field(client) -> None:
+    slow = _refused(client, response_format={"type": "json_schema", "json_schema": {
+        "name": "slow", "schema": EXPENSIVE_SCHEMA}})
+    assert slow.body["param"] == "response_format.json_schema.schema"
+    assert "took longer than 2 s to compile" in slow.message
+    choices = _refused(client, extra_body={"structured_outputs": {
+        "choice": [f"option {i}" for i in range(20_000)]}})
+    assert choices.body["param"] == "structured_outputs.choice"
+    assert "20000 strings; at most 2000" in choices.message
+    # Plain requests are served meanwhile and after.
+    answer = client.chat.completions.create(model=SERVED_MODEL, max_tokens=4,
+                                            messages=[{"role": "user", "content": "Hi"}])
+    assert answer.choices[0].message.content
+
+
+def test_a_client_that_leaves_cancels_its_grammar_check() -> None:
+    tokenizer = build_tiny_tokenizer()
+    server = FakeVerifierServer(FakeVerifier([5], tokenizer.eos_token_id))
+    server.start()
+    # A budget no check reaches here: only the client's leaving ends the check.
+    gateway = LiveGateway(gateway_config(server.address, grammar_limits=GrammarLimits(
+        compile_timeout_s=600, compile_workers=1)), tokenizer)
+    gateway.start()
+    try:
+        body = {"model": SERVED_MODEL, "max_tokens": 8,
+                "messages": [{"role": "user", "content": "Hi"}],
+                "response_format": {"type": "json_schema", "json_schema": {
+                    "name": "slow", "schema": EXPENSIVE_SCHEMA}}}
+        with pytest.raises(httpx.TimeoutException):
+            httpx.post(f"{gateway.base_url}/v1/chat/completions", json=body, timeout=0.5)
+        checker: GrammarChecker = gateway.app.state.grammar_checker
+        deadline = time.monotonic() + HANG_GUARD_S
+        while checker.num_killed == 0 and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert checker.num_killed == 1
+    finally:
+        gateway.stop()
+        server.close()
+
+
+@pytest.fixture(scope="module")
+def backend() -> GrammarBackend:
+    tokenizer = load_tokenizer(resolve_model(DEFAULT_MODEL))
+    return GrammarBackend(tokenizer, len(tokenizer))
+
+
+def test_the_verifier_probes_a_grammar_before_admission(backend: GrammarBackend) -> None:
+    with pytest.raises(InvalidRequestError) as refused:
+        backend.compile("regex", "(a{1000}){1000}", param="structured_outputs.regex")
+    assert refused.value.param == "structured_outputs.regex"
+    assert "exceeds the grammar library's limits" in refused.value.message
+    assert "(a{1000}){1000}" not in refused.value.message
+    backend.compile("regex", "(a{10}){10}")
+
+
+@pytest.mark.parametrize("schema", [
+    {"$ref": "#/$defs/a", "$defs": {"a": {"$ref": "#/$defs/a"}}},
+    {"$ref": "#/$defs/a", "$defs": {"a": {"$ref": "#/$defs/b"}, "b": {"$ref": "#/$defs/a"}}},
+])
+def test_a_cyclic_ref_that_matches_nothing_is_refused(backend: GrammarBackend, schema) -> None:
+    """It used to give empty content with finish_reason stop (issue 44, item 9)."""
+    with pytest.raises(InvalidRequestError) as refused:
+        backend.compile("json_schema", json.dumps(schema), param="response_format.json_schema.schema")
+    assert refused.value.param == "response_format.json_schema.schema"
+    assert "matches no text at all" in refused.value.message
+    # Recursion with a way out is a grammar like any other.
+    backend.compile("json_schema", json.dumps(
+        {"type": "object", "properties": {"child": {"$ref": "#"}}}))
