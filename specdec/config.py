@@ -447,6 +447,22 @@ class EngineConfig:
             raise ConfigError("draft timeout must be > 0", param="draft_timeout_ms")
 
     @property
+    def context_len(self) -> int:
+        """max_model_len, which the builder resolves before an engine runs."""
+        if self.max_model_len is None:
+            raise ConfigError("max_model_len is not resolved (verifier_svc/builder.py fills it in)",
+                              param="max_model_len")
+        return self.max_model_len
+
+    @property
+    def draft_deadline_s(self) -> float:
+        """draft_timeout_s, which the builder resolves for a server with drafters."""
+        if self.draft_timeout_s is None:
+            raise ConfigError("draft_timeout_s is not resolved (verifier_svc/builder.py fills it in)",
+                              param="draft_timeout_ms")
+        return self.draft_timeout_s
+
+    @property
     def waiting_limit(self) -> int:
         """Requests that may wait beyond the running ones, the default filled in."""
         if self.max_waiting_requests is None:

@@ -39,6 +39,7 @@ from specdec.models.compiled_forward import CompiledForward, linears_to_pack, wa
 from specdec.models.cpu_stack import CpuDecoderStack, cpu_stack_from_env, make_cpu_stack
 from specdec.models.gguf_linear import GgufLinear
 from specdec.models.gguf_model import load_gguf_model, native_gguf_file
+from specdec.models.llama import LlamaForCausalLM
 from specdec.models.loader import load_model, load_model_config
 from specdec.models.model_files import (
     DEFAULT_MODEL,
@@ -362,7 +363,7 @@ def _drafter_aux_layer_ids(spec: SpeculativeConfig | None, num_layers: int) -> t
     return aux_layer_ids_from_config(raw, num_layers)
 
 
-def _num_kv_blocks(config: VerifierConfig, model: torch.nn.Module, dtype: torch.dtype,
+def _num_kv_blocks(config: VerifierConfig, model: LlamaForCausalLM, dtype: torch.dtype,
                    device: torch.device, max_model_len: int) -> int:
     """Blocks that fit the memory budget, capped at what the limits can ever use."""
     engine = config.engine

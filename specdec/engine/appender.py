@@ -85,7 +85,7 @@ class Appender:
                 break
             visible.append(token_id)
             if (seq.num_output_tokens >= params.max_tokens
-                    or seq.num_tokens >= self.config.max_model_len):
+                    or seq.num_tokens >= self.config.context_len):
                 finish = FinishReason.LENGTH
                 break
         # Before a finish frees them: the blocks of verified tokens outlive the request.

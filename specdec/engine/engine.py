@@ -169,7 +169,7 @@ class Engine:
         """
         if not self._accepting:
             raise UnavailableError("the verifier is shutting down; retry on another replica")
-        check_request(prompt_token_ids, params, self.vocab_size, self.config.max_model_len)
+        check_request(prompt_token_ids, params, self.vocab_size, self.config.context_len)
         check_admission(self.config, len(self._sequences))
         max_k = self.speculation.num_speculative_tokens
         num_speculative_tokens = max(0, min(max_k if num_speculative_tokens is None

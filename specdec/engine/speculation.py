@@ -157,7 +157,7 @@ class FixedSpeculation(Speculation):
             return 0
         # Drafting past max_tokens or max_model_len would be thrown away.
         room = min(seq.params.max_tokens - seq.num_output_tokens - 1,
-                   self.config.max_model_len - seq.num_tokens)
+                   self.config.context_len - seq.num_tokens)
         if batch_cap is not None:
             room = min(room, batch_cap)
         return max(0, min(seq.max_speculative_tokens, room))
@@ -251,7 +251,7 @@ class FixedSpeculation(Speculation):
         for item in asked:
             item.seq.num_drafter_calls += 1
         started = time.perf_counter()
-        drafts = await self._pool.propose(requests, finished, self.config.draft_timeout_s)
+        drafts = await self._pool.propose(requests, finished, self.config.draft_deadline_s)
         seconds = time.perf_counter() - started
         self._observe_round_trip(num_first_asks, max(r.num_speculative_tokens for r in requests),
                                  seconds)
