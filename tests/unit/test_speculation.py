@@ -70,7 +70,7 @@ def decoding(seq_id: int, *, max_tokens: int = 32, max_speculative_tokens: int =
 
 def speculation(kind: type[FixedSpeculation], pool: StandInPool, **config: Any) -> FixedSpeculation:
     failed: list[Sequence] = []
-    return kind(EngineConfig(max_model_len=64, num_kv_blocks=8, **config), pool, K,  # type: ignore[arg-type]
+    return kind(EngineConfig(max_model_len=64, num_kv_blocks=8, draft_timeout_s=1.0, **config), pool, K,  # type: ignore[arg-type]
                 NoGrammarService(), SequenceFaults(lambda seq, error: failed.append(seq)),
                 hidden_size=8, dtype=torch.float32)
 
