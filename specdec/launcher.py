@@ -154,24 +154,22 @@ def _child_environments(api_key: str | None, internal_token: str) -> dict[str, d
 
 
 def _stop_all(children: list[tuple[str, subprocess.Popen[bytes]]], timeout_s: float) -> None:
-    """Stops the gateway and the verifier together, then the drafter: the verifier drains
-    its in-flight requests with drafts still coming, and no stop of a normal run logs a
-    drafter that vanished under it. All within `timeout_s`, then killed."""
+    """Stops the children in the reverse of their start order, each once the one started
+    after it (its caller) has exited: the gateway drains its in-flight requests with the
+    verifier still serving them, the verifier with drafts still coming, and no stop of a
+    normal run logs a service that vanished under its caller. All within `timeout_s`, then
+    killed."""
     deadline = time.monotonic() + timeout_s
-    callers = [child for child in children if child[0] != "drafter"]
-    drafters = [child for child in children if child[0] == "drafter"]
-    for group in (callers, drafters):
-        for _, proc in reversed(group):
-            if proc.poll() is None:
-                proc.send_signal(signal.SIGTERM)
-        for name, proc in group:
-            try:
-                proc.wait(timeout=max(0.1, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                logger.warning("%s did not stop in %.0f s; killing it", name, timeout_s)
-                proc.kill()
-                proc.wait()
-            _kill_leftovers(proc.pid)
+    for name, proc in reversed(children):
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(timeout=max(0.1, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            logger.warning("%s did not stop in %.0f s; killing it", name, timeout_s)
+            proc.kill()
+            proc.wait()
+        _kill_leftovers(proc.pid)
 
 
 def _kill_leftovers(group_id: int) -> None:
