@@ -332,8 +332,17 @@ DEFAULT_WAITING_PER_SEQ = 4
 
 
 # vLLM's --long-prefill-token-threshold, here the largest prefill chunk of a step that also
-# decodes: about a few decode steps' worth of work on a CPU.
-DEFAULT_LONG_PREFILL_TOKEN_THRESHOLD = 512
+# decodes, by device (default_long_prefill_token_threshold). A CPU's decode reads the weights
+# (memory-bound) while its prefill computes at ~3 ms a token for 135M on 2 cores: a
+# 64-token chunk costs about 12 decodes, a 512-token one about 88 (docs/performance.md), a
+# ratio the model's size hardly changes. An accelerator prefills hundreds of tokens in
+# about a decode's time.
+CPU_LONG_PREFILL_TOKEN_THRESHOLD = 64
+ACCELERATOR_LONG_PREFILL_TOKEN_THRESHOLD = 512
+
+
+def default_long_prefill_token_threshold(device_type: str) -> int:
+    return CPU_LONG_PREFILL_TOKEN_THRESHOLD if device_type == "cpu" else ACCELERATOR_LONG_PREFILL_TOKEN_THRESHOLD
 
 
 @dataclass(frozen=True)
@@ -352,12 +361,16 @@ class EngineConfig:
     max_num_batched_tokens: int = field(default=2048, metadata=flag(
         "tokens per engine step; longer prompts prefill in chunks"))
     # The largest prefill chunk in a step that also runs decodes (0: no cap): a decode's
-    # time between tokens stays a few decode steps beside a long prompt; a prompt prefilled
-    # alone still takes the whole budget.
-    long_prefill_token_threshold: int = field(
-        default=DEFAULT_LONG_PREFILL_TOKEN_THRESHOLD, metadata=flag(
+    # time between tokens stays near its pace beside a long prompt; a prompt prefilled
+    # alone still takes the whole budget. None: the device's default
+    # (default_long_prefill_token_threshold), filled in by the builder; a scheduler given
+    # None caps nothing.
+    long_prefill_token_threshold: int | None = field(
+        default=None, metadata=flag(
             "the largest prefill chunk of a step that also decodes, so running decodes keep "
-            "their pace beside a long prompt; 0: no cap"))
+            "their pace beside a long prompt; 0: no cap (default: "
+            f"{CPU_LONG_PREFILL_TOKEN_THRESHOLD} on a CPU, "
+            f"{ACCELERATOR_LONG_PREFILL_TOKEN_THRESHOLD} on an accelerator)"))
     block_size: int = field(default=16, metadata=flag("tokens per KV block"))
     # None: as many as the memory budget holds (verifier_svc/builder.py).
     num_kv_blocks: int | None = field(default=None, metadata=flag(
@@ -429,7 +442,7 @@ class EngineConfig:
             value = getattr(self, name)
             if value is not None and value < 1:
                 raise ConfigError(f"{name} must be >= 1, got {value}", param=name)
-        if self.long_prefill_token_threshold < 0:
+        if self.long_prefill_token_threshold is not None and self.long_prefill_token_threshold < 0:
             raise ConfigError("long_prefill_token_threshold must be >= 0 (0: no cap), got "
                               f"{self.long_prefill_token_threshold}",
                               param="long_prefill_token_threshold")

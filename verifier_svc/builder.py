@@ -19,6 +19,7 @@ from specdec.config import (
     EngineConfig,
     SpeculativeConfig,
     default_draft_timeout_s,
+    default_long_prefill_token_threshold,
     parse_additional_config,
 )
 from specdec.config_flags import env_default, flag, nested
@@ -236,6 +237,10 @@ def build_engine(config: VerifierConfig, enter_phase: Callable[[str], None] = la
     engine_config = dataclasses.replace(
         config.engine, max_model_len=max_model_len, num_kv_blocks=num_blocks,
         draft_timeout_s=config.engine.draft_timeout_s or default_draft_timeout_s(spec),
+        long_prefill_token_threshold=(
+            config.engine.long_prefill_token_threshold
+            if config.engine.long_prefill_token_threshold is not None
+            else default_long_prefill_token_threshold(device.type)),
         text_drafter=spec is None or spec.method not in MODEL_METHODS,
         disable_by_batch_size=spec.disable_by_batch_size if spec is not None else None,
         draft_caps=spec.draft_caps if spec is not None else None)
