@@ -333,11 +333,11 @@ DEFAULT_WAITING_PER_SEQ = 4
 
 # vLLM's --long-prefill-token-threshold, here the largest prefill chunk of a step that also
 # decodes, by device (default_long_prefill_token_threshold). A CPU's decode reads the weights
-# (memory-bound) while its prefill computes at ~3 ms a token for 135M on 2 cores: a
-# 64-token chunk costs about 12 decodes, a 512-token one about 88 (docs/performance.md), a
-# ratio the model's size hardly changes. An accelerator prefills hundreds of tokens in
-# about a decode's time.
-CPU_LONG_PREFILL_TOKEN_THRESHOLD = 64
+# (memory-bound) while its prefill computes at ~3 ms a token for 135M on 2 cores, a ratio
+# the model's size hardly changes: beside a 6,000-token prompt a decode's median gap was
+# 255 ms at 64, 406 at 128, 1,276 at 512, and the prompt's prefill 25.3, 19.2 and 16.4 s
+# (docs/performance.md). An accelerator prefills hundreds of tokens in about a decode's time.
+CPU_LONG_PREFILL_TOKEN_THRESHOLD = 128
 ACCELERATOR_LONG_PREFILL_TOKEN_THRESHOLD = 512
 
 

@@ -1,4 +1,4 @@
-"""The largest prefill chunk beside running decodes defaults by device: 64 tokens on a CPU
+"""The largest prefill chunk beside running decodes defaults by device: 128 tokens on a CPU
 (where a chunk's compute, not the weight read, sets the step's time), 512 on an
 accelerator; a value given on the command line is kept (issue 44, item 9)."""
 
@@ -26,7 +26,7 @@ def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 def test_the_default_is_the_devices() -> None:
-    assert default_long_prefill_token_threshold("cpu") == CPU_LONG_PREFILL_TOKEN_THRESHOLD == 64
+    assert default_long_prefill_token_threshold("cpu") == CPU_LONG_PREFILL_TOKEN_THRESHOLD == 128
     for device_type in ("cuda", "npu"):
         assert default_long_prefill_token_threshold(device_type) == ACCELERATOR_LONG_PREFILL_TOKEN_THRESHOLD
     parser = verifier_main.build_parser()
