@@ -19,10 +19,9 @@ import numpy as np
 import torch
 
 from specdec.errors import InvalidRequestError
+from specdec.grammar_probe import error_detail
 
 logger = logging.getLogger(__name__)
-
-MAX_LIMIT_MESSAGE_CHARS = 300
 
 
 class GrammarLimitError(InvalidRequestError):
@@ -30,9 +29,7 @@ class GrammarLimitError(InvalidRequestError):
     while generating: llguidance's matcher is in its error state for good."""
 
     def __init__(self, detail: str) -> None:
-        first_line = detail.strip().splitlines()[0] if detail.strip() else "unknown error"
-        # llguidance's error, on one line and short (it may quote the grammar).
-        self.detail = first_line[:MAX_LIMIT_MESSAGE_CHARS]
+        self.detail = error_detail(detail)
         super().__init__("the grammar exceeded the grammar library's limits while generating: "
                          f"{self.detail}", param="grammar")
 
