@@ -59,7 +59,7 @@ from gateway.tools import TOOL_CALL_PARSERS, template_accepts_tools
 from gateway.verifier_client import VerifierClient
 from specdec.cli import DEFAULT_PORTS
 from specdec.config_flags import flag, nested
-from specdec.errors import ConfigError
+from specdec.errors import ConfigError, InvalidRequestError
 from specdec.grammar_checker import GrammarChecker, GrammarLimits
 from specdec.rpc.address import parse_host_port
 
@@ -192,9 +192,18 @@ async def _open_generation(request: Request, prompt_token_ids: list[int],
         prompt_token_ids, sampling, info, max_model_len, prompt_param,
         record_steps=state.config.per_request_spec_decode_metrics == "detailed")
     echoed = echo_text(prompt_token_ids) if echo_text is not None else ""
-    choices = await open_choices(state.verifier, choice_requests(generate_request, sampling.n),
-                                 state.tokenizer, prompt_token_ids, sampling.stop, started_at,
-                                 sampling.min_tokens, output_options)
+    try:
+        choices = await open_choices(state.verifier, choice_requests(generate_request, sampling.n),
+                                     state.tokenizer, prompt_token_ids, sampling.stop, started_at,
+                                     sampling.min_tokens, output_options)
+    except InvalidRequestError as error:
+        grammar = sampling.grammar
+        if grammar is None or error.param != "grammar":
+            raise
+        # The verifier knows a GrammarSpec only (its probe, its compile budget): the client
+        # is told the field it sent the constraint in.
+        error.param = grammar.param
+        raise
     prefix = "chatcmpl" if chat else "cmpl"
     response_id = (f"{prefix}-{output_options.request_id}" if output_options.request_id
                    else responses.new_id(prefix))
