@@ -17,11 +17,14 @@ import json
 import signal
 import time
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
+import grpc
 import httpx
 import openai
 import pytest
+import torch
 
 from specdec.errors import InvalidRequestError
 from specdec.grammar_checker import GrammarChecker, GrammarLimits
@@ -37,7 +40,9 @@ from tests.support.fake_verifier import (
     live_gateway,
     openai_client,
 )
-from tests.support.grammar_decode import late_limit_grammar
+from specdec.v1 import specdec_pb2, specdec_pb2_grpc
+from tests.support.grammar_decode import late_limit_grammar, make_padded_tiny_model
+from tests.support.verifier_harness import verifier_starter
 from verifier_svc.grammar import GrammarBackend
 
 # Checked in ~25 s here (llguidance checks the patterns pairwise, ~n^3): far past the
@@ -198,6 +203,39 @@ async def test_a_cancelled_verifier_compile_kills_its_worker(model_tokenizer) ->
         assert backend.cache_info()["misses"] == 1
     finally:
         await backend.close()
+
+
+@pytest.fixture(scope="module")
+def model_dir(model_tokenizer, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    path = tmp_path_factory.mktemp("limits-target")
+    make_padded_tiny_model(model_tokenizer.eos_token_id).save_pretrained(path)
+    model_tokenizer.save_pretrained(path)
+    return path
+
+
+async def test_a_cancelled_generate_call_kills_its_compile(model_dir: Path) -> None:
+    """Through the verifier's gRPC service: the caller cancelling its Generate call while
+    the grammar compiles kills the worker compiling it; nothing compiles in-process."""
+    async with verifier_starter(model_dir, torch.device("cpu"), num_blocks=64) as start:
+        verifier = await start(grammar_limits=GrammarLimits(compile_timeout_s=600,
+                                                            compile_workers=1))
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{verifier.port}") as channel:
+            stub = specdec_pb2_grpc.VerifierStub(channel)
+            call = stub.Generate(specdec_pb2.GenerateRequest(
+                request_id="slow", prompt_token_ids=[1, 2, 3],
+                sampling=specdec_pb2.SamplingParams(max_tokens=4, grammar=specdec_pb2.GrammarSpec(
+                    kind="json_schema", value=json.dumps(EXPENSIVE_SCHEMA)))))
+            deadline = time.monotonic() + HANG_GUARD_S
+            while verifier.engine.grammars._backend is None and time.monotonic() < deadline:
+                await asyncio.sleep(0.01)
+            backend = verifier.engine.grammars._backend
+            assert backend is not None
+            worker = await running_worker(backend.checker)
+            await asyncio.sleep(1.0)
+            call.cancel()
+            assert await asyncio.wait_for(worker.wait(), HANG_GUARD_S) == -signal.SIGKILL
+            assert backend.checker.num_killed == 1
+            assert backend.cache_info()["misses"] == 0
 
 
 async def test_a_grammar_costly_only_with_the_tokenizer_never_compiles_in_process(
