@@ -57,7 +57,7 @@ from gateway.request_options import OutputOptions, PromptOptions, boolean_field,
 from gateway.tool_chat import ToolOutput, ToolSettings, plan_tools, template_messages
 from gateway.tools import TOOL_CALL_PARSERS, template_accepts_tools
 from gateway.verifier_client import VerifierClient
-from specdec.cli import DEFAULT_PORTS
+from specdec.cli import DEFAULT_PORTS, served_model_name
 from specdec.config_flags import flag, nested
 from specdec.errors import ConfigError
 from specdec.grammar_checker import GrammarChecker, GrammarLimits
@@ -77,9 +77,10 @@ class GatewayConfig:
     verifier_addresses: tuple[str, ...] = field(default=(), metadata=flag(
         "verifier gRPC address; repeat for several (round-robin)", name="--verifier",
         metavar="HOST:PORT", repeated=True, required=True))
-    # Defaults to `model` as given (vLLM).
+    # Defaults to `model` as given (vLLM), a path named by its last component (the rule of
+    # specdec.cli.served_model_name, which the verifier follows too).
     served_model_name: str | None = field(default=None, metadata=flag(
-        "model name in the API (default: --model as given)"))
+        "model name in the API (default: --model as given; a path by its last component)"))
     # Defaults to the verifier's (GetInfo).
     max_model_len: int | None = field(default=None, metadata=flag(
         "context length limit (default: the verifier's)"))
@@ -130,7 +131,8 @@ class GatewayConfig:
 
     @property
     def model_name(self) -> str:
-        return self.served_model_name or self.model
+        """The name the API answers to and the metrics' model_name label."""
+        return served_model_name(self.model, self.served_model_name)
 
 
 class ApiKeyMiddleware:
