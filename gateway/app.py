@@ -196,12 +196,12 @@ async def _open_generation(request: Request, prompt_token_ids: list[int],
     echoed = echo_text(prompt_token_ids) if echo_text is not None else ""
     choices = await open_choices(state.verifier, choice_requests(generate_request, sampling.n),
                                  state.tokenizer, prompt_token_ids, sampling.stop, started_at,
-                                 sampling.min_tokens, output_options)
+                                 sampling.params.min_tokens, output_options)
     prefix = "chatcmpl" if chat else "cmpl"
     response_id = (f"{prefix}-{output_options.request_id}" if output_options.request_id
                    else responses.new_id(prefix))
     output = responses.Output(response_id, responses.now(), state.config.model_name, chat,
-                              state.token_texts if sampling.logprobs is not None else None,
+                              state.token_texts if sampling.params.HasField("logprobs") else None,
                               tool_output,
                               spec_decode_metrics=state.config.per_request_spec_decode_metrics,
                               num_speculative_tokens=info.num_speculative_tokens,
