@@ -55,7 +55,8 @@ from gateway.protocol import (
 )
 from gateway.request_options import OutputOptions, PromptOptions, boolean_field, truncate_prompt
 from gateway.tool_chat import ToolOutput, ToolSettings, plan_tools, template_messages
-from gateway.tools import TOOL_CALL_PARSERS, template_accepts_tools
+from gateway.hermes_tool_parser import TOOL_CALL_PARSERS
+from gateway.tools import template_accepts_tools
 from gateway.verifier_client import VerifierClient
 from specdec.cli import DEFAULT_PORTS, served_model_name
 from specdec.config_flags import flag, nested

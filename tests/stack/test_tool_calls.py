@@ -1,5 +1,6 @@
-"""Tool calls (gateway/tools.py): tools / tool_choice validation, the grammars that force a
-call (checked by decoding a random model under them), and the Hermes parser."""
+"""Tool calls (gateway/tools.py, gateway/forced_tool_calls.py, gateway/hermes_tool_parser.py):
+tools / tool_choice validation, the grammars that force a call (checked by decoding a random
+model under them), and the Hermes parser."""
 
 from __future__ import annotations
 
@@ -12,19 +13,9 @@ from openai.types.chat.chat_completion_chunk import ChoiceDeltaToolCall
 from transformers import PreTrainedTokenizerFast
 
 from gateway.structured import grammar_from_request
-from gateway.tools import (
-    TOOL_CALL_PARSERS,
-    ForcedToolCallStream,
-    HermesToolParser,
-    ToolChoice,
-    parse_hermes,
-    parse_tool_choice,
-    parse_tools,
-    template_accepts_tools,
-    tool_calls_from_forced_output,
-    tool_grammar,
-    tool_messages_as_text,
-)
+from gateway.forced_tool_calls import ForcedToolCallStream, tool_calls_from_forced_output, tool_grammar
+from gateway.hermes_tool_parser import TOOL_CALL_PARSERS, HermesToolParser, parse_hermes, tool_messages_as_text
+from gateway.tools import ToolChoice, parse_tool_choice, parse_tools, template_accepts_tools
 from specdec.errors import InvalidRequestError
 from specdec.grammar_spec import check_grammar
 from tests.support.grammar_decode import PADDED_VOCAB, make_padded_tiny_model, masked_decode
