@@ -10,7 +10,7 @@ import dataclasses
 import pytest
 
 from drafter_svc.proposer import ModelOptions
-from drafter_svc.servicer import StreamLimits
+from drafter_svc.sequence_table import StreamLimits
 from gateway import __main__ as gateway_main
 from gateway.app import GatewayConfig
 from specdec.cli import DEFAULT_PORTS, DefaultsHelpFormatter
