@@ -29,7 +29,7 @@ from collections.abc import Callable
 from typing import cast
 
 from drafter_svc.proposer import ModelOptions
-from gateway.app import GatewayConfig
+from gateway.config import GatewayConfig
 from specdec.cli import add_logging_args, add_shutdown_args, served_model_name
 from specdec.config import SpeculativeConfig
 from specdec.config_flags import add_config_args, build_config, config_argv

@@ -8,7 +8,7 @@ import argparse
 
 from prometheus_client import generate_latest
 
-from gateway.app import GatewayConfig
+from gateway.config import GatewayConfig
 from gateway.generation import GenerationResult
 from gateway.metrics import GatewayMetrics
 from specdec import launcher
