@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from gateway.detokenizer import IncrementalDetokenizer, StopStringMatcher
 from gateway.protocol import SamplingOptions
 from gateway.verifier_client import GenerationStream
+from specdec.engine.sampling_params import check_logit_bias_ids
 from specdec.errors import InvalidRequestError, UnavailableError
 from specdec.v1 import specdec_pb2
 
@@ -82,11 +83,7 @@ def build_generate_request(prompt_token_ids: list[int], sampling: SamplingOption
             f"requested {num_prompt_tokens + max_tokens} tokens ({num_prompt_tokens} in the "
             f"{prompt_param}, {max_tokens} in the completion). Please reduce the length of "
             f"the {prompt_param} or max_tokens.", "max_tokens")
-    bad = min((t for t in sampling.params.logit_bias if t >= info.vocab_size), default=None)
-    if bad is not None:
-        raise InvalidRequestError(
-            f"logit_bias token id {bad} is outside the vocabulary (size {info.vocab_size}).",
-            "logit_bias")
+    check_logit_bias_ids(sampling.params.logit_bias, info.vocab_size)
     speculation = specdec_pb2.SpeculationOverride(record_steps=record_steps)
     if sampling.speculation is not None:
         speculation.enabled = sampling.speculation.enabled

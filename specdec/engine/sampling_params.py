@@ -11,7 +11,7 @@ raises `InvalidRequestError` naming the offending field in `param`.
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field, fields
 from typing import Any
 
@@ -113,6 +113,14 @@ def check_stop_token_ids(value: object) -> tuple[int, ...]:
             f"stop_token_ids must be an array of at most {MAX_STOP_TOKEN_IDS} token ids "
             f"(integers in [0, {MAX_TOKEN_ID}])", param="stop_token_ids")
     return tuple(value)
+
+
+def check_logit_bias_ids(token_ids: Iterable[int], vocab_size: int) -> None:
+    """Refuses a logit_bias id outside the vocabulary (the smallest, named)."""
+    bad = min((token_id for token_id in token_ids if token_id >= vocab_size), default=None)
+    if bad is not None:
+        raise InvalidRequestError(f"logit_bias token id {bad} is outside the vocabulary "
+                                  f"(size {vocab_size})", param="logit_bias")
 
 
 def _is_int(value: object) -> bool:
