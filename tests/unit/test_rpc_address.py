@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from gateway.app import GatewayConfig
+from gateway.config import GatewayConfig
 from gateway.verifier_targets import VerifierTarget
 from specdec.errors import ConfigError
 from specdec.rpc.address import format_address, split_host_port
