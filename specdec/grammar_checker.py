@@ -80,6 +80,8 @@ class GrammarChecker:
         for _ in range(limits.compile_workers):
             self._idle.put_nowait(None)
         self._workers: set[asyncio.subprocess.Process] = set()
+        # Killed workers being reaped in the background (close waits for them).
+        self._reaping: set[asyncio.Task[int]] = set()
         self._passed: OrderedDict[tuple[str, str], str] = OrderedDict()
         self.num_killed = 0
 
@@ -158,12 +160,15 @@ class GrammarChecker:
             worker.kill()
             self.num_killed += 1
             if reap:  # in the background: the caller is not kept waiting for it
-                asyncio.get_running_loop().create_task(worker.wait())
+                reaping = asyncio.get_running_loop().create_task(worker.wait())
+                self._reaping.add(reaping)
+                reaping.add_done_callback(self._reaping.discard)
 
     async def close(self) -> None:
-        """Kills every worker (those checking too) and reaps it."""
+        """Kills every worker (those checking too) and reaps it, and those killed before."""
         workers = list(self._workers)
         for worker in workers:
             self._kill(worker, reap=False)
         for worker in workers:
             await worker.wait()
+        await asyncio.gather(*self._reaping)
