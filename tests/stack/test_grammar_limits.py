@@ -42,6 +42,7 @@ from tests.support.fake_verifier import (
 )
 from specdec.v1 import specdec_pb2, specdec_pb2_grpc
 from tests.support.grammar_decode import late_limit_grammar, make_padded_tiny_model
+from tests.support.served_stack import served_stack
 from tests.support.verifier_harness import verifier_starter
 from verifier_svc.grammar import GrammarBackend
 
@@ -236,6 +237,26 @@ async def test_a_cancelled_generate_call_kills_its_compile(model_dir: Path) -> N
             assert await asyncio.wait_for(worker.wait(), HANG_GUARD_S) == -signal.SIGKILL
             assert backend.checker.num_killed == 1
             assert backend.cache_info()["misses"] == 0
+
+
+def test_the_verifiers_refusal_reaches_the_client_naming_its_field(model_dir: Path) -> None:
+    """Through the launched stack: the gateway's check passes `(a{1000}){1000}` (its
+    validation takes ~1 ms), the verifier's admission (compile and probe with the model's
+    tokenizer) refuses it, and the client's 400 names the field it sent. Plain requests go
+    on."""
+    with served_stack(model_dir, "--grammar-compile-timeout-s", "600",
+                      ready_timeout_s=120) as stack:
+        client = openai.OpenAI(base_url=f"{stack.base_url}/v1", api_key="unused", timeout=120)
+        model = client.models.list().data[0].id
+        with pytest.raises(openai.BadRequestError) as refused:
+            client.chat.completions.create(model=model, max_tokens=8,
+                                           messages=[{"role": "user", "content": "Hi"}],
+                                           extra_body={"guided_regex": "(a{1000}){1000}"})
+        assert refused.value.body["param"] == "guided_regex"
+        assert "exceeds the grammar library's limits" in refused.value.body["message"]
+        answer = client.chat.completions.create(model=model, max_tokens=4,
+                                                messages=[{"role": "user", "content": "Hi"}])
+        assert answer.choices[0].finish_reason == "length"
 
 
 async def test_a_grammar_costly_only_with_the_tokenizer_never_compiles_in_process(
