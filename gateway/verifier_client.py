@@ -15,10 +15,9 @@ for hung. Probes go one at a time per verifier; requests never send their own: w
 verifier is healthy, a request waits for the probe in flight (or starts the one probe that
 all waiting requests share).
 
-A Generate call that fails before any token was read (unreachable, an internal error,
-overloaded, the stream ending empty) moves once to another healthy verifier: the client
-has seen nothing yet. After a token, a failure ends the stream with the mapped error.
-Addresses appear in logs only: clients and `/health` see replica names ("verifier-0").
+A Generate call that fails before any token was read moves once to another healthy
+verifier (gateway.generation_stream). Addresses appear in logs only: clients and
+`/health` see replica names ("verifier-0").
 
 Each `--verifier` name is resolved at start and every `resolve_interval_s`, one endpoint
 per address ("verifier-0.1" in `/health`): see gateway.verifier_targets.
@@ -29,20 +28,21 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import AsyncIterator, Coroutine, Sequence
+from collections.abc import Coroutine, Sequence
 from typing import Any
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from gateway.errors import UNAVAILABLE_MESSAGE, error_from_grpc
+from gateway.errors import UNAVAILABLE_MESSAGE
+from gateway.generation_stream import GenerationStream
 from gateway.verifier_targets import (
     Resolver,
     VerifierEndpoint,
     VerifierTarget,
     resolve_ips,
 )
-from specdec.errors import SpecdecError, UnavailableError
+from specdec.errors import UnavailableError
 from specdec.rpc.grpc_server import CHANNEL_OPTIONS
 from specdec.rpc.tls import GrpcTlsConfig, open_channel
 from specdec.v1 import specdec_pb2, specdec_pb2_grpc
@@ -58,15 +58,6 @@ _CHANNEL_OPTIONS = [
     ("grpc.min_reconnect_backoff_ms", 100),
     ("grpc.max_reconnect_backoff_ms", 1000),
 ]
-# Failures another verifier may not have. Request errors (INVALID_ARGUMENT...) would fail
-# the same way anywhere, so they are not retried.
-RETRYABLE_CODES = frozenset({
-    grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.INTERNAL, grpc.StatusCode.UNKNOWN,
-    grpc.StatusCode.ABORTED, grpc.StatusCode.CANCELLED, grpc.StatusCode.DATA_LOSS,
-    grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.RESOURCE_EXHAUSTED,
-})
-# Retries of one request before its first token: once, as the load it can add is bounded.
-MAX_RETRIES = 1
 TOKENIZER_MISMATCH = "tokenizer_mismatch"
 # A verifier still starting: "starting: <its VerifierInfo.startup_phase>".
 STARTING = "starting"
@@ -77,105 +68,6 @@ RETIRED_CLOSE_GRACE_S = 300.0
 # read on any call) before it is taken for hung and marked down. Busy verifiers stream
 # responses all along, so this only ever fires for one that stopped answering anything.
 SILENT_DOWN_S = 30.0
-
-
-class GenerationStream:
-    """One running Generate call. Iterate for responses; `cancel()` aborts the sequence.
-
-    Until a response carrying tokens was read, a retryable failure restarts the request
-    on another healthy verifier (at most MAX_RETRIES times over the whole request)."""
-
-    def __init__(self, client: VerifierClient, request: specdec_pb2.GenerateRequest,
-                 prefer: str | None = None) -> None:
-        self._client = client
-        self._request = request
-        # The verifier to try first when healthy (a request's other choices go where its
-        # first one went, whose prompt blocks that verifier has cached).
-        self._prefer = prefer
-        self._tried: list[VerifierEndpoint] = []
-        self._call: grpc.aio.UnaryStreamCall | None = None
-        self._first_response: specdec_pb2.GenerateResponse | None = None
-        self.address = ""
-
-    async def open(self) -> None:
-        """Starts the call and waits for its first response (raises the mapped error)."""
-        self._first_response = await self._start(None)
-
-    async def _start(self, error: SpecdecError | None) -> specdec_pb2.GenerateResponse:
-        """The first response of the call on the next healthy verifier not tried yet."""
-        while True:
-            endpoint = (self._client._next_healthy(self._tried,
-                                                   None if self._tried else self._prefer)
-                        if len(self._tried) <= MAX_RETRIES else None)
-            if endpoint is None:
-                raise error or UnavailableError(UNAVAILABLE_MESSAGE)
-            if self._tried:
-                logger.warning("request %s: retrying on verifier %s", self._request.request_id,
-                               endpoint.address)
-            self._tried.append(endpoint)
-            self.address = endpoint.address
-            call = endpoint.stub.Generate(self._request)
-            self._call = call
-            try:
-                first = await call.read()
-                self._client._alive(endpoint)
-            except grpc.aio.AioRpcError as err:
-                error = self._failed_before_tokens(endpoint, err)
-                continue
-            except BaseException:
-                call.cancel()
-                raise
-            if first is grpc.aio.EOF:
-                logger.warning("verifier %s ended request %s before any token",
-                               endpoint.address, self._request.request_id)
-                error = UnavailableError(UNAVAILABLE_MESSAGE)
-                continue
-            return first
-
-    def _failed_before_tokens(self, endpoint: VerifierEndpoint,
-                              err: grpc.aio.AioRpcError) -> SpecdecError:
-        """The mapped error when another verifier may do better; else raises it."""
-        if err.code() == grpc.StatusCode.UNAVAILABLE:
-            self._client._mark_down(endpoint, err)
-        error = error_from_grpc(err)
-        if err.code() not in RETRYABLE_CODES:
-            raise error from None
-        logger.warning("verifier %s failed request %s before its first token: %s: %s",
-                       endpoint.address, self._request.request_id, err.code().name,
-                       err.details())
-        return error
-
-    def __aiter__(self) -> AsyncIterator[specdec_pb2.GenerateResponse]:
-        return self._responses()
-
-    async def _responses(self) -> AsyncIterator[specdec_pb2.GenerateResponse]:
-        response = self._first_response
-        assert response is not None and self._call is not None, "open() first"
-        got_tokens = False
-        while True:
-            got_tokens = got_tokens or bool(response.token_ids)
-            yield response
-            endpoint = self._tried[-1]
-            try:
-                response = await self._call.read()
-                self._client._alive(endpoint)
-            except grpc.aio.AioRpcError as err:
-                if not got_tokens:
-                    response = await self._start(self._failed_before_tokens(endpoint, err))
-                    continue
-                if err.code() == grpc.StatusCode.UNAVAILABLE:
-                    self._client._mark_down(endpoint, err)
-                logger.warning("verifier %s failed request %s mid-stream: %s: %s",
-                               endpoint.address, self._request.request_id, err.code().name,
-                               err.details())
-                raise error_from_grpc(err) from None
-            if response is grpc.aio.EOF:
-                return
-
-    def cancel(self) -> None:
-        """Cancels the call; the verifier frees the sequence. A no-op once finished."""
-        if self._call is not None:
-            self._call.cancel()
 
 
 class VerifierClient:
@@ -359,11 +251,11 @@ class VerifierClient:
                 return True
             logger.warning("verifier %s answered nothing for %.0f s", endpoint.address,
                            silent_s)
-        self._mark_down(endpoint, err)
+        self.mark_down(endpoint, err)
         return False
 
     @staticmethod
-    def _alive(endpoint: VerifierEndpoint) -> None:
+    def alive(endpoint: VerifierEndpoint) -> None:
         endpoint.last_alive_s = time.monotonic()
 
     def _mark_up(self, endpoint: VerifierEndpoint, info: specdec_pb2.VerifierInfo) -> bool:
@@ -377,7 +269,7 @@ class VerifierClient:
         endpoint.info = info
         endpoint.healthy = True
         endpoint.status = "serving"
-        self._alive(endpoint)
+        self.alive(endpoint)
         return True
 
     def _mark_mismatch(self, endpoint: VerifierEndpoint, info: specdec_pb2.VerifierInfo,
@@ -394,7 +286,7 @@ class VerifierClient:
         endpoint.status = TOKENIZER_MISMATCH
         return False
 
-    def _mark_down(self, endpoint: VerifierEndpoint, err: grpc.aio.AioRpcError) -> None:
+    def mark_down(self, endpoint: VerifierEndpoint, err: grpc.aio.AioRpcError) -> None:
         if endpoint.healthy:
             logger.warning("verifier %s is down: %s", endpoint.address, err.code().name)
         endpoint.healthy = False
@@ -451,7 +343,7 @@ class VerifierClient:
             raise UnavailableError(UNAVAILABLE_MESSAGE)
         return info
 
-    def _next_healthy(self, exclude: Sequence[VerifierEndpoint],
+    def next_healthy(self, exclude: Sequence[VerifierEndpoint],
                       prefer: str | None = None) -> VerifierEndpoint | None:
         """Round-robin: the next healthy verifier not in `exclude` (`prefer`, by address,
         when it is healthy and not excluded)."""
