@@ -156,7 +156,9 @@ async def test_needs_resync_from_drafter_resends_the_context(pool_for):
     pool = await pool_for(port)
     try:
         await pool.propose(requests_for({1: [1, 2, 1]}), [], timeout_s=5.0)
-        pool._seqs[1].num_synced_tokens = 1  # the pool now believes the drafter has 1 token
+        state = pool._placement.get(1)
+        assert state is not None
+        state.num_synced_tokens = 1  # the pool now believes the drafter has 1 token
         drafts = await pool.propose(requests_for({1: [1, 2, 1, 2]}), [], timeout_s=5.0)
         assert drafts == {}
         drafts = await pool.propose(requests_for({1: [1, 2, 1, 2]}), [], timeout_s=5.0)
