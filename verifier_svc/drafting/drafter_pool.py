@@ -20,8 +20,8 @@ Invariants:
   extra resync is harmless).
 
 Replicas come from `targets` ("host:port"); each host name is resolved at start and
-every `resolve_interval_s`, one replica per address, so a compose service scaled to N
-drafters behind one name gives N replicas.
+every `resolve_interval_s`, one replica per address (specdec.rpc.replica_set), so a
+compose service scaled to N drafters behind one name gives N replicas.
 
 Drafters that learn across requests (GetInfo.wants_finished_outputs: suffix) get every
 finished output, whichever replica drafted it (`record_finished_output`; the bounded log
@@ -36,15 +36,16 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import socket
 import time
 from dataclasses import dataclass
 
 import torch
 
 from specdec.errors import DrafterMismatchError, InvalidRequestError
-from specdec.rpc.address import format_address, parse_host_port
+from specdec.rpc.address import parse_host_port
 from specdec.rpc.grpc_server import CHANNEL_OPTIONS, client_keepalive_options
+from specdec.rpc.replica_health import model_mismatch
+from specdec.rpc.replica_set import ChannelOptions, ReplicaSet, Resolver, resolve_ips
 from specdec.rpc.tensors import FLOAT_DTYPE_NAMES, decode_tensor, encode_tensor
 from specdec.rpc.tls import GrpcTlsConfig
 from specdec.v1 import specdec_pb2
@@ -108,9 +109,10 @@ class DrafterPool:
                  internal_token: str | None = None,
                  replay_max_outputs: int = DEFAULT_MAX_OUTPUTS,
                  replay_max_tokens: int = DEFAULT_MAX_TOKENS,
-                 finished_flush_delay_s: float = DEFAULT_FLUSH_DELAY_S) -> None:
-        self._targets = [parse_host_port(target, "--drafter") for target in targets]
-        self._resolve_interval_s = resolve_interval_s
+                 finished_flush_delay_s: float = DEFAULT_FLUSH_DELAY_S,
+                 resolver: Resolver = resolve_ips) -> None:
+        for target in targets:
+            parse_host_port(target, "--drafter")  # a ConfigError for anything but host:port
         self.backoff_initial_s = backoff_initial_s
         self.backoff_max_s = backoff_max_s
         self.vocab_size = vocab_size
@@ -131,35 +133,46 @@ class DrafterPool:
         ]
         # Failures by replica and kind (exported as specdec:drafter_errors_total).
         self.errors = DrafterErrors()
-        self._replicas: dict[str, DrafterReplica] = {}
-        self._addresses_by_target: dict[tuple[str, int], set[str]] = {}
+        self._replicas = ReplicaSet("drafter", targets, open_replica=self._open_replica,
+                                    retire_replica=self._retire_replica, tls=tls,
+                                    resolver=resolver, resolve_interval_s=resolve_interval_s)
         self._placement = SequencePlacement()
         # The target layers every replica needs (GetInfo), fixed by the first replica
         # accepted; () when none are needed, None until a replica has connected.
         self.hidden_state_layer_ids: tuple[int, ...] | None = None
         self._step_id = 0
-        self._resolve_task: asyncio.Task[None] | None = None
-        self.sharing = FinishedOutputSharing(lambda: list(self._replicas.values()),
+        self.sharing = FinishedOutputSharing(lambda: self.replicas,
                                              self._next_step_id, replay_max_outputs,
                                              replay_max_tokens, finished_flush_delay_s)
 
     async def start(self) -> None:
         """Resolves the targets and starts connecting; does not wait for any replica."""
-        await self._resolve()
-        self._resolve_task = asyncio.create_task(self._resolve_periodically())
+        await self._replicas.start()
 
     async def close(self) -> None:
         self.sharing.close()
-        if self._resolve_task is not None:
-            self._resolve_task.cancel()
-            await asyncio.gather(self._resolve_task, return_exceptions=True)
-            self._resolve_task = None
-        replicas, self._replicas = list(self._replicas.values()), {}
-        await asyncio.gather(*(replica.close() for replica in replicas))
+        await self._replicas.close()
+        await asyncio.gather(*(replica.close() for replica in self.replicas))
         self._placement.clear()
 
+    @property
+    def replicas(self) -> list[DrafterReplica]:
+        """Every replica, healthy or not, by --drafter and slot."""
+        return self._replicas.replicas
+
+    def _open_replica(self, address: str, channel_options: ChannelOptions) -> DrafterReplica:
+        replica = DrafterReplica(self, address, channel_options)
+        replica.start()
+        return replica
+
+    async def _retire_replica(self, replica: DrafterReplica) -> None:
+        """Gone from DNS: its stream half-closes (the drafter drops its state) and its
+        sequences move on their next step."""
+        await replica.close()
+        self.errors.forget(replica.address)
+
     def num_healthy(self) -> int:
-        return sum(replica.healthy for replica in self._replicas.values())
+        return sum(replica.healthy for replica in self.replicas)
 
     async def wait_for_healthy(self, num_replicas: int = 1, timeout_s: float = 10.0) -> bool:
         """Waits until at least num_replicas replicas are healthy; False on timeout."""
@@ -225,7 +238,7 @@ class DrafterPool:
         message for its replica, assigning one first where it has none healthy."""
         state = self._placement.get(request.seq_id)
         if state is None or not state.replica.healthy:
-            state = self._placement.assign(request.seq_id, list(self._replicas.values()))
+            state = self._placement.assign(request.seq_id, self.replicas)
             if state is None:
                 return  # no healthy replica: no drafts this step
         replica = state.replica
@@ -344,13 +357,9 @@ class DrafterPool:
 
     def check_info(self, info: specdec_pb2.DrafterInfo) -> DrafterMismatchError | None:
         """Why a drafter cannot serve this verifier, or None when it can."""
-        problems = []
-        if info.vocab_size and info.vocab_size != self.vocab_size:
-            problems.append(f"its vocab_size is {info.vocab_size}, the verifier's is "
-                            f"{self.vocab_size}")
-        if info.tokenizer_fingerprint and info.tokenizer_fingerprint != self.tokenizer_fingerprint:
-            problems.append(f"its tokenizer fingerprint is {info.tokenizer_fingerprint!r}, the "
-                            f"verifier's is {self.tokenizer_fingerprint!r}")
+        problems = model_mismatch(info, vocab_size=self.vocab_size,
+                                  tokenizer_fingerprint=self.tokenizer_fingerprint,
+                                  ours="verifier")
         if problems:
             return DrafterMismatchError("drafter built for another model: " + "; ".join(problems))
         layer_ids = tuple(info.hidden_state_layer_ids)
@@ -366,36 +375,6 @@ class DrafterPool:
     def drop_replica_sequences(self, replica: DrafterReplica) -> None:
         """The replica lost its stream: its sequences get reassigned on their next step."""
         self._placement.drop_replica(replica)
-
-    async def _resolve_periodically(self) -> None:
-        while True:
-            await asyncio.sleep(self._resolve_interval_s)
-            try:
-                await self._resolve()
-            except Exception:
-                logger.exception("drafter pool: resolving %s failed", self._targets)
-
-    async def _resolve(self) -> None:
-        """Reconciles replicas with what the targets resolve to now (a failed lookup keeps the old)."""
-        for host, port in self._targets:
-            try:
-                infos = await asyncio.to_thread(socket.getaddrinfo, host, port,
-                                                type=socket.SOCK_STREAM)
-            except OSError as exc:
-                logger.warning("drafter pool: cannot resolve %s:%d: %s", host, port, exc)
-                continue
-            self._addresses_by_target[(host, port)] = {
-                format_address(info[4][0], port) for info in infos
-                if info[0] in (socket.AF_INET, socket.AF_INET6) and isinstance(info[4][0], str)}
-        wanted = set().union(*self._addresses_by_target.values())
-        for address in sorted(set(self._replicas) - wanted):
-            logger.info("drafter pool: replica %s is gone from DNS", address)
-            await self._replicas.pop(address).close()
-            self.errors.forget(address)
-        for address in sorted(wanted - set(self._replicas)):
-            logger.info("drafter pool: adding replica %s", address)
-            replica = self._replicas[address] = DrafterReplica(self, address)
-            replica.start()
 
 
 def _decode_probs(message: specdec_pb2.Tensor, num_tokens: int, vocab_size: int,
