@@ -19,7 +19,7 @@ from specdec.errors import SpecdecError, UnavailableError
 from specdec.v1 import specdec_pb2
 
 if TYPE_CHECKING:
-    from gateway.verifier_targets import VerifierEndpoint
+    from gateway.verifier_endpoint import VerifierEndpoint
 
 logger = logging.getLogger(__name__)
 

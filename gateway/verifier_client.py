@@ -35,7 +35,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from gateway.errors import UNAVAILABLE_MESSAGE
 from gateway.generation_stream import GenerationStream
-from gateway.verifier_targets import VerifierEndpoint
+from gateway.verifier_endpoint import VerifierEndpoint
 from specdec.errors import UnavailableError
 from specdec.rpc.grpc_server import CHANNEL_OPTIONS
 from specdec.rpc.replica_health import NOT_SERVING, model_mismatch
