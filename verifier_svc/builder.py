@@ -6,7 +6,6 @@ import dataclasses
 import functools
 import json
 import logging
-import shutil
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -23,7 +22,7 @@ from specdec.config import (
     parse_additional_config,
 )
 from specdec.config_flags import env_default, flag, nested
-from specdec.device import device_memory_bytes, resolve_device, resolve_dtype
+from specdec.device import resolve_device, resolve_dtype
 from specdec.engine.block_manager import BlockManager
 from specdec.engine.kv_cache import KVCache
 from specdec.engine.scheduler import Scheduler
@@ -35,12 +34,9 @@ from specdec.layers.attention import (
     ATTENTION_BACKENDS,
     attention_backend_from_env,
 )
-from specdec.layers.batch_invariance import deterministic_reason
 from specdec.models.compiled_forward import CompiledForward, linears_to_pack, warm_up
 from specdec.models.cpu_stack import CpuDecoderStack, cpu_stack_from_env, make_cpu_stack
-from specdec.models.gguf_linear import GgufLinear
 from specdec.models.gguf_model import load_gguf_model, native_gguf_file
-from specdec.models.llama import LlamaForCausalLM
 from specdec.models.loader import load_model, load_model_config
 from specdec.models.model_files import (
     DEFAULT_MODEL,
@@ -48,13 +44,20 @@ from specdec.models.model_files import (
     resolve_model,
     tokenizer_fingerprint,
 )
-from specdec.models.packed_linear import PackedLinear, choose_kernel, pack_linears
+from specdec.models.packed_linear import choose_kernel, pack_linears
 from specdec.models.parallel import ParallelContext, check_tensor_parallel
 from specdec.rpc.tls import GrpcTlsConfig
 from verifier_svc.drafting.drafter_pool import DrafterPool
 from specdec.engine.engine import Engine
 from verifier_svc.grammar.backend import GrammarBackend
+from verifier_svc.forward_choice import (
+    compile_by_default,
+    deterministic,
+    drafter_aux_layer_ids,
+    forward_name,
+)
 from verifier_svc.grammar.verification import GrammarService
+from verifier_svc.kv_budget import num_kv_blocks
 from verifier_svc.model_runner import ModelRunner
 from verifier_svc.startup_phase import (
     PHASE_COMPILING_KERNELS,
@@ -65,8 +68,6 @@ from verifier_svc.tp_worker import TensorParallelGroup, rank_device
 
 logger = logging.getLogger(__name__)
 
-# Fixed headroom for allocator fragmentation and framework buffers.
-_ACTIVATION_SLACK_BYTES = 256 << 20
 # vLLM's CPU backend's variable for VerifierConfig.cpu_kv_cache_space_gib, and its default.
 CPU_KV_CACHE_SPACE_ENV = "VLLM_CPU_KVCACHE_SPACE"
 CPU_KV_CACHE_DEFAULT_GIB = 4.0
@@ -218,7 +219,7 @@ def build_engine(config: VerifierConfig, enter_phase: Callable[[str], None] = la
         raise ConfigError(f"--max-model-len {max_model_len} exceeds the model's "
                           f"max_position_embeddings ({model_config.max_position_embeddings})",
                           param="max_model_len")
-    num_blocks = _num_kv_blocks(config, model, dtype, device, max_model_len)
+    num_blocks = num_kv_blocks(config, model, dtype, device, max_model_len)
     compile_forward = (compile_by_default(config.device, config.tensor_parallel_size,
                                           config.enforce_eager)
                        if config.compile is None else config.compile)
@@ -276,7 +277,7 @@ def build_engine(config: VerifierConfig, enter_phase: Callable[[str], None] = la
             forward = CompiledForward(model)
             # Before the first request; the blocks it writes hold no sequence yet.
             warm_up(forward, kv_cache, block_ids=list(range(-(-16 // block_size))),
-                    aux_layer_ids=_drafter_aux_layer_ids(spec, model_config.num_hidden_layers))
+                    aux_layer_ids=drafter_aux_layer_ids(spec, model_config.num_hidden_layers))
         except Exception as exc:
             # The model itself still runs eagerly (its attention falls back outside a trace);
             # its layers' linears still need the packing the compiler was to do.
@@ -300,7 +301,7 @@ def build_engine(config: VerifierConfig, enter_phase: Callable[[str], None] = la
         torch.manual_seed(engine_config.seed)  # the stream of the requests that bring no seed
     logger.info("verifier: model %s on %s in %s (%s), tensor parallel %d, max_model_len %d, %d KV "
                 "blocks of %d tokens (%d tokens), speculation %s", model_dir, device, dtype,
-                _forward_name(runner.forward), config.tensor_parallel_size, max_model_len,
+                forward_name(runner.forward), config.tensor_parallel_size, max_model_len,
                 num_blocks, block_size, num_blocks * block_size,
                 f"{spec.method} k={spec.num_speculative_tokens} via {', '.join(config.drafter_targets)}"
                 if spec else "off")
@@ -314,95 +315,8 @@ def build_engine(config: VerifierConfig, enter_phase: Callable[[str], None] = la
                          speculative_method=spec.method if spec else "",
                          num_speculative_tokens=spec.num_speculative_tokens if spec else 0,
                          tokenizer_fingerprint=fingerprint,
-                         deterministic=_deterministic(runner, dtype, config.tensor_parallel_size))
+                         deterministic=deterministic(runner, dtype, config.tensor_parallel_size))
     return engine, served
-
-
-def _deterministic(runner: ModelRunner, dtype: torch.dtype, tensor_parallel_size: int) -> bool:
-    """Whether greedy answers are independent of load, cache and chunking here; says why not
-    once, at start."""
-    lm_head = runner.model.lm_head
-    reason = deterministic_reason(
-        forward_is_cpu_stack=isinstance(runner.forward, CpuDecoderStack),
-        lm_head_row_invariant=isinstance(lm_head, GgufLinear)
-        or (isinstance(lm_head, PackedLinear) and (lm_head.kernel == "cpu" or lm_head.own_int8)),
-        dtype=dtype, tensor_parallel_size=tensor_parallel_size)
-    if reason is not None:
-        logger.warning("deterministic serving is off: %s; a greedy or seeded answer may change "
-                       "with the load, the prefix cache and the chunking (rounding forks at near-ties)",
-                       reason)
-        return False
-    logger.info("deterministic serving: every row is computed the same way whatever shares its step")
-    return True
-
-
-def _forward_name(forward: object) -> str:
-    if isinstance(forward, CpuDecoderStack):
-        return "C++ decoder stack"
-    if isinstance(forward, CompiledForward):
-        return "compiled forward"
-    return "eager forward"
-
-
-def compile_by_default(device: str, tensor_parallel_size: int, enforce_eager: bool) -> bool:
-    """Whether the command line compiles the forward: unless --enforce-eager, on the CPU
-    (where it was measured: ~1.3x faster steps), with one rank (the all-reduces stay eager)
-    and a C++ compiler for inductor's kernels (the slim container image has none)."""
-    if enforce_eager or tensor_parallel_size != 1 or resolve_device(device).type != "cpu":
-        return False
-    if not any(shutil.which(name) for name in ("g++", "c++", "clang++")):
-        logger.info("no C++ compiler found: the forward runs eagerly")
-        return False
-    return True
-
-
-def _drafter_aux_layer_ids(spec: SpeculativeConfig | None, num_layers: int) -> tuple[int, ...]:
-    """The target layers whose states an eagle3 drafter will ask for (the compiled forward
-    needs a graph for them); () for every other method, which reads none or the final
-    state only. Read from the head's config, as the drafter reads it."""
-    if spec is None or spec.method != "eagle3" or spec.model is None:
-        return ()
-    from specdec.models.eagle3 import aux_layer_ids_from_config
-
-    raw = json.loads((resolve_model(str(spec.model)) / "config.json").read_text())
-    return aux_layer_ids_from_config(raw, num_layers)
-
-
-def _num_kv_blocks(config: VerifierConfig, model: LlamaForCausalLM, dtype: torch.dtype,
-                   device: torch.device, max_model_len: int) -> int:
-    """Blocks that fit the memory budget, capped at what the limits can ever use."""
-    engine = config.engine
-    if engine.num_kv_blocks is not None:
-        return engine.num_kv_blocks
-    model_config = model.config
-    block_size = engine.block_size
-    bytes_per_block = KVCache.bytes_per_block(model_config, block_size, dtype)
-    # Buffers too: a GGUF model's quantized blocks are its GgufLinears' buffers.
-    weight_bytes = sum(t.numel() * t.element_size() for t in (*model.parameters(), *model.buffers()))
-    element = torch.tensor([], dtype=dtype).element_size()
-    activation_bytes = (engine.max_num_batched_tokens * element
-                        * (4 * model_config.hidden_size + 2 * model_config.intermediate_size)
-                        + engine.max_num_batched_tokens * model_config.vocab_size * 4
-                        + _ACTIVATION_SLACK_BYTES)
-    device_bytes = device_memory_bytes(device)
-    if device.type == "cpu":
-        # Tensor-parallel ranks on the CPU share its RAM; `model` is one rank's shard.
-        device_bytes //= config.tensor_parallel_size
-    budget = (int(config.gpu_memory_utilization * device_bytes)
-              - weight_bytes - activation_bytes)
-    if config.kv_cache_memory_bytes is not None:
-        budget = config.kv_cache_memory_bytes
-    elif device.type == "cpu":
-        budget = min(budget, int(config.cpu_kv_cache_space_gib * 2**30))
-    usable = max(0, budget) // bytes_per_block
-    blocks_per_seq = -(-max_model_len // block_size)
-    most_ever_used = engine.max_num_seqs * blocks_per_seq
-    num_blocks = min(usable, most_ever_used)
-    logger.info("KV budget: %.2f GiB (device memory %.2f GiB, weights %.2f GiB, "
-                "activations %.2f GiB) -> %d blocks (%d fit, %d the limits can use)",
-                max(0, budget) / 2**30, device_memory_bytes(device) / 2**30, weight_bytes / 2**30,
-                activation_bytes / 2**30, num_blocks, usable, most_ever_used)
-    return num_blocks
 
 
 def _eos_token_ids(model_dir: Path, config_eos: tuple[int, ...] | list[int],

@@ -21,7 +21,8 @@ from specdec.models.packed_linear import choose_kernel, mkldnn_supported, pack_l
 from tests.support.engine_harness import PROMPTS, generate, greedy, ngram_engine, plain_outputs
 from tests.support.tiny_models import make_tiny_llama
 from verifier_svc import builder
-from verifier_svc.builder import VerifierConfig, compile_by_default
+from verifier_svc.builder import VerifierConfig
+from verifier_svc.forward_choice import compile_by_default
 
 BLOCK_SIZE = 4
 
