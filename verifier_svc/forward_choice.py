@@ -16,14 +16,45 @@ import torch
 from specdec.config import SpeculativeConfig
 from specdec.device import resolve_device
 from specdec.layers.batch_invariance import deterministic_reason
-from specdec.models.compiled_forward import CompiledForward
-from specdec.models.cpu_stack import CpuDecoderStack
+from specdec.engine.kv_cache import KVCache
+from specdec.models.compiled_forward import CompiledForward, warm_up
+from specdec.models.cpu_stack import CpuDecoderStack, make_cpu_stack
 from specdec.models.gguf_linear import GgufLinear
+from specdec.models.llama import LlamaForCausalLM
 from specdec.models.model_files import resolve_model
-from specdec.models.packed_linear import PackedLinear
+from specdec.models.packed_linear import PackedLinear, pack_linears
+from specdec.models.parallel import ParallelContext
 from verifier_svc.model_runner import ModelRunner
 
 logger = logging.getLogger(__name__)
+
+
+def choose_forward(model: LlamaForCausalLM, kv_cache: KVCache, device: torch.device, *,
+                   parallel: ParallelContext | None, cpu_stack: bool, compile_forward: bool,
+                   linear_kernel: str | None, spec: SpeculativeConfig | None,
+                   ) -> CpuDecoderStack | CompiledForward | None:
+    """The forward that runs `model`; None: the model eagerly. A compile that fails falls
+    back to eager, with the packing of the layers' linears the compiler was to do."""
+    if device.type == "cpu" and parallel is None:
+        stack = make_cpu_stack(model, cpu_stack)
+        if stack is not None:
+            return stack
+    if not compile_forward:
+        return None
+    try:
+        forward = CompiledForward(model)
+        # Before the first request; the blocks it writes hold no sequence yet.
+        warm_up(forward, kv_cache, block_ids=list(range(-(-16 // kv_cache.block_size))),
+                aux_layer_ids=drafter_aux_layer_ids(spec, model.config.num_hidden_layers))
+    except Exception as exc:
+        # The model itself still runs eagerly (its attention falls back outside a trace);
+        # its layers' linears still need the packing the compiler was to do.
+        logger.warning("compiling the forward failed (%s: %s); running eagerly",
+                       type(exc).__name__, str(exc).splitlines()[0] if str(exc) else "")
+        if linear_kernel is not None:
+            pack_linears(model, linear_kernel)
+        return None
+    return forward
 
 
 def deterministic(runner: ModelRunner, dtype: torch.dtype, tensor_parallel_size: int) -> bool:
