@@ -14,7 +14,8 @@ import pytest
 
 from drafter_svc.proposer import ModelOptions
 from drafter_svc.proposer_factory import proposer_factory
-from drafter_svc.servicer import DrafterServicer, handle_propose_request
+from drafter_svc.propose_request import handle_propose_request
+from drafter_svc.servicer import DrafterServicer
 from drafter_svc.suffix_proposer import GlobalSuffixCache, SuffixMethod
 from specdec.config import SpeculativeConfig
 from specdec.config_flags import build_config

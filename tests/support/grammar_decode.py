@@ -45,8 +45,7 @@ def masked_decode(backend: GrammarBackend, model: LlamaForCausalLM, tokenizer, k
     past = None
     step_input = prompt
     for _ in range(max_tokens):
-        if state.is_terminated():
-            break
+        # Once the grammar is complete the mask allows EOS alone, which ends the loop.
         with torch.no_grad():
             output = model(torch.tensor([step_input]), cache=past, use_cache=True)
         past = output.cache

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import pytest
 
-from gateway.app import GatewayConfig
-from specdec.rpc.replica_set import ReplicaTarget
+from gateway.config import GatewayConfig
 from specdec.errors import ConfigError
 from specdec.rpc.address import format_address, split_host_port
+from specdec.rpc.replica_set import ReplicaTarget
 from verifier_svc.drafting.drafter_pool import DrafterPool
 
 

@@ -173,10 +173,6 @@ class GrammarState:
         """The text so far satisfies the grammar: EOS is allowed now."""
         return self._eos_accepted or self._matcher.is_accepting()
 
-    def is_terminated(self) -> bool:
-        """Nothing but EOS may follow (or EOS was accepted): the sequence can finish."""
-        return self._eos_accepted or (self._matcher.is_stopped() and not self._matcher.is_error())
-
     def accept(self, token_id: int) -> bool:
         """Advance by one token; False (state unchanged) when the grammar rejects it."""
         if self._eos_accepted:
@@ -323,19 +319,6 @@ class GrammarState:
         finally:
             self.rollback(len(forced))
         return forced
-
-    def jump_forward_tokens(self, max_tokens: int) -> list[int]:
-        """llguidance's fast-forward tokens: the bytes the grammar forces, tokenized
-        canonically (e.g. `{"name": "` of a schema with a fixed first key).
-
-        Unlike `forced_tokens` other tokenizations of the same bytes stay allowed, so these
-        are draft proposals that the target must verify; as a draft any token sequence
-        keeps verification exact. State unchanged.
-        """
-        if self._eos_accepted or max_tokens <= 0:
-            return []
-        return [t for t in self._matcher.compute_ff_tokens()[:max_tokens]
-                if 0 <= t < self.tokenizer_vocab_size]
 
     def _check_limits(self) -> None:
         """Raises GrammarLimitError when the matcher is in its error state (a limit hit)."""
