@@ -14,8 +14,8 @@ from collections.abc import AsyncGenerator
 from dataclasses import dataclass, field
 
 from gateway.detokenizer import IncrementalDetokenizer, StopStringMatcher
+from gateway.generation_stream import GenerationStream
 from gateway.protocol import SamplingOptions
-from gateway.verifier_client import GenerationStream
 from specdec.engine.sampling_params import check_logit_bias_ids
 from specdec.errors import InvalidRequestError, UnavailableError
 from specdec.v1 import specdec_pb2

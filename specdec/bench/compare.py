@@ -66,7 +66,7 @@ from specdec.models.model_files import (
     load_tokenizer,
     resolve_model,
 )
-from verifier_svc.builder import compile_by_default
+from verifier_svc.forward_choice import compile_by_default
 
 logger = logging.getLogger(__name__)
 
