@@ -34,6 +34,10 @@ SUFFIX_DEFAULTS: dict[str, int | float] = {
     "suffix_decoding_min_token_prob": 0.1,
 }
 
+# Suffix tree drafts (Arctic Inference's use_tree_spec; off as there): a few branches of
+# the suffix trie verified in one forward (docs/drafts.md#tree-drafts).
+SUFFIX_TREE_FIELD = "suffix_decoding_use_tree_spec"
+
 # Fields vLLM's SpeculativeConfig knows that specdec accepts but does not use: a
 # config written for vLLM keeps working, and start-up warns about each one given.
 VLLM_FIELDS_UNUSED = (
@@ -61,6 +65,7 @@ _KNOWN_FIELDS = (
     "disable_by_batch_size",
     DRAFT_CAPS_FIELD,
     *SUFFIX_DEFAULTS,
+    SUFFIX_TREE_FIELD,
 )
 
 
@@ -109,6 +114,7 @@ class SpeculativeConfig:
     suffix_decoding_max_cached_tokens: int | None = None
     suffix_decoding_max_spec_factor: float | None = None
     suffix_decoding_min_token_prob: float | None = None
+    suffix_decoding_use_tree_spec: bool | None = None
 
     # A dict is never "off": it parses to a config or raises.
     @overload
@@ -239,7 +245,7 @@ class SpeculativeConfig:
             raw["prompt_lookup_min"] = self.prompt_lookup_min
             raw["prompt_lookup_max"] = self.prompt_lookup_max
         if self.method == "suffix":
-            for name in SUFFIX_DEFAULTS:
+            for name in (*SUFFIX_DEFAULTS, SUFFIX_TREE_FIELD):
                 raw[name] = getattr(self, name)
         if self.speculative_token_map is not None:
             raw["speculative_token_map"] = self.speculative_token_map
@@ -252,7 +258,7 @@ class SpeculativeConfig:
 
 def _parse_suffix_fields(raw: dict[str, Any], method: str) -> dict[str, Any]:
     """The suffix_decoding_* fields, checked and defaulted for suffix; refused for others."""
-    given = [name for name in SUFFIX_DEFAULTS if name in raw]
+    given = [name for name in (*SUFFIX_DEFAULTS, SUFFIX_TREE_FIELD) if name in raw]
     if method != "suffix":
         if given:
             raise ConfigError(f"speculative config: {given[0]} applies to method 'suffix' "
@@ -276,6 +282,11 @@ def _parse_suffix_fields(raw: dict[str, Any], method: str) -> dict[str, Any]:
             raise ConfigError(f"speculative config: {name} must be a number {bounds}, "
                               f"got {value!r}", param=name)
         values[name] = float(value)
+    use_tree_spec = raw.get(SUFFIX_TREE_FIELD)
+    if use_tree_spec is not None and not isinstance(use_tree_spec, bool):
+        raise ConfigError(f"speculative config: {SUFFIX_TREE_FIELD} must be true or false, got "
+                          f"{use_tree_spec!r}", param=SUFFIX_TREE_FIELD)
+    values[SUFFIX_TREE_FIELD] = bool(use_tree_spec)
     return values
 
 
@@ -433,6 +444,9 @@ class EngineConfig:
     # the adaptive policy asks it for the whole cap and verifies the prefix the evidence
     # pays for (verifier_svc/speculation/evidence.py).
     text_drafter: bool = True
+    # The drafter sends tree drafts (suffix_decoding_use_tree_spec): verify them as trees.
+    # False: a tree draft is cut to its main branch (specdec/engine/draft_tree.py).
+    tree_drafts: bool = False
 
     def __post_init__(self) -> None:
         if self.logprobs_mode not in LOGPROBS_MODES:
