@@ -28,6 +28,7 @@ path as the context after history_ids, as `rejection_sampler.verify` processes a
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from torch import Tensor
@@ -71,12 +72,24 @@ def verify_tree(
     assert target_logits.dim() == 2 and target_logits.shape[0] == num_nodes + 1, (
         f"target_logits {tuple(target_logits.shape)} for {num_nodes} tree nodes"
     )
+
+    def target_token(row: int, emitted_ids: list[int]) -> int:
+        return _target_token(target_logits, row, history_ids + emitted_ids, params, generator,
+                             len(emitted_ids), target_argmax_ids, prompt_len, eos_token_ids)
+
+    return walk_tree(node_token_ids, parents, target_token)
+
+
+def walk_tree(node_token_ids: list[int], parents: list[int],
+              target_token: Callable[[int, list[int]], int]) -> TreeVerdict:
+    """The walk from the root: `target_token(row, tokens emitted so far)` is the target's
+    token for a row (0: after the root, 1 + i: after node i); it moves to the child holding
+    it while there is one."""
     token_ids: list[int] = []
     path: list[int] = []
     node, row = -1, 0
     while True:
-        token_id = _target_token(target_logits, row, history_ids + token_ids, params, generator,
-                                 len(token_ids), target_argmax_ids, prompt_len, eos_token_ids)
+        token_id = target_token(row, token_ids)
         token_ids.append(token_id)
         child = next((c for c in children(parents, node) if node_token_ids[c] == token_id), None)
         if child is None:
