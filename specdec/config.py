@@ -350,6 +350,8 @@ DEFAULT_WAITING_PER_SEQ = 4
 # (docs/performance.md). An accelerator prefills hundreds of tokens in about a decode's time.
 CPU_LONG_PREFILL_TOKEN_THRESHOLD = 128
 ACCELERATOR_LONG_PREFILL_TOKEN_THRESHOLD = 512
+# A decode's time between tokens beside a long prompt, in its own decode steps: "a few".
+DEFAULT_PREFILL_CHUNK_DECODE_STEPS = 4.0
 
 
 def default_long_prefill_token_threshold(device_type: str) -> int:
@@ -382,6 +384,13 @@ class EngineConfig:
             "their pace beside a long prompt; 0: no cap (default: "
             f"{CPU_LONG_PREFILL_TOKEN_THRESHOLD} on a CPU, "
             f"{ACCELERATOR_LONG_PREFILL_TOKEN_THRESHOLD} on an accelerator)"))
+    # The prefill pacer's time budget (specdec.engine.prefill_pacer): a step that decodes
+    # prefills only as much as keeps it within about this many measured decode steps, so
+    # the token cap above need not fit every device and model. 0: the token cap alone.
+    prefill_chunk_decode_steps: float = field(default=DEFAULT_PREFILL_CHUNK_DECODE_STEPS, metadata=flag(
+        "a step that also decodes prefills only as many prompt tokens as keep it within about "
+        "this many decode steps' time (measured as the server runs); 0: only "
+        "--long-prefill-token-threshold caps the chunk"))
     block_size: int = field(default=16, metadata=flag("tokens per KV block"))
     # None: as many as the memory budget holds (verifier_svc/builder.py).
     num_kv_blocks: int | None = field(default=None, metadata=flag(
@@ -460,6 +469,10 @@ class EngineConfig:
             raise ConfigError("long_prefill_token_threshold must be >= 0 (0: no cap), got "
                               f"{self.long_prefill_token_threshold}",
                               param="long_prefill_token_threshold")
+        if self.prefill_chunk_decode_steps != 0 and self.prefill_chunk_decode_steps < 1:
+            raise ConfigError("prefill_chunk_decode_steps must be 0 (off) or >= 1 (a step is "
+                              f"at least one decode step), got {self.prefill_chunk_decode_steps}",
+                              param="prefill_chunk_decode_steps")
         if self.max_waiting_requests is not None and self.max_waiting_requests < 0:
             raise ConfigError("max_waiting_requests must be >= 0 (0: no queue beyond "
                               f"max_num_seqs), got {self.max_waiting_requests}",
