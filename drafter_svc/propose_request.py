@@ -251,6 +251,8 @@ def _add_drafts(proposer: Proposer, response: specdec_pb2.ProposeResponse,
             draft.confidence.extend(
                 0.0 if math.isnan(value) else min(1.0, max(0.0, value))
                 for value in proposal.confidence[:len(proposal.draft_token_ids)])
+        if proposal.parents is not None:
+            draft.draft_parents.extend(proposal.parents[:len(proposal.draft_token_ids)])
         if proposal.draft_probs is not None:
             # Imported here: only model methods get here; ngram starts without torch.
             from specdec.rpc.tensors import encode_tensor
@@ -268,6 +270,8 @@ def _drop_out_of_vocab(proposal: Proposal, limit: int, seq_id: int) -> None:
         proposal.draft_token_ids = ids[:keep]
         if proposal.confidence is not None:
             proposal.confidence = proposal.confidence[:keep]
+        if proposal.parents is not None:
+            proposal.parents = proposal.parents[:keep]  # parents come first: still a tree
         if proposal.draft_probs is not None:
             proposal.draft_probs = proposal.draft_probs[:keep]
 

@@ -66,6 +66,8 @@ class Proposal:
     draft_probs: torch.Tensor | None = None
     # One per draft token in [0, 1] (drafter_svc/confidence.py), or None: the method has none.
     confidence: list[float] | None = None
+    # A tree draft's parents (SequenceDraft.draft_parents), or None: a flat draft.
+    parents: list[int] | None = None
 
 
 class Proposer(Protocol):

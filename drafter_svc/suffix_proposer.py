@@ -47,6 +47,11 @@ against what earlier answers did next, as in the reference, whose global tree ho
 running answers too. The draft is greedy (no probs) and at most
 min(num_speculative_tokens, max_spec_factor x match length) tokens long.
 
+With `suffix_decoding_use_tree_spec` each source's winning match is expanded into a tree
+draft instead (drafter_svc/suffix_tree_drafts.py): the most probable nodes below it, up to
+the same token budget, branching where the text went on in more than one way; the scores
+compared are the trees'. The verifier checks every branch in one forward.
+
 `python -m specdec bench replay` (specdec/bench/replay.py) replays the built-in workloads'
 greedy answers through this method and the reference's; docs/performance.md has the table.
 
@@ -74,7 +79,9 @@ from drafter_svc.proposer import (
     target_limits,
 )
 from drafter_svc.suffix_tree import SCORE_TOLERANCE, Draft, SuffixTree, speculate_pooled
+from drafter_svc.suffix_tree_drafts import pooled_tree_draft, tree_draft
 from specdec.config import SpeculativeConfig
+from specdec.engine.draft_tree import is_chain
 
 if TYPE_CHECKING:
     import torch
@@ -181,6 +188,7 @@ class SuffixParams:
     max_spec_factor: float
     min_token_prob: float
     num_speculative_tokens: int
+    use_tree_spec: bool = False
 
     @property
     def lead_in(self) -> int:
@@ -260,7 +268,9 @@ class SuffixMethod:
         proposals = []
         for seq_id, count in zip(seq_ids, num_tokens):
             draft = self._propose_one(seq_id, count)
-            proposals.append(Proposal(draft.token_ids, confidence=draft.confidence or None))
+            tree = draft.parents is not None and not is_chain(draft.parents)
+            proposals.append(Proposal(draft.token_ids, confidence=draft.confidence or None,
+                                      parents=draft.parents if tree else None))
         return proposals
 
     def _propose_one(self, seq_id: int, num_tokens: int) -> Draft:
@@ -269,8 +279,13 @@ class SuffixMethod:
         if max_tokens <= 0:
             return Draft([])
         state = self._states[seq_id]
-        draft = self._trees[seq_id].speculate(state.local_matches, max_tokens,
-                                              params.max_spec_factor, params.min_token_prob)
+        local_tree = self._trees[seq_id]
+        draft = local_tree.speculate(state.local_matches, max_tokens,
+                                     params.max_spec_factor, params.min_token_prob)
+        if params.use_tree_spec and draft.token_ids:
+            draft = tree_draft(local_tree, state.local_matches[draft.match_len - 1],
+                               self._limit(draft.match_len, max_tokens), params.min_token_prob,
+                               draft.match_len)
         cache = self.cache
         sources = []
         output_len = self._output_len(state)
@@ -291,18 +306,38 @@ class SuffixMethod:
                 # every answer, makes a long match that says little about how far the
                 # answers behind it agree (at min_token_prob they wasted a third more rows
                 # on `chat` for no more tokens).
-                lead_in_draft = speculate_pooled(
-                    [(cache.lead_in_tree, state.lead_in_matches),
-                     (self._trees[seq_id], state.local_matches)],
-                    max_tokens, params.max_spec_factor,
-                    max(params.min_token_prob, LEAD_IN_MIN_PROB), min_match_len=output_len + 1)
+                lead_in_sources = [(cache.lead_in_tree, state.lead_in_matches),
+                                   (local_tree, state.local_matches)]
+                lead_in_min_prob = max(params.min_token_prob, LEAD_IN_MIN_PROB)
+                lead_in_draft = speculate_pooled(lead_in_sources, max_tokens,
+                                                 params.max_spec_factor, lead_in_min_prob,
+                                                 min_match_len=output_len + 1)
+                if params.use_tree_spec and lead_in_draft.token_ids:
+                    lead_in_draft = self._pooled_tree(lead_in_sources, lead_in_draft.match_len,
+                                                      max_tokens, lead_in_min_prob)
                 if lead_in_draft.score > draft.score + SCORE_TOLERANCE:
                     draft = lead_in_draft
         if state.output_tree is not None:
             sources.append((state.output_tree, state.output_matches))
         global_draft = speculate_pooled(sources, max_tokens, params.max_spec_factor,
                                         params.min_token_prob)
+        if params.use_tree_spec and global_draft.token_ids:
+            global_draft = self._pooled_tree(sources, global_draft.match_len, max_tokens,
+                                             params.min_token_prob)
         return global_draft if global_draft.score > draft.score + SCORE_TOLERANCE else draft
+
+    def _limit(self, match_len: int, max_tokens: int) -> int:
+        """The most tokens a draft from a match of `match_len` may hold."""
+        return min(max_tokens, int(match_len * self.params.max_spec_factor + 1e-6))
+
+    def _pooled_tree(self, sources: list[tuple[SuffixTree, list[int]]], match_len: int,
+                     max_tokens: int, min_token_prob: float) -> Draft:
+        """The tree draft below the pooled nodes of the sources' matches of `match_len`
+        (the match length their flat draft won with)."""
+        pool = [(tree, matches[match_len - 1]) for tree, matches in sources
+                if len(matches) >= match_len]
+        return pooled_tree_draft(pool, self._limit(match_len, max_tokens), min_token_prob,
+                                 match_len)
 
     @staticmethod
     def _output_len(state: _SequenceState) -> int:
@@ -329,12 +364,14 @@ def build_suffix_method(config: SpeculativeConfig,
     params = SuffixParams(max_tree_depth=config.suffix_decoding_max_tree_depth,
                           max_spec_factor=config.suffix_decoding_max_spec_factor,
                           min_token_prob=config.suffix_decoding_min_token_prob,
-                          num_speculative_tokens=config.num_speculative_tokens)
+                          num_speculative_tokens=config.num_speculative_tokens,
+                          use_tree_spec=bool(config.suffix_decoding_use_tree_spec))
     cache = GlobalSuffixCache(params.max_tree_depth, config.suffix_decoding_max_cached_requests,
                               config.suffix_decoding_max_cached_tokens)
     logger.info("suffix decoding: tree depth %d, up to %d cached outputs and %d tokens, spec "
-                "factor %g, min token prob %g", params.max_tree_depth,
-                cache.max_cached_requests, cache.max_cached_tokens, params.max_spec_factor, params.min_token_prob)
+                "factor %g, min token prob %g, %s drafts", params.max_tree_depth,
+                cache.max_cached_requests, cache.max_cached_tokens, params.max_spec_factor,
+                params.min_token_prob, "tree" if params.use_tree_spec else "flat")
     return SuffixMethod(params, cache, ProposerInfo(
         method="suffix", max_num_speculative_tokens=config.num_speculative_tokens,
         vocab_size=vocab_size, max_model_len=max_model_len,

@@ -59,6 +59,8 @@ class Draft:
     # occurrences of the text so far that go on (the sum of the node's children's counts),
     # how many go on with the token, at match length match_len + i.
     confidence: list[float] = field(default_factory=list)
+    # A tree draft's parents (drafter_svc/suffix_tree_drafts.py); None for a flat one.
+    parents: list[int] | None = None
 
 
 class SuffixTree:
@@ -343,7 +345,7 @@ def speculate_pooled(sources: Sequence[tuple[SuffixTree, list[int]]], max_tokens
     return best_draft
 
 
-def _pooled_count(pool: Pool, token: int) -> int:
+def pooled_count(pool: Pool, token: int) -> int:
     """The pooled count of the pool's child for `token`."""
     total = 0
     for tree, node in pool:
@@ -353,7 +355,7 @@ def _pooled_count(pool: Pool, token: int) -> int:
     return total
 
 
-def _pooled_child(pool: Pool, token: int) -> Pool:
+def pooled_child(pool: Pool, token: int) -> Pool:
     return [(tree, child) for tree, child in ((tree, tree.child(node, token)) for tree, node in pool)
             if child is not None]
 
@@ -367,7 +369,7 @@ def _walk_pooled(pool: Pool, limit: int, min_token_prob: float) -> Draft:
         for tree, node in pool:
             child = tree.best(node)
             if child is not None:
-                count = _pooled_count(pool, tree.token(child))
+                count = pooled_count(pool, tree.token(child))
                 if count > best_count:
                     best_token, best_count = tree.token(child), count
         if best_count == 0:
@@ -377,7 +379,7 @@ def _walk_pooled(pool: Pool, limit: int, min_token_prob: float) -> Draft:
             break
         tokens.append(best_token)
         score += prob
-        pool = _pooled_child(pool, best_token)
+        pool = pooled_child(pool, best_token)
     return Draft(tokens, score)
 
 
@@ -387,7 +389,7 @@ def _pooled_confidence(pool: Pool, token_ids: list[int], match_len: int) -> list
     for token in token_ids:
         num_going_on = sum(tree.count(child) for tree, node in pool
                            for child in tree.children(node).values())
-        confidence.append(match_confidence(_pooled_count(pool, token), num_going_on,
+        confidence.append(match_confidence(pooled_count(pool, token), num_going_on,
                                            match_len + len(confidence)))
-        pool = _pooled_child(pool, token)
+        pool = pooled_child(pool, token)
     return confidence

@@ -51,6 +51,7 @@ class SpeculativeConfig:
     suffix_decoding_max_cached_tokens: int | None = None
     suffix_decoding_max_spec_factor: float | None = None
     suffix_decoding_min_token_prob: float | None = None
+    suffix_decoding_use_tree_spec: bool | None = None
 
     # A dict is never "off": it parses to a config or raises.
     @overload
@@ -90,7 +91,7 @@ class SpeculativeConfig:
             raw["prompt_lookup_min"] = self.prompt_lookup_min
             raw["prompt_lookup_max"] = self.prompt_lookup_max
         if self.method == "suffix":
-            for name in speculative_fields.SUFFIX_DEFAULTS:
+            for name in (*speculative_fields.SUFFIX_DEFAULTS, speculative_fields.SUFFIX_TREE_FIELD):
                 raw[name] = getattr(self, name)
         if self.speculative_token_map is not None:
             raw["speculative_token_map"] = self.speculative_token_map
@@ -249,6 +250,9 @@ class EngineConfig:
     # the adaptive policy asks it for the whole cap and verifies the prefix the evidence
     # pays for (verifier_svc/speculation/evidence.py).
     text_drafter: bool = True
+    # The drafter sends tree drafts (suffix_decoding_use_tree_spec): verify them as trees.
+    # False: a tree draft is cut to its main branch (specdec/engine/draft_tree.py).
+    tree_drafts: bool = False
 
     def __post_init__(self) -> None:
         if self.logprobs_mode not in LOGPROBS_MODES:

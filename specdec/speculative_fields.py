@@ -28,6 +28,10 @@ SUFFIX_DEFAULTS: dict[str, int | float] = {
     "suffix_decoding_min_token_prob": 0.1,
 }
 
+# Suffix tree drafts (Arctic Inference's use_tree_spec; off as there): a few branches of
+# the suffix trie verified in one forward (docs/drafts.md#tree-drafts-suffix).
+SUFFIX_TREE_FIELD = "suffix_decoding_use_tree_spec"
+
 # Fields vLLM's SpeculativeConfig knows that specdec accepts but does not use: a
 # config written for vLLM keeps working, and start-up warns about each one given.
 VLLM_FIELDS_UNUSED = (
@@ -55,6 +59,7 @@ KNOWN_FIELDS = (
     "disable_by_batch_size",
     DRAFT_CAPS_FIELD,
     *SUFFIX_DEFAULTS,
+    SUFFIX_TREE_FIELD,
 )
 
 
@@ -206,7 +211,7 @@ def token_map(raw: dict[str, Any], method: str) -> str | None:
 
 def suffix_fields(raw: dict[str, Any], method: str) -> dict[str, Any]:
     """The suffix_decoding_* fields, checked and defaulted for suffix; refused for others."""
-    given = [name for name in SUFFIX_DEFAULTS if name in raw]
+    given = [name for name in (*SUFFIX_DEFAULTS, SUFFIX_TREE_FIELD) if name in raw]
     if method != "suffix":
         if given:
             raise ConfigError(f"speculative config: {given[0]} applies to method 'suffix' "
@@ -230,6 +235,11 @@ def suffix_fields(raw: dict[str, Any], method: str) -> dict[str, Any]:
             raise ConfigError(f"speculative config: {name} must be a number {bounds}, "
                               f"got {value!r}", param=name)
         values[name] = float(value)
+    use_tree_spec = raw.get(SUFFIX_TREE_FIELD)
+    if use_tree_spec is not None and not isinstance(use_tree_spec, bool):
+        raise ConfigError(f"speculative config: {SUFFIX_TREE_FIELD} must be true or false, got "
+                          f"{use_tree_spec!r}", param=SUFFIX_TREE_FIELD)
+    values[SUFFIX_TREE_FIELD] = bool(use_tree_spec)
     return values
 
 

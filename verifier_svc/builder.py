@@ -152,6 +152,11 @@ class VerifierConfig:
             raise ConfigError("a compiled forward does not run with --tensor-parallel-size > 1 "
                               "(the all-reduces stay eager); set compile=False "
                               "(--enforce-eager)", param="compile")
+        spec = self.speculative_config
+        if spec is not None and spec.suffix_decoding_use_tree_spec and self.tensor_parallel_size > 1:
+            # The accepted path's K/V is moved on rank 0's cache only.
+            raise ConfigError("suffix_decoding_use_tree_spec does not run with "
+                              "--tensor-parallel-size > 1", param="suffix_decoding_use_tree_spec")
         if self.attention_backend not in ATTENTION_BACKENDS:
             raise ConfigError(f"{ATTENTION_BACKEND_ENV}={self.attention_backend!r} is not "
                               f"supported; allowed values: {', '.join(ATTENTION_BACKENDS)}",
@@ -254,6 +259,7 @@ def _engine_config(config: VerifierConfig, max_model_len: int, num_blocks: int,
             if engine.long_prefill_token_threshold is not None
             else default_long_prefill_token_threshold(device_type)),
         text_drafter=spec is None or spec.method not in MODEL_METHODS,
+        tree_drafts=spec is not None and bool(spec.suffix_decoding_use_tree_spec),
         disable_by_batch_size=spec.disable_by_batch_size if spec is not None else None,
         draft_caps=spec.draft_caps if spec is not None else None)
 

@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from specdec.engine.draft_tree import depths
 from specdec.engine.kv_cache import KVCache
 from specdec.layers.attention import AttentionMetadata
 from specdec.models.llama import LlamaForCausalLM
@@ -32,6 +33,10 @@ class StepInput:
     start_position: int       # position of token_ids[0] (= tokens already in the cache)
     block_table: list[int]
     num_logit_rows: int       # trailing rows whose logits are needed
+    # The segment's tree parents (AttentionMetadata's terms) when its draft is a tree: a
+    # token then sits at start_position + its depth below the chunk's first token; None:
+    # the tokens are a chain, at consecutive positions.
+    tree_parents: list[int] | None = None
 
 
 @dataclass(slots=True)
@@ -74,14 +79,20 @@ class ModelRunner:
         logit_indices: list[int] = []
         logit_offsets = [0]
         block_size = self.block_size
+        tree_parents: list[list[int] | None] = []
         for step in inputs:
             num_query = len(step.token_ids)
             start = step.start_position
             token_ids.extend(step.token_ids)
             table = step.block_table
             for position in range(start, start + num_query):
-                positions.append(position)
                 slots.append(table[position // block_size] * block_size + position % block_size)
+            if step.tree_parents is None:
+                positions.extend(range(start, start + num_query))
+            else:
+                # Chunk tokens are a chain from -1, so depth - 1 is the offset from start.
+                positions.extend(start + depth - 1 for depth in depths(step.tree_parents))
+            tree_parents.append(step.tree_parents)
             end = query_start_locs[-1] + num_query
             logit_indices.extend(range(end - step.num_logit_rows, end))
             logit_offsets.append(logit_offsets[-1] + step.num_logit_rows)
@@ -97,6 +108,8 @@ class ModelRunner:
                 query_start_locs=query_start_locs,
                 context_lens=context_lens,
                 block_tables=block_tables,
+                tree_parents=(tree_parents if any(parents is not None for parents in tree_parents)
+                              else None),
             ),
             logit_indices=torch.tensor(logit_indices, dtype=torch.long, device=device),
             logit_offsets=logit_offsets,

@@ -14,6 +14,8 @@ Counted per proposer, as the verifier would count them:
   included, so tokens per step = answer tokens / steps (1.0: no draft ever accepted);
 - drafted rows: draft tokens verified; wasted rows: those rejected (a verified row costs
   about as much as an accepted one on a CPU, so wasted rows are lost time);
+- a tree draft (`--tree`) counts all its nodes as drafted rows and its longest root path
+  that the answer continues with as accepted;
 - a draft never runs past the answer: at most min(k, tokens left - 1) long, as the verifier
   caps a draft by the tokens a request may still produce;
 - ms per step: the proposer's time to learn a step's tokens and draft the next.
@@ -26,11 +28,12 @@ import json
 import logging
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 from specdec.bench.replay_proposers import (
     ReferenceSuffix,
+    ReplayDraft,
     ReplayProposer,
     SpecdecSuffix,
     SuffixSettings,
@@ -38,6 +41,7 @@ from specdec.bench.replay_proposers import (
 )
 from specdec.bench.replay_stream import StreamRequest, load_stream
 from specdec.cli import DefaultsHelpFormatter, add_logging_args, setup_logging
+from specdec.engine.tree_sampler import walk_tree
 
 logger = logging.getLogger(__name__)
 
@@ -78,6 +82,13 @@ def num_accepted(draft_ids: Sequence[int], answer_ids: Sequence[int], position: 
     return count
 
 
+def num_accepted_tree(draft_ids: list[int], parents: list[int], answer_ids: Sequence[int],
+                      position: int) -> int:
+    """A tree draft's accepted tokens: its longest root path the answer continues with."""
+    return len(walk_tree(draft_ids, parents,
+                         lambda row, emitted: answer_ids[position + len(emitted)]).path)
+
+
 def replay(stream: Sequence[StreamRequest], proposer: ReplayProposer,
            num_speculative_tokens: int) -> ReplayCounts:
     counts = ReplayCounts()
@@ -95,9 +106,13 @@ def replay(stream: Sequence[StreamRequest], proposer: ReplayProposer,
         counts.num_steps += 1
         while position < len(answer_ids):
             max_tokens = min(num_speculative_tokens, len(answer_ids) - position - 1)
-            draft_ids = proposer.propose(max_tokens) if max_tokens > 0 else []
-            draft_ids = draft_ids[:max_tokens]
-            accepted = num_accepted(draft_ids, answer_ids, position)
+            draft = proposer.propose(max_tokens) if max_tokens > 0 else ReplayDraft([])
+            draft_ids = draft.token_ids[:max_tokens]
+            if draft.parents is None:
+                accepted = num_accepted(draft_ids, answer_ids, position)
+            else:
+                accepted = num_accepted_tree(draft_ids, draft.parents[:max_tokens], answer_ids,
+                                             position)
             counts.num_drafted += len(draft_ids)
             counts.num_accepted += accepted
             counts.num_steps += 1
@@ -112,10 +127,14 @@ def replay(stream: Sequence[StreamRequest], proposer: ReplayProposer,
 ProposerFactory = Callable[[SuffixSettings], ReplayProposer]
 
 
-def proposer_factories(with_reference: bool) -> dict[str, ProposerFactory]:
+def proposer_factories(with_reference: bool, with_trees: bool = False) -> dict[str, ProposerFactory]:
     factories: dict[str, ProposerFactory] = {"specdec": SpecdecSuffix}
+    if with_trees:
+        factories["spec-tree"] = lambda settings: SpecdecSuffix(replace(settings, use_tree_spec=True))
     if with_reference:
         factories["reference"] = ReferenceSuffix
+        if with_trees:
+            factories["ref-tree"] = lambda settings: ReferenceSuffix(replace(settings, use_tree_spec=True))
     return factories
 
 
@@ -159,6 +178,11 @@ def add_replay_args(parser: argparse.ArgumentParser) -> None:
                         help="also replay the synthetic streams (specdec/bench/replay_synthetic.py)")
     parser.add_argument("--num-speculative-tokens", default="8,24",
                         help="comma-separated k values")
+    parser.add_argument("--tree", action="store_true",
+                        help="also replay each proposer with tree drafts "
+                             "(suffix_decoding_use_tree_spec): a draft's accepted tokens are "
+                             "its longest root path the answer continues with, its rows all its "
+                             "nodes")
     parser.add_argument("--no-reference", action="store_true",
                         help="replay specdec's proposer only, even where arctic-inference imports")
     parser.add_argument("--json", default=None, help="also write the rows here")
@@ -204,7 +228,7 @@ def main(argv: list[str]) -> int:
     with_reference = not args.no_reference and reference_available()
     if not args.no_reference and not with_reference:
         logger.info("arctic-inference does not import: replaying specdec's proposer alone")
-    rows = compare(streams, ks, proposer_factories(with_reference))
+    rows = compare(streams, ks, proposer_factories(with_reference, args.tree))
     print(format_rows(rows))
     if args.json:
         Path(args.json).write_text(json.dumps(rows, indent=1) + "\n", "utf-8")

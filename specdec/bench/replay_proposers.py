@@ -36,6 +36,7 @@ class SuffixSettings:
     max_spec_factor: float = 1.0
     min_token_prob: float = 0.1
     max_cached_requests: int = 10000
+    use_tree_spec: bool = False
 
     def speculative_config(self) -> SpeculativeConfig:
         config = SpeculativeConfig.parse({
@@ -43,9 +44,19 @@ class SuffixSettings:
             "suffix_decoding_max_tree_depth": self.max_tree_depth,
             "suffix_decoding_max_spec_factor": self.max_spec_factor,
             "suffix_decoding_min_token_prob": self.min_token_prob,
-            "suffix_decoding_max_cached_requests": self.max_cached_requests})
+            "suffix_decoding_max_cached_requests": self.max_cached_requests,
+            "suffix_decoding_use_tree_spec": self.use_tree_spec})
         assert config is not None
         return config
+
+
+@dataclass(slots=True)
+class ReplayDraft:
+    """A step's draft: its tokens and, for a tree draft, their parents
+    (specdec/engine/draft_tree.py); None for a flat one."""
+
+    token_ids: list[int]
+    parents: list[int] | None = None
 
 
 class ReplayProposer(Protocol):
@@ -55,7 +66,7 @@ class ReplayProposer(Protocol):
 
     def start(self, request_id: int, prompt_ids: Sequence[int]) -> None: ...
 
-    def propose(self, max_tokens: int) -> list[int]: ...
+    def propose(self, max_tokens: int) -> ReplayDraft: ...
 
     def extend(self, token_ids: Sequence[int]) -> None: ...
 
@@ -78,8 +89,9 @@ class SpecdecSuffix:
         self._method.add_sequence(request_id)
         self._method.append_tokens(request_id, self._prompt_ids, None)
 
-    def propose(self, max_tokens: int) -> list[int]:
-        return list(self._method.propose([self._request_id], [max_tokens])[0].draft_token_ids)
+    def propose(self, max_tokens: int) -> ReplayDraft:
+        proposal = self._method.propose([self._request_id], [max_tokens])[0]
+        return ReplayDraft(list(proposal.draft_token_ids), proposal.parents)
 
     def extend(self, token_ids: Sequence[int]) -> None:
         self._answer_ids.extend(token_ids)
@@ -109,13 +121,15 @@ class ReferenceSuffix:
         self._request_id, self._context = request_id, list(prompt_ids)
         self._cache.start_request(request_id, self._context)
 
-    def propose(self, max_tokens: int) -> list[int]:
+    def propose(self, max_tokens: int) -> ReplayDraft:
         settings = self._settings
         draft = self._cache.speculate(self._request_id, self._context[-settings.max_tree_depth:],
                                       max_spec_tokens=max_tokens,
                                       max_spec_factor=settings.max_spec_factor,
-                                      min_token_prob=settings.min_token_prob)
-        return list(draft.token_ids)
+                                      min_token_prob=settings.min_token_prob,
+                                      use_tree_spec=settings.use_tree_spec)
+        return ReplayDraft(list(draft.token_ids),
+                           list(draft.parents) if settings.use_tree_spec else None)
 
     def extend(self, token_ids: Sequence[int]) -> None:
         self._context.extend(token_ids)

@@ -12,6 +12,7 @@ from collections.abc import Callable
 import torch
 
 from specdec.config import EngineConfig
+from specdec.engine.draft_tree import chain_confidence, path_confidence
 from specdec.engine.scheduler import ScheduledSequence
 from specdec.engine.sequence import Sequence
 from specdec.engine.speculation import FixedSpeculation, truncate
@@ -106,19 +107,23 @@ class AdaptiveSpeculation(FixedSpeculation):
         num_plain = sum(1 for item in scheduled if item.samples)
         num_other = sum(item.num_query_tokens for item in scheduled) - num_plain
         lengths = self.policy.evidence_lengths(
-            [drafts[index].confidence or [] for index in indices], num_plain, num_other,
+            [_flat_confidence(drafts[index]) for index in indices], num_plain, num_other,
             round_trip_s)
         for index, length in zip(indices, lengths):
             drafts[index] = truncate(drafts[index], length)
 
-    def record(self, item: ScheduledSequence, draft: Draft, num_accepted: int) -> None:
-        super().record(item, draft, num_accepted)
+    def record(self, item: ScheduledSequence, draft: Draft, num_accepted: int,
+               accepted_path: list[int] | None = None) -> None:
+        super().record(item, draft, num_accepted, accepted_path)
         if draft.forced:
             return
         self.policy.record_draft(item.seq.seq_id, len(draft.token_ids), num_accepted,
                                  item.num_speculative_tokens)
-        if draft.confidence:
+        if draft.confidence and draft.parents is None:
             self.policy.record_confidence(draft.confidence, num_accepted)
+        elif draft.confidence and draft.parents is not None and accepted_path is not None:
+            self.policy.record_confidence(
+                path_confidence(draft.parents, draft.confidence, accepted_path), num_accepted)
 
     def observe(self, record: StepRecord) -> None:
         verify = record.verify
@@ -147,3 +152,9 @@ class AdaptiveSpeculation(FixedSpeculation):
             return ""
         return (f"; at this batch size drafting steps yield {efficiency:.2f}x plain, "
                 f"draft cost x{self.policy.realized.cost_scale(num_running):.2f}")
+
+
+def _flat_confidence(draft: Draft) -> list[float]:
+    """The draft's confidence as a flat draft's (a tree's by `chain_confidence`)."""
+    confidence = draft.confidence or []
+    return confidence if draft.parents is None else chain_confidence(draft.parents, confidence)

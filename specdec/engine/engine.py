@@ -92,7 +92,7 @@ class Engine:
                                             self.grammars, self.faults)
         self.forward = Forward(runner, self.grammars, self.faults, vocab_size)
         self.verification = Verification(scheduler, self.speculation, self.grammars, self.faults,
-                                         self.eos_token_ids)
+                                         self.eos_token_ids, runner.kv_cache)
         self._seq_ids = itertools.count()
         self._sequences: dict[int, Sequence] = {}
         self._queues: dict[int, asyncio.Queue[RequestOutput | SpecdecError]] = {}

@@ -69,3 +69,10 @@ class KVCache:
             num_blocks, block_size, dtype, device, total / 2**20,
         )
         return cls(key_caches=key_caches, value_caches=value_caches, block_size=block_size)
+
+    def move_slots(self, source_slots: torch.Tensor, target_slots: torch.Tensor) -> None:
+        """Copies the K/V at each source slot to its target slot, in every layer (all the
+        sources read before any target is written)."""
+        for cache in (*self.key_caches, *self.value_caches):
+            rows = cache.view(-1, cache.shape[2], cache.shape[3])
+            rows.index_copy_(0, target_slots, rows.index_select(0, source_slots))

@@ -127,11 +127,11 @@ def _verify_coupled(target_probs: Tensor, draft_token_ids: list[int],
     num_drafts = len(draft_token_ids)
     output_ids: list[int] = []
     for position in range(num_drafts):
-        token_id = _sample(target_probs[position], generator, position)
+        token_id = sample_token(target_probs[position], generator, position)
         output_ids.append(token_id)
         if token_id != draft_token_ids[position]:
             return output_ids
-    output_ids.append(_sample(target_probs[num_drafts], generator, num_drafts))  # bonus
+    output_ids.append(sample_token(target_probs[num_drafts], generator, num_drafts))  # bonus
     return output_ids
 
 
@@ -160,14 +160,14 @@ def _verify_sampled(
         accepted = uniforms * draft_draft_probs.double() < target_draft_probs.double()  # [k]
         num_accepted = int(accepted.long().cumprod(dim=0).sum())
     if num_accepted == num_drafts:
-        bonus_id = _sample(target_probs[num_drafts], generator, num_drafts)
+        bonus_id = sample_token(target_probs[num_drafts], generator, num_drafts)
         return list(draft_token_ids) + [bonus_id]
     target_row = target_probs[num_accepted]  # [vocab]
     residual = (target_row - draft_probs[num_accepted]).clamp_(min=0.0)
     # All zero only when target_row <= the draft row everywhere, i.e. the two are equal and
     # every draft is accepted; rounding could still land here, so fall back to target_row.
     residual = torch.where(residual.sum() > 0, residual, target_row)
-    recovered_id = _sample(residual, generator, num_accepted)
+    recovered_id = sample_token(residual, generator, num_accepted)
     return list(draft_token_ids[:num_accepted]) + [recovered_id]
 
 
@@ -187,7 +187,7 @@ def _uniforms(num_uniforms: int, generator: RandomSource, device: torch.device, 
     return torch.rand(num_uniforms, generator=generator, device=source_device, dtype=torch.float64).to(device)
 
 
-def _sample(weights: Tensor, generator: RandomSource, row: int) -> int:
+def sample_token(weights: Tensor, generator: RandomSource, row: int) -> int:
     """One token id drawn with probability proportional to `weights` [vocab] (>= 0, sum > 0).
 
     Inverse CDF in float64: one uniform and a binary search. On CPU this is ~17x faster than

@@ -22,6 +22,7 @@ from dataclasses import dataclass
 import torch
 
 from specdec.config import EngineConfig
+from specdec.engine.draft_tree import is_chain, main_branch
 from specdec.engine.hidden_states import start_capture
 from specdec.engine.scheduler import ScheduledSequence
 from specdec.engine.sequence import Sequence, SpeculationCounters
@@ -90,8 +91,10 @@ class Speculation:
         """Each scheduled sequence's draft, the sequences that ended meanwhile left out."""
         return StepDrafts(scheduled, [NO_DRAFT] * len(scheduled), answered=time.perf_counter())
 
-    def record(self, item: ScheduledSequence, draft: Draft, num_accepted: int) -> None:
-        """Counts what the sequence's draft achieved: `num_accepted` of its tokens."""
+    def record(self, item: ScheduledSequence, draft: Draft, num_accepted: int,
+               accepted_path: list[int] | None = None) -> None:
+        """Counts what the sequence's draft achieved: `num_accepted` of its tokens (of a
+        tree draft, the nodes of `accepted_path`)."""
         seq = item.seq
         if draft.forced:
             # The grammar's draft, not the drafter's: counted apart, and the drafter
@@ -222,6 +225,9 @@ class FixedSpeculation(Speculation):
         draft = proposed.get(seq.seq_id)
         if draft is None or not draft.token_ids:
             return NO_DRAFT
+        if draft.parents is not None and (seq.grammar is not None or not self.config.tree_drafts):
+            # A grammar checks one continuation; trees are verified only when configured.
+            draft = main_branch_draft(draft, draft.parents)
         draft = truncate(draft, item.num_speculative_tokens)
         if seq.grammar is not None:
             with Timer(self.grammars), self.faults.isolate(seq):
@@ -301,5 +307,18 @@ def truncate(draft: Draft, num_tokens: int) -> Draft:
         return draft
     probs = draft.probs[:num_tokens] if draft.probs is not None else None
     confidence = draft.confidence[:num_tokens] if draft.confidence is not None else None
+    # Parents come first, so a tree's leading nodes are a tree; a chain is a flat draft.
+    parents = draft.parents[:num_tokens] if draft.parents is not None else None
     return Draft(token_ids=draft.token_ids[:num_tokens], probs=probs, confidence=confidence,
-                 forced=draft.forced)
+                 forced=draft.forced,
+                 parents=None if parents is None or is_chain(parents) else parents)
+
+
+def main_branch_draft(draft: Draft, parents: list[int]) -> Draft:
+    """A tree draft's main branch as a flat draft (its nodes' confidence, each given its
+    parent, is a flat draft's given the tokens before it)."""
+    nodes = main_branch(parents)
+    confidence = (None if draft.confidence is None
+                  else [draft.confidence[node] for node in nodes])
+    return Draft(token_ids=[draft.token_ids[node] for node in nodes], probs=None,
+                 confidence=confidence, forced=draft.forced)

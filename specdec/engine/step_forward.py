@@ -7,6 +7,7 @@ from dataclasses import dataclass
 
 import torch
 
+from specdec.engine.draft_tree import segment_parents
 from specdec.engine.speculation import StepDrafts
 from verifier_svc.grammar.verification import GrammarService, Timer, mask_rows
 from verifier_svc.model_runner import ModelRunner, PreparedBatch, StepInput
@@ -45,7 +46,10 @@ class Forward:
             start = seq.num_computed_tokens
             chunk = seq.token_ids[start:start + item.num_query_tokens]
             num_logit_rows = 1 + len(draft.token_ids) if item.samples else 0
-            inputs.append(StepInput(chunk + draft.token_ids, start, seq.block_table, num_logit_rows))
+            tree_parents = (None if draft.parents is None
+                            else segment_parents(len(chunk), draft.parents))
+            inputs.append(StepInput(chunk + draft.token_ids, start, seq.block_table, num_logit_rows,
+                                    tree_parents))
         batch = self.runner.prepare(inputs)
         logits, hidden = self.runner.execute(batch, drafted.hidden_layer_ids)
         self.num_steps += 1

@@ -48,4 +48,5 @@ class CpuPagedAttention:
     ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim], contiguous
         return self.kernel.paged_attention(query, key, value, key_cache, value_cache, metadata.slot_mapping,
                                            metadata.query_start_locs, metadata.context_lens,
-                                           metadata.block_tables, self.scale, self.batch_invariant)
+                                           metadata.block_tables, self.scale, self.batch_invariant,
+                                           metadata.tree_parent_tensors())

@@ -8,6 +8,13 @@ Terms:
   written. Query token j of sequence i (query length q_i) sits at position
   `context_lens[i] - q_i + j` and attends causally to cache positions `[0, that position]`
   (a bottom-right aligned causal mask).
+- *tree segment*: a sequence's query tokens given `tree_parents`, a verify window whose
+  drafts branch (tree drafts). Token j's parent is the segment's token `parents[j]` (before
+  it), or -1 for none: it follows the cached prefix, i.e. positions
+  `[0, context_len - query_len)`. Token j attends to that prefix and to its path, its
+  ancestors and itself, and nothing else: as a decode of that path would. The caller gives it
+  the position of prefix length + its depth (the number of its ancestors); its K/V still goes
+  to its own slot, and the verifier moves the accepted path's K/V into place after.
 
 Faster backends (fused NPU attention, CUDA kernels) implement `AttentionBackend` and are
 tested against `TorchPagedAttention`, which uses plain torch ops only so that it runs on
@@ -33,6 +40,22 @@ class AttentionMetadata:
     # [num_seqs]: tokens in sequence i's cache once this step's tokens are written (= last query position + 1)
     context_lens: list[int]
     block_tables: list[torch.Tensor]  # per sequence int64 [num_blocks_i], enough blocks to cover context_lens[i]
+    # None, or per sequence None (causal) or its query tokens' tree parents (see the module's
+    # docstring): parents[j] in [-1, j).
+    tree_parents: list[list[int] | None] | None = None
+
+    def tree_of(self, seq_index: int) -> list[int] | None:
+        """Sequence `seq_index`'s tree parents; None for a causal segment."""
+        return None if self.tree_parents is None else self.tree_parents[seq_index]
+
+    def tree_parent_tensors(self) -> list[torch.Tensor]:
+        """The kernels' form of `tree_parents`: [] when no sequence is a tree, else one int64
+        tensor per sequence, empty for a causal one."""
+        if self.tree_parents is None or all(parents is None for parents in self.tree_parents):
+            return []
+        empty = torch.empty(0, dtype=torch.long)
+        return [empty if parents is None else torch.tensor(parents, dtype=torch.long)
+                for parents in self.tree_parents]
 
 
 class AttentionBackend(Protocol):

@@ -98,8 +98,9 @@ class NpuFusedPagedAttention:
     ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
         npu = self.torch_npu
         block_size = key_cache.shape[1]
+        # A step with tree drafts takes the reference, which has the tree mask.
         if (npu is None or query.dtype not in FUSED_DTYPES
-                or block_size % BLOCK_SIZE_ALIGNMENT != 0):
+                or block_size % BLOCK_SIZE_ALIGNMENT != 0 or metadata.tree_parent_tensors()):
             return self._reference(query, key, value, key_cache, value_cache, metadata)
         step = self._step_inputs(metadata, query.device, block_size)
         kind = (query.dtype, block_size, step.decode_only)

@@ -22,6 +22,22 @@ def write_kv(
     value_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, value.to(value_cache.dtype))
 
 
+def tree_attention_mask(parents: list[int], context_len: int, device: torch.device) -> torch.Tensor:
+    """[len(parents), context_len] bool, True where a tree segment's token may attend: the
+    cached prefix and its path (AttentionMetadata's terms)."""
+    query_len = len(parents)
+    first_position = context_len - query_len
+    mask = torch.zeros(query_len, context_len, dtype=torch.bool)
+    mask[:, :first_position] = True
+    for token, parent in enumerate(parents):
+        if not -1 <= parent < token:
+            raise ValueError(f"tree parent {parent} of token {token} does not come before it")
+        if parent >= 0:
+            mask[token] = mask[parent]
+        mask[token, first_position + token] = True
+    return mask.to(device)
+
+
 class TorchPagedAttention:
     """Reference paged attention: gather each sequence's K/V by block table, then SDPA.
 
@@ -98,7 +114,8 @@ class TorchPagedAttention:
             query_len = end - start
             if query_len == 0:
                 continue
-            if context_len == query_len:
+            tree_parents = metadata.tree_of(seq_index)
+            if context_len == query_len and tree_parents is None:
                 # Invariant: the cache holds exactly this step's tokens, so attend to them directly.
                 seq_key, seq_value = key[start:end], value[start:end]
                 mask, is_causal = None, query_len > 1
@@ -110,7 +127,9 @@ class TorchPagedAttention:
                 if seq_key.dtype != query.dtype:
                     seq_key, seq_value = seq_key.to(query.dtype), seq_value.to(query.dtype)
                 mask = None
-                if query_len > 1:
+                if tree_parents is not None:
+                    mask = tree_attention_mask(tree_parents, context_len, query.device)
+                elif query_len > 1:
                     mask = self._mask_rows(context_len - query_len, context_len, query.device)
                 is_causal = False
             seq_out = self._attend(query[start:end], seq_key, seq_value, mask, is_causal)

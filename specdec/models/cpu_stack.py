@@ -187,7 +187,8 @@ class CpuDecoderStack:
             input_ids, positions, embed, self._rotary.cos_cache, self._rotary.sin_cache,
             self._layer_tensors, self._final_norm, kv_cache.key_caches, kv_cache.value_caches,
             attn_metadata.slot_mapping, attn_metadata.query_start_locs, attn_metadata.context_lens,
-            attn_metadata.block_tables, list(aux_layer_ids), *self._shape, self.batch_invariant)
+            attn_metadata.block_tables, list(aux_layer_ids), *self._shape, self.batch_invariant,
+            attn_metadata.tree_parent_tensors())
         if not aux_layer_ids:
             return outputs[0]
         return outputs[0], list(outputs[1:])

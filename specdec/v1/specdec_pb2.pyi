@@ -224,18 +224,20 @@ class FinishedOutput(_message.Message):
     def __init__(self, seq_id: _Optional[int] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., output_token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class SequenceDraft(_message.Message):
-    __slots__ = ("seq_id", "draft_token_ids", "draft_probs", "needs_resync", "confidence")
+    __slots__ = ("seq_id", "draft_token_ids", "draft_probs", "needs_resync", "confidence", "draft_parents")
     SEQ_ID_FIELD_NUMBER: _ClassVar[int]
     DRAFT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     DRAFT_PROBS_FIELD_NUMBER: _ClassVar[int]
     NEEDS_RESYNC_FIELD_NUMBER: _ClassVar[int]
     CONFIDENCE_FIELD_NUMBER: _ClassVar[int]
+    DRAFT_PARENTS_FIELD_NUMBER: _ClassVar[int]
     seq_id: int
     draft_token_ids: _containers.RepeatedScalarFieldContainer[int]
     draft_probs: Tensor
     needs_resync: bool
     confidence: _containers.RepeatedScalarFieldContainer[float]
-    def __init__(self, seq_id: _Optional[int] = ..., draft_token_ids: _Optional[_Iterable[int]] = ..., draft_probs: _Optional[_Union[Tensor, _Mapping]] = ..., needs_resync: _Optional[bool] = ..., confidence: _Optional[_Iterable[float]] = ...) -> None: ...
+    draft_parents: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, seq_id: _Optional[int] = ..., draft_token_ids: _Optional[_Iterable[int]] = ..., draft_probs: _Optional[_Union[Tensor, _Mapping]] = ..., needs_resync: _Optional[bool] = ..., confidence: _Optional[_Iterable[float]] = ..., draft_parents: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class ProposeResponse(_message.Message):
     __slots__ = ("step_id", "drafts")

@@ -257,6 +257,13 @@ class GarbageServicer(DrafterServicer):
             response.drafts.add(seq_id=5, draft_token_ids=[9, 9]).draft_probs.CopyFrom(
                 specdec_pb2.Tensor(data=good_probs.numpy().tobytes(), dtype="float32",
                                    shape=[2, VOCAB_SIZE]))
+            response.drafts.add(seq_id=6, draft_token_ids=[7, 8, 9], draft_parents=[-1, -1, 0])  # a tree
+            response.drafts.add(seq_id=7, draft_token_ids=[7, 8], draft_parents=[-1, 1])  # child first
+            response.drafts.add(seq_id=8, draft_token_ids=[7, 8], draft_parents=[-1])  # parents short
+            response.drafts.add(seq_id=9, draft_token_ids=[7, 8], draft_parents=[-1, 0])  # a chain
+            tree_with_probs = response.drafts.add(seq_id=10, draft_token_ids=[9, 9], draft_parents=[-1, -1])
+            tree_with_probs.draft_probs.CopyFrom(specdec_pb2.Tensor(
+                data=good_probs.numpy().tobytes(), dtype="float32", shape=[2, VOCAB_SIZE]))
             response.drafts.add(seq_id=77, draft_token_ids=[1])               # not asked
             yield response
 
@@ -266,9 +273,11 @@ async def test_garbage_drafts_are_dropped(pool_for, caplog):
     pool = await pool_for(port)
     try:
         with caplog.at_level(logging.WARNING, logger="verifier_svc.drafting.drafter_pool"):
-            drafts = await pool.propose(requests_for({i: [1, 2, 3] for i in range(1, 6)}), [],
+            drafts = await pool.propose(requests_for({i: [1, 2, 3] for i in range(1, 11)}), [],
                                         timeout_s=5.0)
-        assert sorted(drafts) == [3, 5]
+        assert sorted(drafts) == [3, 5, 6, 9]
+        assert drafts[6].parents == [-1, -1, 0]
+        assert drafts[9].parents is None  # a chain is a flat draft
         assert drafts[3].token_ids == [7, 8] and drafts[3].probs is None
         assert drafts[5].probs.shape == (2, VOCAB_SIZE)
         assert torch.allclose(drafts[5].probs.sum(dim=-1), torch.ones(2))

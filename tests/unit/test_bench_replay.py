@@ -14,7 +14,7 @@ import pytest
 from specdec.bench import replay as bench_replay
 from specdec.bench.replay import compare, replay
 from specdec.bench.replay_stream import StreamRequest, load_stream, save_stream
-from specdec.bench.replay_proposers import SpecdecSuffix, SuffixSettings
+from specdec.bench.replay_proposers import ReplayDraft, SpecdecSuffix, SuffixSettings
 from specdec.bench.replay_synthetic import synthetic_streams
 
 REFERENCE = Path(__file__).parents[1] / "data" / "suffix_replay_reference.json"
@@ -25,7 +25,7 @@ class ScriptedProposer:
 
     name = "scripted"
 
-    def __init__(self, drafts: list[list[int]]) -> None:
+    def __init__(self, drafts: list[ReplayDraft]) -> None:
         self.drafts = drafts
         self.asked: list[int] = []
         self.extended: list[list[int]] = []
@@ -34,7 +34,7 @@ class ScriptedProposer:
     def start(self, request_id: int, prompt_ids: Sequence[int]) -> None:
         self.events.append(f"start {request_id} {list(prompt_ids)}")
 
-    def propose(self, max_tokens: int) -> list[int]:
+    def propose(self, max_tokens: int) -> ReplayDraft:
         self.asked.append(max_tokens)
         return self.drafts.pop(0)
 
@@ -47,7 +47,7 @@ class ScriptedProposer:
 
 def test_counts_equal_a_hand_count() -> None:
     stream = [StreamRequest([1, 2], [10, 11, 12, 13, 14, 15])]
-    proposer = ScriptedProposer([[11, 12, 99], [14, 15]])
+    proposer = ScriptedProposer([ReplayDraft([11, 12, 99]), ReplayDraft([14, 15])])
     counts = replay(stream, proposer, num_speculative_tokens=3)
     # Step 1: the prefill yields 10. Step 2: at most min(3, 6 - 1 - 1) = 3 tokens; 11 and 12
     # accepted, 99 wasted; the target's 13 follows. Step 3: one answer token is left after
@@ -58,6 +58,19 @@ def test_counts_equal_a_hand_count() -> None:
     assert counts.summary() | {"ms_per_step": 0} == {
         "requests": 1, "tokens": 6, "steps": 3, "tokens_per_step": 2.0, "drafted_rows": 4,
         "wasted_rows": 1, "ms_per_step": 0}
+
+
+def test_tree_counts_equal_a_hand_count() -> None:
+    stream = [StreamRequest([1, 2], [10, 11, 12, 13, 14, 15])]
+    # Step 2: root children 99 and 11; 11's child 12, 99's child 12. Accepted: 11, 12 (the
+    # second branch), 4 rows drafted; the target's 13 follows. Step 3: [14] as a tree of one.
+    proposer = ScriptedProposer([ReplayDraft([99, 11, 12, 12], [-1, -1, 0, 1]),
+                                 ReplayDraft([14, 77], [-1, -1])])
+    counts = replay(stream, proposer, num_speculative_tokens=4)
+    assert proposer.extended == [[10], [11, 12, 13], [14, 15]]
+    assert counts.summary() | {"ms_per_step": 0} == {
+        "requests": 1, "tokens": 6, "steps": 3, "tokens_per_step": 2.0, "drafted_rows": 5,
+        "wasted_rows": 2, "ms_per_step": 0}
 
 
 def test_specdecs_suffix_proposer_by_hand() -> None:

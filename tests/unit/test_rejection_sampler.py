@@ -23,6 +23,7 @@ from specdec.engine.rejection_sampler import (
 )
 from specdec.engine.position_random import PositionRandom
 from specdec.engine.sampling_params import SamplingParams
+from tests.support.chi_square import chi_square_p_value
 from tests.support.target_distribution import target_probs_from_logits
 
 GREEDY = SamplingParams(temperature=0.0)
@@ -223,26 +224,6 @@ def test_default_generator_when_none() -> None:
 
 
 # ------------------------------------------------------------ statistical tests
-
-
-def chi_square_p_value(counts: Tensor, expected_probs: Tensor) -> float:
-    """Pearson's chi-square goodness-of-fit p-value of `counts` [vocab] against `expected_probs`.
-
-    Any count on a token of expected probability 0 is an outright failure (p-value 0).
-    """
-    counts = counts.double()
-    expected_probs = expected_probs.double()
-    support = expected_probs > 0
-    if counts[~support].sum() > 0:
-        return 0.0
-    expected_counts = expected_probs[support] / expected_probs[support].sum() * counts.sum()
-    assert expected_counts.min() >= 5, "too few samples for a chi-square test"
-    statistic = ((counts[support] - expected_counts) ** 2 / expected_counts).sum()
-    degrees_of_freedom = int(support.sum()) - 1
-    if degrees_of_freedom == 0:
-        return 1.0
-    # The chi-square survival function is the regularised upper incomplete gamma function.
-    return float(torch.special.gammaincc(torch.tensor(degrees_of_freedom / 2, dtype=torch.float64), statistic / 2))
 
 
 def test_chi_square_p_value_helper() -> None:

@@ -41,6 +41,7 @@ from dataclasses import dataclass
 
 import torch
 
+from specdec.engine.draft_tree import check_parents, is_chain
 from specdec.errors import DrafterMismatchError, InvalidRequestError
 from specdec.rpc.address import parse_host_port
 from specdec.rpc.grpc_server import CHANNEL_OPTIONS, client_keepalive_options
@@ -82,6 +83,8 @@ class Draft:
     confidence: list[float] | None = None
     # Tokens a grammar forced (the verifier's own draft, no drafter involved).
     forced: bool = False
+    # A tree draft's parents (specdec/engine/draft_tree.py); None for a flat draft.
+    parents: list[int] | None = None
 
 
 class _StepMessages:
@@ -334,8 +337,21 @@ class DrafterPool:
                     self.errors.record(replica.address, BAD_RESPONSE,
                                        f"dropped a draft for seq {seq_id}: malformed draft_probs")
                     continue
+            parents = None
+            if sequence_draft.draft_parents:
+                parents = list(sequence_draft.draft_parents)
+                problem = check_parents(parents, len(token_ids))
+                if problem is None and probs is not None:
+                    problem = "a tree draft comes with draft_probs"
+                if problem is not None:
+                    self.errors.record(replica.address, BAD_RESPONSE,
+                                       f"dropped a draft for seq {seq_id}: {problem}")
+                    continue
+                if is_chain(parents):
+                    parents = None
             drafts[seq_id] = Draft(token_ids, probs,
-                                   self._confidence(replica, seq_id, sequence_draft, token_ids))
+                                   self._confidence(replica, seq_id, sequence_draft, token_ids),
+                                   parents=parents)
 
     def _confidence(self, replica: DrafterReplica, seq_id: int,
                     sequence_draft: specdec_pb2.SequenceDraft, token_ids: list[int],

@@ -118,8 +118,13 @@ struct AttentionPlan {
     int64_t piece_start = 0, piece_len = 0;
   };
   int64_t num_tokens = 0, num_heads = 0, num_kv_heads = 0, head_dim = 0, block_size = 0, num_blocks = 0;
+  // Per segment (a sequence's query tokens, or one token of a tree-drafted sequence): where
+  // its tokens start (and the last one's end), its context length, its block table and,
+  // for a tree token, the slots of its last positions (its ancestors' and its own, in path
+  // order; empty otherwise).
   std::vector<int64_t> slots, query_start_locs, context_lens;
   std::vector<at::Tensor> tables;  // int64, contiguous
+  std::vector<std::vector<int64_t>> tails;
   std::vector<Unit> units;
   std::vector<int64_t> partial_starts;  // where each sequence's chunk partials begin
   int64_t work = 0;  // query rows x cached positions, the units' arithmetic
@@ -144,7 +149,7 @@ struct AttentionRows {
 AttentionPlan plan_attention(int64_t num_tokens, int64_t num_heads, const at::Tensor& key_cache,
                              const at::Tensor& slot_mapping, const std::vector<int64_t>& query_start_locs,
                              const std::vector<int64_t>& context_lens, const std::vector<at::Tensor>& block_tables,
-                             bool batch_invariant);
+                             bool batch_invariant, const std::vector<at::Tensor>& tree_parents);
 // Writes the rows' K/V into the caches and the attention of every query row into `out`
 // ([num_tokens, num_heads, head_dim] contiguous).
 void attend_planned(AttentionPlan& plan, at::ScalarType dtype, const AttentionRows& rows, void* key_cache,
@@ -153,6 +158,7 @@ at::Tensor paged_attention(const at::Tensor& query, const at::Tensor& key, const
                            at::Tensor key_cache, at::Tensor value_cache, const at::Tensor& slot_mapping,
                            const std::vector<int64_t>& query_start_locs,
                            const std::vector<int64_t>& context_lens,
-                           const std::vector<at::Tensor>& block_tables, double scale, bool batch_invariant);
+                           const std::vector<at::Tensor>& block_tables, double scale, bool batch_invariant,
+                           const std::vector<at::Tensor>& tree_parents);
 
 }  // namespace specdec_cpu

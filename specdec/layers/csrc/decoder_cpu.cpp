@@ -141,7 +141,7 @@ std::vector<at::Tensor> decoder_stack(
     const std::vector<int64_t>& query_start_locs, const std::vector<int64_t>& context_lens,
     const std::vector<at::Tensor>& block_tables, const std::vector<int64_t>& aux_layer_ids,
     int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, int64_t intermediate_size, double eps,
-    double scale, bool batch_invariant) {
+    double scale, bool batch_invariant, const std::vector<at::Tensor>& tree_parents) {
   const int64_t num_layers = static_cast<int64_t>(key_caches.size());
   TORCH_CHECK(num_layers > 0, "decoder_stack: no layers (no KV caches) given");
   TORCH_CHECK(static_cast<int64_t>(layer_tensors.size()) == num_layers * kTensorsPerLayer &&
@@ -196,7 +196,7 @@ std::vector<at::Tensor> decoder_stack(
   // a long prefill segment's SDPA (not batch_invariant), no torch operator call (each cost ~1-5 us a layer, more
   // with the code cold after the weights streamed through the caches).
   AttentionPlan plan = plan_attention(num_tokens, num_heads, key_caches[0], slot_mapping, query_start_locs,
-                                      context_lens, block_tables, batch_invariant);
+                                      context_lens, block_tables, batch_invariant, tree_parents);
   const auto options = embed_weight.options();
   at::Tensor normed = at::empty({num_tokens, hidden_size}, options);
   at::Tensor qkv = at::empty({num_tokens, qkv_size}, options);

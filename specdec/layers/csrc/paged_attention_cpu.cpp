@@ -325,6 +325,8 @@ void attend_block(const float* queries, int64_t r0, int64_t head_dim, int64_t gr
 // (loaded once for all of them): writes each query row's partial (token j, head h at row
 // j * num_heads + h of `partials`). Token j attends to positions
 // [0, context_len - query_len + j]; a row that sees none of the chunk gets a sum of 0.
+// Position p lies at the block table's slot for p, or at tail_slots[p - tail_start] from
+// tail_start on when tail_slots is given (a tree node: its ancestors' and its own slots).
 // kHeadDim: head_dim as a compile-time constant (the common sizes, so that the loops over it
 // unroll into a few vector instructions), or 0 for any other size.
 template <typename T, int64_t kHeadDim>
@@ -332,7 +334,7 @@ void attend_chunk(const T* query, int64_t query_token_stride, int64_t query_head
                   const T* key_cache, const T* value_cache, const int64_t* block_table,
                   int64_t block_size, int64_t num_kv_heads, int64_t runtime_head_dim, int64_t num_heads,
                   int64_t kv_head, int64_t query_len, int64_t context_len, int64_t chunk_start, float scale,
-                  float* partials) {
+                  float* partials, const int64_t* tail_slots = nullptr, int64_t tail_start = 0) {
   const int64_t head_dim = kHeadDim > 0 ? kHeadDim : runtime_head_dim;
   const int64_t group = num_heads / num_kv_heads;
   const int64_t rows = query_len * group;
@@ -354,8 +356,12 @@ void attend_chunk(const T* query, int64_t query_token_stride, int64_t query_head
   // Where each position of the chunk lies in the caches, walking the block table.
   const int64_t row_stride = num_kv_heads * head_dim;
   int64_t* const rows_at = row_offsets.data();
+  // A tree node's positions from tail_start on are its path's slots (see AttentionPlan::tails).
   for (int64_t i = 0, block = chunk_start / block_size, offset = chunk_start % block_size; i < chunk_len; ++i) {
-    rows_at[i] = (block_table[block] * block_size + offset) * row_stride + kv_head * head_dim;
+    const int64_t position = chunk_start + i;
+    const int64_t slot = tail_slots != nullptr && position >= tail_start ? tail_slots[position - tail_start]
+                                                                         : block_table[block] * block_size + offset;
+    rows_at[i] = slot * row_stride + kv_head * head_dim;
     if (++offset == block_size) offset = 0, ++block;
   }
   for (int64_t j = 0; j < query_len; ++j) {
@@ -513,12 +519,56 @@ at::Tensor attend_long_segment(const at::Tensor& query, const at::Tensor& key, c
   return out.squeeze(0).transpose(0, 1);
 }
 
+// The plan's segments: each sequence's query tokens as they come, except a sequence with
+// tree parents, whose every token becomes a segment of its own that sees the cached prefix
+// and then its path (ancestors, itself) as its last positions, through plan.tails. So a tree
+// node's row is computed as a decode of its path would compute it, bit for bit: its sums run
+// over the same rows in the same order and the same chunks.
+void expand_tree_segments(AttentionPlan& plan, const std::vector<int64_t>& query_start_locs,
+                          const std::vector<int64_t>& context_lens, const std::vector<at::Tensor>& block_tables,
+                          const std::vector<at::Tensor>& tree_parents) {
+  const int64_t num_seqs = static_cast<int64_t>(context_lens.size());
+  plan.query_start_locs.assign(1, query_start_locs[0]);
+  plan.context_lens.clear();
+  plan.tables.clear();
+  plan.tails.clear();
+  for (int64_t s = 0; s < num_seqs; ++s) {
+    const int64_t start = query_start_locs[s], query_len = query_start_locs[s + 1] - start;
+    const bool is_tree = !tree_parents.empty() && tree_parents[s].numel() > 0;
+    if (!is_tree) {
+      plan.query_start_locs.push_back(query_start_locs[s + 1]);
+      plan.context_lens.push_back(context_lens[s]);
+      plan.tables.push_back(block_tables[s]);
+      plan.tails.emplace_back();
+      continue;
+    }
+    TORCH_CHECK(tree_parents[s].numel() == query_len, "sequence ", s, ": ", tree_parents[s].numel(),
+                " tree parents for ", query_len, " query tokens");
+    const at::Tensor parents = tree_parents[s].to(at::kLong).contiguous();
+    const int64_t* parent_of = parents.data_ptr<int64_t>();
+    const int64_t first_position = context_lens[s] - query_len;
+    TORCH_CHECK(first_position >= 0, "sequence ", s, ": context_len ", context_lens[s], " is shorter than its ",
+                query_len, " query tokens");
+    for (int64_t j = 0; j < query_len; ++j) {
+      TORCH_CHECK(parent_of[j] >= -1 && parent_of[j] < j, "sequence ", s, ": token ", j, "'s tree parent ",
+                  parent_of[j], " does not come before it");
+      std::vector<int64_t> path;
+      for (int64_t node = j; node >= 0; node = parent_of[node]) path.push_back(plan.slots[start + node]);
+      std::reverse(path.begin(), path.end());
+      plan.query_start_locs.push_back(start + j + 1);
+      plan.context_lens.push_back(first_position + static_cast<int64_t>(path.size()));
+      plan.tables.push_back(block_tables[s]);
+      plan.tails.push_back(std::move(path));
+    }
+  }
+}
+
 }  // namespace
 
 AttentionPlan plan_attention(int64_t num_tokens, int64_t num_heads, const at::Tensor& key_cache,
                              const at::Tensor& slot_mapping, const std::vector<int64_t>& query_start_locs,
                              const std::vector<int64_t>& context_lens, const std::vector<at::Tensor>& block_tables,
-                             bool batch_invariant) {
+                             bool batch_invariant, const std::vector<at::Tensor>& tree_parents) {
   TORCH_CHECK(key_cache.dim() == 4 && key_cache.is_contiguous(),
               "the KV caches must be contiguous [blocks, block_size, KVH, D]");
   AttentionPlan plan;
@@ -544,19 +594,20 @@ AttentionPlan plan_attention(int64_t num_tokens, int64_t num_heads, const at::Te
     TORCH_CHECK(plan.slots[t] >= 0 && plan.slots[t] < num_slots, "slot ", plan.slots[t], " of token ", t,
                 " is outside the cache (", num_slots, " slots)");
   }
-  plan.query_start_locs = query_start_locs;
-  plan.context_lens = context_lens;
-  plan.tables.resize(num_seqs);
-  plan.partial_starts.assign(num_seqs, 0);
+  TORCH_CHECK(tree_parents.empty() || static_cast<int64_t>(tree_parents.size()) == num_seqs,
+              "tree_parents must be empty or give one tensor per sequence");
+  expand_tree_segments(plan, query_start_locs, context_lens, block_tables, tree_parents);
+  const int64_t num_segments = static_cast<int64_t>(plan.context_lens.size());
+  plan.partial_starts.assign(num_segments, 0);
   const int64_t width = partial_width(plan.head_dim);
   int64_t num_partials = 0;
-  for (int64_t s = 0; s < num_seqs; ++s) {
-    const int64_t start = query_start_locs[s], query_len = query_start_locs[s + 1] - start;
-    const int64_t context_len = context_lens[s];
+  for (int64_t s = 0; s < num_segments; ++s) {
+    const int64_t start = plan.query_start_locs[s], query_len = plan.query_start_locs[s + 1] - start;
+    const int64_t context_len = plan.context_lens[s];
     if (query_len == 0) continue;
     TORCH_CHECK(query_len > 0 && context_len >= query_len, "sequence ", s, ": context_len ", context_len,
                 " is shorter than its ", query_len, " query tokens");
-    plan.tables[s] = block_tables[s].to(at::kLong).contiguous();
+    plan.tables[s] = plan.tables[s].to(at::kLong).contiguous();
     TORCH_CHECK(plan.tables[s].numel() * plan.block_size >= context_len, "sequence ", s,
                 "'s block table covers fewer than ", context_len, " tokens");
     if (query_len > kMaxKernelQueryLen) {
@@ -652,7 +703,9 @@ void attend_planned(AttentionPlan& plan, at::ScalarType dtype, const AttentionRo
               query_data + start * rows.query_token_stride, rows.query_token_stride, rows.query_head_stride,
               key_cache_data, value_cache_data, plan.tables[s].data_ptr<int64_t>(), plan.block_size,
               plan.num_kv_heads, head_dim, num_heads, unit.kv_head, query_len, plan.context_lens[s],
-              unit.chunk * kChunk, static_cast<float>(scale), chunk_partials);
+              unit.chunk * kChunk, static_cast<float>(scale), chunk_partials,
+              plan.tails[s].empty() ? nullptr : plan.tails[s].data(),
+              plan.context_lens[s] - static_cast<int64_t>(plan.tails[s].size()));
         };
         switch (head_dim) {
           case 64: attend(std::integral_constant<int64_t, 64>{}); break;
@@ -685,7 +738,8 @@ at::Tensor paged_attention(const at::Tensor& query, const at::Tensor& key, const
                            at::Tensor key_cache, at::Tensor value_cache, const at::Tensor& slot_mapping,
                            const std::vector<int64_t>& query_start_locs,
                            const std::vector<int64_t>& context_lens,
-                           const std::vector<at::Tensor>& block_tables, double scale, bool batch_invariant) {
+                           const std::vector<at::Tensor>& block_tables, double scale, bool batch_invariant,
+                           const std::vector<at::Tensor>& tree_parents) {
   TORCH_CHECK(query.device().is_cpu() && key_cache.device().is_cpu(), "paged_attention_cpu runs on the CPU");
   TORCH_CHECK(query.dim() == 3 && key.dim() == 3 && value.dim() == 3 && key_cache.dim() == 4,
               "expected query [T, H, D], key/value [T, KVH, D], caches [blocks, block_size, KVH, D]");
@@ -700,7 +754,7 @@ at::Tensor paged_attention(const at::Tensor& query, const at::Tensor& key, const
               "head_dim or the number of KV heads does not fit the query");
   AttentionPlan plan =
       plan_attention(num_tokens, num_heads, key_cache, slot_mapping, query_start_locs, context_lens, block_tables,
-                     batch_invariant);
+                     batch_invariant, tree_parents);
   // Rows with the last dim contiguous, in the caches' dtype.
   auto usable = [&](const at::Tensor& x) {
     const at::Tensor typed = x.to(key_cache.scalar_type());
