@@ -10,6 +10,7 @@ from __future__ import annotations
 import time
 from multiprocessing.connection import Connection
 from pathlib import Path
+from typing import Any, cast
 
 
 def resident_mb() -> float:
@@ -45,8 +46,10 @@ def serve(conn: Connection, gguf_path: str, threads: int, n_ctx: int, lookup: tu
         _, prompt_ids, max_tokens = request
         llm.reset()  # no prompt reuse from the previous run: every system prefills
         started = time.perf_counter()
-        completion = llm.create_completion(prompt=list(prompt_ids), max_tokens=max_tokens, temperature=0.0,
-                                           top_k=1, top_p=1.0, min_p=0.0, repeat_penalty=1.0)
+        # Not streamed: one response dict.
+        completion = cast(dict[str, Any], llm.create_completion(
+            prompt=list(prompt_ids), max_tokens=max_tokens, temperature=0.0, top_k=1, top_p=1.0, min_p=0.0,
+            repeat_penalty=1.0))
         seconds = time.perf_counter() - started
         conn.send(("done", completion["choices"][0]["text"], int(completion["usage"]["completion_tokens"]),
                    seconds, resident_mb()))

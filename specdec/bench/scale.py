@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import gc
 import logging
 import os
 import statistics
@@ -83,6 +84,8 @@ async def measure(preset: str, precision: str, args: argparse.Namespace, tokeniz
     tokenizer = load_tokenizer(tokenizer_dir)
     prompt_ids = render_chat_prompt(tokenizer, [{"role": "user", "content": PROMPT}])
     failures: dict[str, str] = {}
+    resolve_model(str(gguf_path))  # its conversion (once) before the baseline: not the model's memory
+    gc.collect()
     resident_before = resident_mb()
     engine = await SpecdecEngine.start(gguf_path, str(gguf_path), "auto", "cpu", None, MAX_MODEL_LEN)
     systems: list[System] = [SpecdecSystem("specdec", engine, speculate=False, tokenizer=tokenizer)]
@@ -138,7 +141,8 @@ def add_scale_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--formats", default=",".join(FORMATS), help=f"comma-separated: {', '.join(FORMATS)}")
     parser.add_argument("--rounds", type=int, default=3, help="interleaved rounds per system (after a warm-up)")
     parser.add_argument("--max-tokens", type=int, default=64)
-    parser.add_argument("--threads", type=int, default=torch.get_num_threads(), help="llama.cpp's threads")
+    parser.add_argument("--threads", type=int, default=torch.get_num_threads(),
+                        help="CPU threads for both systems (torch's and llama.cpp's)")
     parser.add_argument("--cache-dir", type=Path, default=default_cache_dir() / "scale",
                         help="where the random models are built and kept")
     parser.add_argument("--no-llama-cpp", dest="llama_cpp", action="store_false",
@@ -154,6 +158,7 @@ def main(argv: list[str] | None = None) -> int:
     add_scale_args(parser)
     args = parser.parse_args(argv)
     setup_logging(args.log_level, "specdec")
+    torch.set_num_threads(args.threads)
     presets = [name.strip() for name in args.presets.split(",")]
     formats = [name.strip() for name in args.formats.split(",")]
     unknown = [name for name in presets if name not in SIZES] + [name for name in formats if name not in FORMATS]
