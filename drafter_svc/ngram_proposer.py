@@ -97,11 +97,6 @@ class NgramProposer:
             return None
         return self._longest_match(tokens)
 
-    def _earliest_longest_match_end(self, tokens: np.ndarray) -> int | None:
-        """End index of the earliest occurrence of the longest matching suffix n-gram."""
-        match = self._longest_match(tokens)
-        return None if match is None else int(match[0][0])
-
     def _longest_match(self, tokens: np.ndarray) -> tuple[np.ndarray, int] | None:
         """Ends of the occurrences of the longest matching suffix n-gram, and its n."""
         context_len = tokens.shape[0]

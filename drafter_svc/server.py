@@ -18,7 +18,8 @@ import grpc
 from drafter_svc.metrics import DrafterMetrics
 from drafter_svc.proposer import ModelOptions
 from drafter_svc.proposer_factory import proposer_factory
-from drafter_svc.servicer import DrafterServicer, StreamLimits
+from drafter_svc.sequence_table import StreamLimits
+from drafter_svc.servicer import DrafterServicer
 from specdec.cli import DEFAULT_PORTS, DefaultsHelpFormatter, add_listen_args, add_logging_args, setup_logging
 from specdec.config import SpeculativeConfig
 from specdec.config_flags import add_config_args, build_config

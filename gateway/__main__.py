@@ -9,7 +9,8 @@ import sys
 
 import uvicorn
 
-from gateway.app import GatewayConfig, create_app
+from gateway.app import create_app
+from gateway.config import GatewayConfig
 from gateway.server import add_server_args, limits_from_args, uvicorn_config
 from gateway.verifier_client import VerifierClient
 from specdec.cli import DefaultsHelpFormatter, add_logging_args, setup_logging

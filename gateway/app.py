@@ -15,7 +15,6 @@ import hmac
 import logging
 import time
 from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass, field
 from typing import Any
 
 from starlette.applications import Starlette
@@ -30,6 +29,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 
 from gateway import info_routes, responses, responses_api
 from gateway.chat import max_chars_per_token, render_chat_prompt, tokenize_prompt
+from gateway.config import GatewayConfig
 from gateway.choices import Choice, collect_until_disconnect, open_choices
 from gateway.errors import error_response, plain_error_response
 from gateway.http_io import (
@@ -44,8 +44,6 @@ from gateway.http_io import (
 )
 from gateway.generation import build_generate_request, choice_requests
 from gateway.logprobs import TokenTexts
-from gateway.spec_decode_metrics import MODES as SPEC_DECODE_METRICS_MODES
-from gateway.spec_decode_metrics import check_mode as check_spec_decode_metrics_mode
 from gateway.metrics import GatewayMetrics, RequestCountMiddleware
 from gateway.protocol import (
     ChatRequest,
@@ -55,82 +53,12 @@ from gateway.protocol import (
 )
 from gateway.request_options import OutputOptions, PromptOptions, boolean_field, truncate_prompt
 from gateway.tool_chat import ToolOutput, ToolSettings, plan_tools, template_messages
-from gateway.tools import TOOL_CALL_PARSERS, template_accepts_tools
+from gateway.tools import template_accepts_tools
 from gateway.verifier_client import VerifierClient
-from specdec.cli import DEFAULT_PORTS
-from specdec.config_flags import flag, nested
-from specdec.errors import ConfigError
-from specdec.grammar_checker import GrammarChecker, GrammarLimits
-from specdec.rpc.address import parse_host_port
+from specdec.errors import ConfigError, InvalidRequestError
+from specdec.grammar_checker import GrammarChecker
 
 logger = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True)
-class GatewayConfig:
-    """Validated start-up configuration of one gateway; `python -m gateway`'s flags are its
-    fields' (specdec.config_flags)."""
-
-    model: str = field(metadata=flag(
-        "model whose tokenizer and chat template to load (a path or a shipped model name, as "
-        "given to the verifier)"))
-    verifier_addresses: tuple[str, ...] = field(default=(), metadata=flag(
-        "verifier gRPC address; repeat for several (round-robin)", name="--verifier",
-        metavar="HOST:PORT", repeated=True, required=True))
-    # Defaults to `model` as given (vLLM).
-    served_model_name: str | None = field(default=None, metadata=flag(
-        "model name in the API (default: --model as given)"))
-    # Defaults to the verifier's (GetInfo).
-    max_model_len: int | None = field(default=None, metadata=flag(
-        "context length limit (default: the verifier's)"))
-    trust_remote_code: bool = field(default=False, metadata=flag(
-        "accepted for vLLM compatibility"))
-    # From --api-key, --api-key-file or the environment (gateway.__main__), never a flag of
-    # its own here: a child's argv is visible to every local user.
-    api_key: str | None = field(default=None, repr=False)
-    host: str = field(default="127.0.0.1", metadata=flag("address to bind"))
-    port: int = field(default=DEFAULT_PORTS["gateway"], metadata=flag("HTTP port to bind"))
-    max_request_bytes: int = 32 * 1024 * 1024
-    # vLLM's flags: tool_choice "auto" needs both (and a chat template that renders tools).
-    enable_auto_tool_choice: bool = field(default=False, metadata=flag(
-        'allow tool_choice "auto" (the default when a request has tools): the tools go through '
-        "the chat template (or specdec's own system prompt where it renders none), and the "
-        "output is parsed by --tool-call-parser (vLLM's flag)"))
-    tool_call_parser: str | None = field(default=None, metadata=flag(
-        'how tool_choice "auto" output is read for tool calls (vLLM\'s flag; hermes: '
-        "<tool_call>{...}</tool_call> blocks)", choices=tuple(sorted(TOOL_CALL_PARSERS))))
-    # vLLM's per-request speculative metrics in responses (gateway.spec_decode_metrics).
-    per_request_spec_decode_metrics: str = field(default="none", metadata=flag(
-        "vLLM's per-request speculative metrics in each response's top-level `metrics` "
-        "(summary: acceptance length and rate, acceptance histogram; detailed: also each "
-        "drafting step's drafted and accepted counts)", choices=SPEC_DECODE_METRICS_MODES))
-    # What one structured-output constraint may cost (specdec.grammar_checker).
-    grammar_limits: GrammarLimits = field(default_factory=GrammarLimits, metadata=nested())
-
-    def __post_init__(self) -> None:
-        check_spec_decode_metrics_mode(self.per_request_spec_decode_metrics)
-        if not self.model:
-            raise ConfigError("--model must not be empty", param="model")
-        if self.tool_call_parser is not None and self.tool_call_parser not in TOOL_CALL_PARSERS:
-            raise ConfigError(f"--tool-call-parser must be one of {', '.join(TOOL_CALL_PARSERS)}, "
-                              f"got {self.tool_call_parser!r}", param="tool_call_parser")
-        if self.enable_auto_tool_choice and self.tool_call_parser is None:
-            raise ConfigError("--enable-auto-tool-choice needs --tool-call-parser",
-                              param="tool_call_parser")
-        object.__setattr__(self, "verifier_addresses", tuple(self.verifier_addresses))
-        for address in self.verifier_addresses:
-            parse_host_port(address, "--verifier")
-        if self.max_model_len is not None and self.max_model_len < 1:
-            raise ConfigError(f"--max-model-len must be >= 1, got {self.max_model_len}",
-                              param="max_model_len")
-        if self.api_key is not None and not self.api_key:
-            raise ConfigError("--api-key must not be empty", param="api_key")
-        if not 0 <= self.port < 65536:
-            raise ConfigError(f"--port must be in [0, 65535], got {self.port}", param="port")
-
-    @property
-    def model_name(self) -> str:
-        return self.served_model_name or self.model
 
 
 class ApiKeyMiddleware:
@@ -192,14 +120,23 @@ async def _open_generation(request: Request, prompt_token_ids: list[int],
         prompt_token_ids, sampling, info, max_model_len, prompt_param,
         record_steps=state.config.per_request_spec_decode_metrics == "detailed")
     echoed = echo_text(prompt_token_ids) if echo_text is not None else ""
-    choices = await open_choices(state.verifier, choice_requests(generate_request, sampling.n),
-                                 state.tokenizer, prompt_token_ids, sampling.stop, started_at,
-                                 sampling.min_tokens, output_options)
+    try:
+        choices = await open_choices(state.verifier, choice_requests(generate_request, sampling.n),
+                                     state.tokenizer, prompt_token_ids, sampling.stop, started_at,
+                                     sampling.params.min_tokens, output_options)
+    except InvalidRequestError as error:
+        grammar = sampling.grammar
+        if grammar is None or error.param != "grammar":
+            raise
+        # The verifier knows a GrammarSpec only (its probe, its compile budget): the client
+        # is told the field it sent the constraint in.
+        error.param = grammar.param
+        raise
     prefix = "chatcmpl" if chat else "cmpl"
     response_id = (f"{prefix}-{output_options.request_id}" if output_options.request_id
                    else responses.new_id(prefix))
     output = responses.Output(response_id, responses.now(), state.config.model_name, chat,
-                              state.token_texts if sampling.logprobs is not None else None,
+                              state.token_texts if sampling.params.HasField("logprobs") else None,
                               tool_output,
                               spec_decode_metrics=state.config.per_request_spec_decode_metrics,
                               num_speculative_tokens=info.num_speculative_tokens,

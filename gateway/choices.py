@@ -16,8 +16,9 @@ from typing import Any
 
 from gateway.detokenizer import IncrementalDetokenizer, StopStringMatcher
 from gateway.generation import GenerationResult, TextDelta, stream_text
+from gateway.generation_stream import GenerationStream
 from gateway.request_options import OutputOptions
-from gateway.verifier_client import GenerationStream, VerifierClient
+from gateway.verifier_client import VerifierClient
 from specdec.v1 import specdec_pb2
 
 

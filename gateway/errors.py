@@ -47,9 +47,10 @@ _GRPC_TO_ERROR: dict[grpc.StatusCode, type[SpecdecError]] = {
     grpc.StatusCode.RESOURCE_EXHAUSTED: OverloadedError,
     grpc.StatusCode.INVALID_ARGUMENT: InvalidRequestError,
     grpc.StatusCode.OUT_OF_RANGE: InvalidRequestError,
-    grpc.StatusCode.FAILED_PRECONDITION: InvalidRequestError,
-    grpc.StatusCode.NOT_FOUND: ModelNotFoundError,
 }
+# The gateway checked the model and the request already: with these the verifier's text
+# describes its own set-up, not the request, and the client gets the generic 500.
+_VERIFIER_SETUP_CODES = (grpc.StatusCode.NOT_FOUND, grpc.StatusCode.FAILED_PRECONDITION)
 
 GENERIC_SERVER_MESSAGE = "The server had an error while processing your request."
 # gRPC details name internal addresses ("ipv4:10.0.0.5:50051: Connection refused"): they go
@@ -133,9 +134,7 @@ def error_from_grpc(err: grpc.aio.AioRpcError) -> SpecdecError:
     if error_type is OverloadedError:
         logger.info("verifier call failed: %s: %s", code.name, details)
         return OverloadedError(OVERLOADED_MESSAGE)
-    if error_type is ModelNotFoundError or code == grpc.StatusCode.FAILED_PRECONDITION:
-        # The gateway checked the model and the request already: the verifier's text
-        # describes its own set-up, not the request.
+    if code in _VERIFIER_SETUP_CODES:
         logger.warning("verifier refused a request: %s: %s", code.name, details)
         return SpecdecError(f"verifier error {code.name}: {details}")
     if error_type is SpecdecError:

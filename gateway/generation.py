@@ -14,8 +14,9 @@ from collections.abc import AsyncGenerator
 from dataclasses import dataclass, field
 
 from gateway.detokenizer import IncrementalDetokenizer, StopStringMatcher
+from gateway.generation_stream import GenerationStream
 from gateway.protocol import SamplingOptions
-from gateway.verifier_client import GenerationStream
+from specdec.engine.sampling_params import check_logit_bias_ids
 from specdec.errors import InvalidRequestError, UnavailableError
 from specdec.v1 import specdec_pb2
 
@@ -65,15 +66,16 @@ def build_generate_request(prompt_token_ids: list[int], sampling: SamplingOption
             f"This model's maximum context length is {max_model_len} tokens. However, your "
             f"{prompt_param} has {num_prompt_tokens} tokens, which leaves no room for the "
             "completion.", prompt_param)
-    max_tokens = sampling.max_tokens
-    if max_tokens is None:
+    min_tokens = sampling.params.min_tokens
+    max_tokens = sampling.params.max_tokens  # 0: not given
+    if not max_tokens:
         room = max_model_len - num_prompt_tokens
         max_tokens = room if sampling.default_max_tokens is None else min(sampling.default_max_tokens, room)
-        if sampling.min_tokens > max_tokens:
+        if min_tokens > max_tokens:
             what = ("the room left in the context" if max_tokens == room
                     else "the default max_tokens")
             raise InvalidRequestError(
-                f"min_tokens ({sampling.min_tokens}) must be at most {what} ({max_tokens} "
+                f"min_tokens ({min_tokens}) must be at most {what} ({max_tokens} "
                 "tokens); set max_tokens.", "min_tokens")
     elif num_prompt_tokens + max_tokens > max_model_len:
         raise InvalidRequestError(
@@ -81,11 +83,7 @@ def build_generate_request(prompt_token_ids: list[int], sampling: SamplingOption
             f"requested {num_prompt_tokens + max_tokens} tokens ({num_prompt_tokens} in the "
             f"{prompt_param}, {max_tokens} in the completion). Please reduce the length of "
             f"the {prompt_param} or max_tokens.", "max_tokens")
-    bad = next((t for t, _ in sampling.logit_bias if t >= info.vocab_size), None)
-    if bad is not None:
-        raise InvalidRequestError(
-            f"logit_bias token id {bad} is outside the vocabulary (size {info.vocab_size}).",
-            "logit_bias")
+    check_logit_bias_ids(sampling.params.logit_bias, info.vocab_size)
     speculation = specdec_pb2.SpeculationOverride(record_steps=record_steps)
     if sampling.speculation is not None:
         speculation.enabled = sampling.speculation.enabled
@@ -100,24 +98,9 @@ def build_generate_request(prompt_token_ids: list[int], sampling: SamplingOption
         raise InvalidRequestError(
             f"n must be at most the server's max_num_seqs ({info.max_num_seqs}), got "
             f"{sampling.n}.", "n")
-    params = specdec_pb2.SamplingParams(
-        temperature=sampling.temperature,
-        top_p=sampling.top_p,
-        top_k=sampling.top_k,
-        repetition_penalty=sampling.repetition_penalty,
-        max_tokens=max_tokens,
-        stop_token_ids=sampling.stop_token_ids,
-        ignore_eos=sampling.ignore_eos,
-        presence_penalty=sampling.presence_penalty,
-        frequency_penalty=sampling.frequency_penalty,
-        min_tokens=sampling.min_tokens,
-        logit_bias=dict(sampling.logit_bias),
-        min_p=sampling.min_p,
-    )
-    if sampling.seed is not None:
-        params.seed = sampling.seed
-    if sampling.logprobs is not None:
-        params.logprobs = sampling.logprobs
+    params = specdec_pb2.SamplingParams()
+    params.CopyFrom(sampling.params)
+    params.max_tokens = max_tokens
     if sampling.grammar is not None:
         params.grammar.CopyFrom(specdec_pb2.GrammarSpec(kind=sampling.grammar.kind,
                                                         value=sampling.grammar.value))

@@ -25,12 +25,19 @@ from gateway.request_options import (
 from gateway.structured import GrammarRequest, grammar_from_request
 from gateway.tool_chat import ToolRequest, parse_tool_request
 from gateway.unhonoured_fields import refuse_unhonoured_fields
-from specdec.engine.sampling_params import INTEGER_BOUNDS, MAX_ABS_LOGIT_BIAS, check_number
+from specdec.engine.sampling_params import (
+    MAX_TOKEN_ID,
+    PARAMETERS,
+    check_min_tokens,
+    check_parameter,
+    check_stop_token_ids,
+    logit_bias_pairs,
+)
 from specdec.errors import InvalidRequestError
+from specdec.v1 import specdec_pb2
 
 MAX_STOP_STRINGS = 64
 MAX_STOP_STRING_CHARS = 1024
-MAX_STOP_TOKEN_IDS = 1024
 # A hard bound on n; the verifier's max_num_seqs is the one that usually applies.
 MAX_CHOICES = 1024
 
@@ -45,25 +52,14 @@ class SpeculationChoice:
 
 @dataclass(frozen=True, slots=True)
 class SamplingOptions:
-    temperature: float
-    top_p: float
-    top_k: int
-    repetition_penalty: float
-    presence_penalty: float
-    frequency_penalty: float
-    min_p: float
-    min_tokens: int
-    # (token id, bias) pairs; ids are checked against the vocabulary in generation.py.
-    logit_bias: tuple[tuple[int, float], ...]
-    # None: default_max_tokens.
-    max_tokens: int | None
+    # The sampling parameters as the wire carries them, each checked by the engine's own
+    # rules (specdec.engine.sampling_params): every bounded one set (its default when the
+    # request gives none), except max_tokens 0 (not given: `default_max_tokens`), and seed
+    # and logprobs, set only when given. Logit-bias ids are checked against the
+    # vocabulary in generation.py.
+    params: specdec_pb2.SamplingParams
     stop: tuple[str, ...]
-    stop_token_ids: tuple[int, ...]
-    ignore_eos: bool
-    seed: int | None
     speculation: SpeculationChoice | None
-    # Top log-probabilities per output token (0-20); None: no logprobs.
-    logprobs: int | None = None
     # Choices to generate; each is its own sequence on the verifier (seed + index).
     n: int = 1
     # The output constraint (GrammarSpec); checked by the compiler in app.py, off the loop.
@@ -183,16 +179,6 @@ def _reject_lone_surrogates(body: dict[str, Any]) -> None:
             stack.extend((item, field) for item in value)
 
 
-def _number(body: dict[str, Any], name: str, default: float) -> float:
-    """A sampling parameter's number, within its bounds (specdec.engine.sampling_params)."""
-    value = body.get(name)
-    if value is None:
-        return default
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise InvalidRequestError(f"{name} must be a number, got {type_name(value)}.", name)
-    return check_number(name, value)
-
-
 def _integer(body: dict[str, Any], name: str, *, minimum: int,
              maximum: int | None = None) -> int | None:
     value = body.get(name)
@@ -206,16 +192,11 @@ def _integer(body: dict[str, Any], name: str, *, minimum: int,
     return value
 
 
-def _sampling_integer(body: dict[str, Any], name: str, field: str | None = None) -> int | None:
-    """A sampling parameter's integer, within the bounds of `field` (default `name`) in
-    specdec.engine.sampling_params."""
-    bounds = INTEGER_BOUNDS[field or name]
-    return _integer(body, name, minimum=int(bounds.low), maximum=int(bounds.high))
-
-
-def _top_k(body: dict[str, Any]) -> int:
-    value = _sampling_integer(body, "top_k")
-    return -1 if value is None or value == 0 else value
+def _parameter(body: dict[str, Any], name: str, param: str | None = None) -> float | int | None:
+    """The bounded sampling parameter `name` from the request field `param` (default
+    `name`), checked by specdec.engine.sampling_params; None when not given."""
+    value = body.get(param or name)
+    return None if value is None else check_parameter(name, value, param)
 
 
 def _stop(body: dict[str, Any]) -> tuple[str, ...]:
@@ -231,14 +212,6 @@ def _stop(body: dict[str, Any]) -> tuple[str, ...]:
         raise InvalidRequestError(
             f"each stop string must have 1 to {MAX_STOP_STRING_CHARS} characters.", "stop")
     return tuple(dict.fromkeys(stops))
-
-
-def _token_ids(value: Any, name: str, max_len: int) -> list[int]:
-    if not isinstance(value, list) or len(value) > max_len or not all(
-            isinstance(t, int) and not isinstance(t, bool) and 0 <= t < 2**32 for t in value):
-        raise InvalidRequestError(
-            f"{name} must be an array of at most {max_len} non-negative token ids.", name)
-    return value
 
 
 def _speculation(body: dict[str, Any]) -> SpeculationChoice | None:
@@ -280,16 +253,17 @@ def _logprobs(body: dict[str, Any], chat: bool) -> int | None:
     """Chat: `logprobs` (boolean) and `top_logprobs` (0-20, needs logprobs). Completions:
     `logprobs` (0-20, the legacy integer)."""
     if not chat:
-        return _sampling_integer(body, "logprobs")
+        return _parameter(body, "logprobs")  # type: ignore[return-value]
     enabled = boolean_field(body, "logprobs", False)
-    top = _sampling_integer(body, "top_logprobs", "logprobs")
+    top = _parameter(body, "logprobs", "top_logprobs")
     if top and not enabled:
         raise InvalidRequestError("top_logprobs needs logprobs set to true.", "top_logprobs")
-    return (top or 0) if enabled else None
+    return int(top or 0) if enabled else None
 
 
 def _logit_bias(body: dict[str, Any]) -> tuple[tuple[int, float], ...]:
-    """OpenAI's logit_bias: an object of token id (a decimal string) -> bias in [-100, 100]."""
+    """OpenAI's logit_bias: an object of token id (a decimal string) -> bias, checked as the
+    engine checks it."""
     value = body.get("logit_bias")
     if value is None:
         return ()
@@ -297,22 +271,12 @@ def _logit_bias(body: dict[str, Any]) -> tuple[tuple[int, float], ...]:
         raise InvalidRequestError(
             f"logit_bias must be an object mapping token ids to biases, got "
             f"{type_name(value)}.", "logit_bias")
-    pairs: dict[int, float] = {}
-    for key, bias in value.items():
-        if not (isinstance(key, str) and key.isdecimal() and len(key) <= 10):
+    for key in value:
+        if not (isinstance(key, str) and key.isdecimal() and int(key) <= MAX_TOKEN_ID):
             raise InvalidRequestError(
                 f"logit_bias keys must be token ids (non-negative integers), got {key!r}.",
                 "logit_bias")
-        if isinstance(bias, bool) or not isinstance(bias, (int, float)) or not (
-                -MAX_ABS_LOGIT_BIAS <= bias <= MAX_ABS_LOGIT_BIAS):
-            raise InvalidRequestError(
-                f"logit_bias values must be numbers in [-{MAX_ABS_LOGIT_BIAS:g}, "
-                f"{MAX_ABS_LOGIT_BIAS:g}], got {bias!r} for token {key}.", "logit_bias")
-        token_id = int(key)
-        if token_id in pairs:  # "7" and "07"
-            raise InvalidRequestError(f"logit_bias names token {token_id} twice.", "logit_bias")
-        pairs[token_id] = float(bias)
-    return tuple(sorted(pairs.items()))
+    return logit_bias_pairs([(int(key), bias) for key, bias in value.items()])
 
 
 def _cache_salt(body: dict[str, Any]) -> str | None:
@@ -335,37 +299,41 @@ def _model(body: dict[str, Any]) -> str | None:
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16
 
 
+def _wire_params(body: dict[str, Any], chat: bool) -> specdec_pb2.SamplingParams:
+    """The request's sampling parameters, checked, as the wire carries them (SamplingOptions)."""
+    params = specdec_pb2.SamplingParams()
+    for name, parameter in PARAMETERS.items():
+        if parameter.default is not None and name != "max_tokens":
+            value = _parameter(body, name)
+            setattr(params, name, parameter.default if value is None else value)
+    # max_completion_tokens is the newer name; it wins when both are given.
+    max_tokens = _parameter(body, "max_tokens", "max_completion_tokens")
+    if max_tokens is None:
+        max_tokens = _parameter(body, "max_tokens")
+    if max_tokens is not None:
+        check_min_tokens(params.min_tokens, int(max_tokens))
+        params.max_tokens = int(max_tokens)
+    seed = _parameter(body, "seed")
+    if seed is not None:
+        # The wire carries uint64: a negative seed keeps its two's-complement bits.
+        params.seed = int(seed) & (2**64 - 1)
+    logprobs = _logprobs(body, chat)
+    if logprobs is not None:
+        params.logprobs = logprobs
+    stop_token_ids = body.get("stop_token_ids")
+    if stop_token_ids is not None:
+        params.stop_token_ids.extend(check_stop_token_ids(stop_token_ids))
+    params.ignore_eos = boolean_field(body, "ignore_eos", False)
+    params.logit_bias.update(_logit_bias(body))
+    return params
+
+
 def parse_sampling(body: dict[str, Any], *, chat: bool = True) -> SamplingOptions:
     _reject_unsupported(body)
-    # max_completion_tokens is the newer name; it wins when both are given.
-    max_tokens = _sampling_integer(body, "max_completion_tokens", "max_tokens")
-    if max_tokens is None:
-        max_tokens = _sampling_integer(body, "max_tokens")
-    seed = _sampling_integer(body, "seed")
-    stop_token_ids = body.get("stop_token_ids")
-    min_tokens = _sampling_integer(body, "min_tokens") or 0
-    if max_tokens is not None and min_tokens > max_tokens:
-        raise InvalidRequestError(
-            f"min_tokens ({min_tokens}) must be at most max_tokens ({max_tokens}).", "min_tokens")
     return SamplingOptions(
-        temperature=_number(body, "temperature", 1.0),
-        top_p=_number(body, "top_p", 1.0),
-        top_k=_top_k(body),
-        repetition_penalty=_number(body, "repetition_penalty", 1.0),
-        presence_penalty=_number(body, "presence_penalty", 0.0),
-        frequency_penalty=_number(body, "frequency_penalty", 0.0),
-        min_p=_number(body, "min_p", 0.0),
-        min_tokens=min_tokens,
-        logit_bias=_logit_bias(body),
-        max_tokens=max_tokens,
+        params=_wire_params(body, chat),
         stop=_stop(body),
-        stop_token_ids=tuple(_token_ids(stop_token_ids, "stop_token_ids", MAX_STOP_TOKEN_IDS))
-        if stop_token_ids is not None else (),
-        ignore_eos=boolean_field(body, "ignore_eos", False),
-        # The wire carries uint64: a negative seed keeps its two's-complement bits.
-        seed=None if seed is None else seed & (2**64 - 1),
         speculation=_speculation(body),
-        logprobs=_logprobs(body, chat),
         n=_integer(body, "n", minimum=1, maximum=MAX_CHOICES) or 1,
         grammar=grammar_from_request(body, validate=False),
         cache_salt=_cache_salt(body),
@@ -382,7 +350,7 @@ def parse_chat_request(body: dict[str, Any]) -> ChatRequest:
                        stream=stream, include_usage=_stream_options(body, stream),
                        tools=parse_tool_request(body),
                        prompt_options=parse_prompt_options(body, chat=True),
-                       output=parse_output_options(body, logprobs=sampling.logprobs is not None))
+                       output=parse_output_options(body, logprobs=sampling.params.HasField("logprobs")))
 
 
 def _prompt(value: Any) -> str | list[int]:
@@ -423,4 +391,4 @@ def parse_completion_request(body: dict[str, Any]) -> CompletionRequest:
                              stream=stream, include_usage=_stream_options(body, stream),
                              prompt_options=parse_prompt_options(body, chat=False),
                              output=parse_output_options(
-                                 body, logprobs=sampling.logprobs is not None))
+                                 body, logprobs=sampling.params.HasField("logprobs")))

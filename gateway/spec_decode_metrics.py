@@ -22,7 +22,7 @@ from specdec.v1 import specdec_pb2
 if TYPE_CHECKING:
     from gateway.generation import GenerationResult
 
-# The flag's choices (gateway.app.GatewayConfig.per_request_spec_decode_metrics).
+# The flag's choices (gateway.config.GatewayConfig.per_request_spec_decode_metrics).
 MODES = ("none", "summary", "detailed")
 
 

@@ -2,7 +2,8 @@
 conversation's tool messages are rendered, and how each choice's text becomes OpenAI's
 `tool_calls` (whole, or as streamed deltas).
 
-gateway/tools.py holds the pieces (validation, grammars, the Hermes parser); this module
+gateway/tools.py, gateway/forced_tool_calls.py and gateway/hermes_tool_parser.py hold the
+pieces (validation, the grammars that force calls, the Hermes parser); this module
 applies OpenAI's and vLLM's rules for one request:
 
 - "none": the tools are neither rendered nor enforced (OpenAI: the model answers in text);
@@ -21,20 +22,15 @@ import logging
 from dataclasses import dataclass, field
 from typing import Any
 
-from gateway.structured import GrammarRequest
-from gateway.tools import (
+from gateway.forced_tool_calls import ForcedToolCallStream, tool_calls_from_forced_output, tool_grammar
+from gateway.hermes_tool_parser import (
     TOOL_CALL_PARSERS,
-    ForcedToolCallStream,
     HermesToolParser,
-    ToolChoice,
-    ToolFunction,
     parse_hermes,
-    parse_tool_choice,
-    parse_tools,
-    tool_calls_from_forced_output,
-    tool_grammar,
     tool_messages_as_text,
 )
+from gateway.structured import GrammarRequest
+from gateway.tools import ToolChoice, ToolFunction, parse_tool_choice, parse_tools
 from specdec.errors import InvalidRequestError
 
 logger = logging.getLogger(__name__)

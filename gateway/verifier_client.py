@@ -6,44 +6,40 @@ task re-probes every verifier each `reprobe_interval_s`, so `/health` answers fr
 state: a flood of health checks costs the verifiers nothing. A verifier serving another
 tokenizer is never used (its token ids would decode to other text); it is logged once.
 
-A verifier is marked down on evidence only: a refused or lost connection (UNAVAILABLE, on a
-probe or a call), a health answer NOT_SERVING, a probe failing otherwise. A probe that runs
-out of time is not evidence: a verifier answers probes on the loop that runs its forwards,
-so under load probes queue behind a busy engine. Only when probes keep timing out and
-nothing else came back from it (no response on any call) for `silent_down_s` is it taken
-for hung. Probes go one at a time per verifier; requests never send their own: while no
-verifier is healthy, a request waits for the probe in flight (or starts the one probe that
-all waiting requests share).
+A verifier is marked down on evidence only (specdec.rpc.replica_health): a refused or lost
+connection (UNAVAILABLE, on a probe or a call), a health answer NOT_SERVING, a probe
+failing otherwise. A probe that runs out of time is not evidence: a verifier answers
+probes on the loop that runs its forwards, so under load probes queue behind a busy
+engine. Only when probes keep timing out and nothing else came back from it (no response
+on any call) for `silent_down_s` is it taken for hung. Probes go one at a time per
+verifier; requests never send their own: while no verifier is healthy, a request waits
+for the probe in flight (or starts the one probe that all waiting requests share).
 
-A Generate call that fails before any token was read (unreachable, an internal error,
-overloaded, the stream ending empty) moves once to another healthy verifier: the client
-has seen nothing yet. After a token, a failure ends the stream with the mapped error.
-Addresses appear in logs only: clients and `/health` see replica names ("verifier-0").
+A Generate call that fails before any token was read moves once to another healthy
+verifier (gateway.generation_stream). Addresses appear in logs only: clients and
+`/health` see replica names ("verifier-0").
 
 Each `--verifier` name is resolved at start and every `resolve_interval_s`, one endpoint
-per address ("verifier-0.1" in `/health`): see gateway.verifier_targets.
+per address ("verifier-0.1" in `/health`): see specdec.rpc.replica_set.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-import time
-from collections.abc import AsyncIterator, Coroutine, Sequence
+from collections.abc import Coroutine, Sequence
 from typing import Any
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from gateway.errors import UNAVAILABLE_MESSAGE, error_from_grpc
-from gateway.verifier_targets import (
-    Resolver,
-    VerifierEndpoint,
-    VerifierTarget,
-    resolve_ips,
-)
-from specdec.errors import SpecdecError, UnavailableError
+from gateway.errors import UNAVAILABLE_MESSAGE
+from gateway.generation_stream import GenerationStream
+from gateway.verifier_endpoint import VerifierEndpoint
+from specdec.errors import UnavailableError
 from specdec.rpc.grpc_server import CHANNEL_OPTIONS
+from specdec.rpc.replica_health import NOT_SERVING, model_mismatch
+from specdec.rpc.replica_set import ChannelOptions, ReplicaSet, Resolver, resolve_ips
 from specdec.rpc.tls import GrpcTlsConfig, open_channel
 from specdec.v1 import specdec_pb2, specdec_pb2_grpc
 
@@ -58,15 +54,6 @@ _CHANNEL_OPTIONS = [
     ("grpc.min_reconnect_backoff_ms", 100),
     ("grpc.max_reconnect_backoff_ms", 1000),
 ]
-# Failures another verifier may not have. Request errors (INVALID_ARGUMENT...) would fail
-# the same way anywhere, so they are not retried.
-RETRYABLE_CODES = frozenset({
-    grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.INTERNAL, grpc.StatusCode.UNKNOWN,
-    grpc.StatusCode.ABORTED, grpc.StatusCode.CANCELLED, grpc.StatusCode.DATA_LOSS,
-    grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.RESOURCE_EXHAUSTED,
-})
-# Retries of one request before its first token: once, as the load it can add is bounded.
-MAX_RETRIES = 1
 TOKENIZER_MISMATCH = "tokenizer_mismatch"
 # A verifier still starting: "starting: <its VerifierInfo.startup_phase>".
 STARTING = "starting"
@@ -77,105 +64,6 @@ RETIRED_CLOSE_GRACE_S = 300.0
 # read on any call) before it is taken for hung and marked down. Busy verifiers stream
 # responses all along, so this only ever fires for one that stopped answering anything.
 SILENT_DOWN_S = 30.0
-
-
-class GenerationStream:
-    """One running Generate call. Iterate for responses; `cancel()` aborts the sequence.
-
-    Until a response carrying tokens was read, a retryable failure restarts the request
-    on another healthy verifier (at most MAX_RETRIES times over the whole request)."""
-
-    def __init__(self, client: VerifierClient, request: specdec_pb2.GenerateRequest,
-                 prefer: str | None = None) -> None:
-        self._client = client
-        self._request = request
-        # The verifier to try first when healthy (a request's other choices go where its
-        # first one went, whose prompt blocks that verifier has cached).
-        self._prefer = prefer
-        self._tried: list[VerifierEndpoint] = []
-        self._call: grpc.aio.UnaryStreamCall | None = None
-        self._first_response: specdec_pb2.GenerateResponse | None = None
-        self.address = ""
-
-    async def open(self) -> None:
-        """Starts the call and waits for its first response (raises the mapped error)."""
-        self._first_response = await self._start(None)
-
-    async def _start(self, error: SpecdecError | None) -> specdec_pb2.GenerateResponse:
-        """The first response of the call on the next healthy verifier not tried yet."""
-        while True:
-            endpoint = (self._client._next_healthy(self._tried,
-                                                   None if self._tried else self._prefer)
-                        if len(self._tried) <= MAX_RETRIES else None)
-            if endpoint is None:
-                raise error or UnavailableError(UNAVAILABLE_MESSAGE)
-            if self._tried:
-                logger.warning("request %s: retrying on verifier %s", self._request.request_id,
-                               endpoint.address)
-            self._tried.append(endpoint)
-            self.address = endpoint.address
-            call = endpoint.stub.Generate(self._request)
-            self._call = call
-            try:
-                first = await call.read()
-                self._client._alive(endpoint)
-            except grpc.aio.AioRpcError as err:
-                error = self._failed_before_tokens(endpoint, err)
-                continue
-            except BaseException:
-                call.cancel()
-                raise
-            if first is grpc.aio.EOF:
-                logger.warning("verifier %s ended request %s before any token",
-                               endpoint.address, self._request.request_id)
-                error = UnavailableError(UNAVAILABLE_MESSAGE)
-                continue
-            return first
-
-    def _failed_before_tokens(self, endpoint: VerifierEndpoint,
-                              err: grpc.aio.AioRpcError) -> SpecdecError:
-        """The mapped error when another verifier may do better; else raises it."""
-        if err.code() == grpc.StatusCode.UNAVAILABLE:
-            self._client._mark_down(endpoint, err)
-        error = error_from_grpc(err)
-        if err.code() not in RETRYABLE_CODES:
-            raise error from None
-        logger.warning("verifier %s failed request %s before its first token: %s: %s",
-                       endpoint.address, self._request.request_id, err.code().name,
-                       err.details())
-        return error
-
-    def __aiter__(self) -> AsyncIterator[specdec_pb2.GenerateResponse]:
-        return self._responses()
-
-    async def _responses(self) -> AsyncIterator[specdec_pb2.GenerateResponse]:
-        response = self._first_response
-        assert response is not None and self._call is not None, "open() first"
-        got_tokens = False
-        while True:
-            got_tokens = got_tokens or bool(response.token_ids)
-            yield response
-            endpoint = self._tried[-1]
-            try:
-                response = await self._call.read()
-                self._client._alive(endpoint)
-            except grpc.aio.AioRpcError as err:
-                if not got_tokens:
-                    response = await self._start(self._failed_before_tokens(endpoint, err))
-                    continue
-                if err.code() == grpc.StatusCode.UNAVAILABLE:
-                    self._client._mark_down(endpoint, err)
-                logger.warning("verifier %s failed request %s mid-stream: %s: %s",
-                               endpoint.address, self._request.request_id, err.code().name,
-                               err.details())
-                raise error_from_grpc(err) from None
-            if response is grpc.aio.EOF:
-                return
-
-    def cancel(self) -> None:
-        """Cancels the call; the verifier frees the sequence. A no-op once finished."""
-        if self._call is not None:
-            self._call.cancel()
 
 
 class VerifierClient:
@@ -192,14 +80,13 @@ class VerifierClient:
         self._probe_timeout_s = probe_timeout_s
         self._reprobe_interval_s = reprobe_interval_s
         self._silent_down_s = silent_down_s
-        self._resolve_interval_s = resolve_interval_s
-        self._resolver = resolver
-        self._targets: list[VerifierTarget] = []
-        # Endpoints gone from DNS whose channel closes once their streams end.
-        self._retired: set[VerifierEndpoint] = set()
         self._tls = tls  # None or no --grpc-tls-ca: plain channels
         self._internal_token = internal_token  # sent on every call (specdec.rpc.internal_auth)
-        self._endpoints: list[VerifierEndpoint] = []
+        self._replicas = ReplicaSet("verifier", self.addresses, open_replica=self._open_endpoint,
+                                    retire_replica=self._retire, tls=tls, resolver=resolver,
+                                    resolve_interval_s=resolve_interval_s)
+        # Endpoints gone from DNS whose channel closes once their streams end.
+        self._retired: set[VerifierEndpoint] = set()
         self._next_index = 0
         self._background: set[asyncio.Task] = set()
         # The gateway's own tokenizer; None (or a verifier reporting none): not compared.
@@ -209,21 +96,21 @@ class VerifierClient:
         """Verifiers whose GetInfo reports another tokenizer fingerprint are never used."""
         self._tokenizer_fingerprint = fingerprint or None
 
+    @property
+    def _endpoints(self) -> list[VerifierEndpoint]:
+        """Every verifier, by --verifier and slot."""
+        return self._replicas.replicas
+
     async def start(self) -> None:
-        self._endpoints = []
-        self._targets = [VerifierTarget.parse(index, address)
-                         for index, address in enumerate(self.addresses)]
-        await self._resolve()
+        await self._replicas.start(on_added=self._probe_added)
         await self.probe_all()
-        if not any(e.healthy for e in self._endpoints):
+        if not self.serving:
             # The usual case when a whole stack starts at once: the verifier is still
             # loading. Info, not a warning; a verifier that goes down later is warned of.
             logger.info("no verifier serving yet at %s (%s); requests get 503 until one is",
                         ", ".join(self.addresses),
                         ", ".join(e.status for e in self._endpoints) or "none resolved")
         self._spawn(self._refresh_health())
-        if any(target.resolvable for target in self._targets):
-            self._spawn(self._resolve_periodically())
 
     def _spawn(self, coroutine: Coroutine[Any, Any, None]) -> None:
         task = asyncio.create_task(coroutine)
@@ -231,6 +118,7 @@ class VerifierClient:
         task.add_done_callback(self._background.discard)
 
     async def close(self) -> None:
+        await self._replicas.close()
         tasks = list(self._background)
         for task in tasks:
             task.cancel()
@@ -239,54 +127,17 @@ class VerifierClient:
             await endpoint.channel.close()
         self._retired.clear()
 
-    async def _resolve_periodically(self) -> None:
-        while True:
-            await asyncio.sleep(self._resolve_interval_s)
-            try:
-                added = await self._resolve()
-                await asyncio.gather(*(self._probe(endpoint) for endpoint in added))
-            except Exception:  # a bug here must not end the re-resolution for good
-                logger.exception("resolving the verifier addresses failed")
+    def _open_endpoint(self, address: str, options: ChannelOptions) -> VerifierEndpoint:
+        channel = open_channel(self._tls, address, [*_CHANNEL_OPTIONS, *options],
+                               internal_token=self._internal_token)
+        return VerifierEndpoint(address, channel, specdec_pb2_grpc.VerifierStub(channel))
 
-    async def _resolve(self) -> list[VerifierEndpoint]:
-        """Reconciles the endpoints with what each --verifier resolves to now; returns the
-        endpoints added (not probed yet)."""
-        added: list[VerifierEndpoint] = []
-        for target in self._targets:
-            current = [e for e in self._endpoints if e.target == target.index]
-            wanted = await target.wanted(self._resolver, [e.address for e in current])
-            for endpoint in current:
-                if endpoint.address not in wanted:
-                    self._retire(target, endpoint)
-            have = {endpoint.address for endpoint in current}
-            for address in wanted:
-                if address not in have:
-                    added.append(self._open_endpoint(target, address))
-        # /health lists them by name; a name follows its target's endpoint count.
-        self._endpoints.sort(key=lambda e: (e.target, self._targets[e.target].slots[e.address]))
-        for endpoint in self._endpoints:
-            endpoint.name = self._targets[endpoint.target].name(endpoint.address)
-        return added
+    async def _probe_added(self, endpoints: list[VerifierEndpoint]) -> None:
+        await asyncio.gather(*(self._probe(endpoint) for endpoint in endpoints))
 
-    def _open_endpoint(self, target: VerifierTarget, address: str) -> VerifierEndpoint:
-        options = [*_CHANNEL_OPTIONS, *target.channel_options(address, self._tls)]
-        channel = open_channel(self._tls, address, options, internal_token=self._internal_token)
-        target.add(address)
-        endpoint = VerifierEndpoint(address, channel, specdec_pb2_grpc.VerifierStub(channel),
-                                    target=target.index)
-        self._endpoints.append(endpoint)
-        if address != target.address:
-            logger.info("verifier %s: adding replica %s", target.address, address)
-        return endpoint
-
-    def _retire(self, target: VerifierTarget, endpoint: VerifierEndpoint) -> None:
+    async def _retire(self, endpoint: VerifierEndpoint) -> None:
         """No new requests for endpoint; its channel closes once its streams have ended."""
-        logger.info("verifier %s: %s is no longer one of its addresses", target.address,
-                    endpoint.address)
-        self._endpoints.remove(endpoint)
-        del target.slots[endpoint.address]
-        endpoint.healthy = False
-        endpoint.status = "unreachable"
+        endpoint.health.down()
         self._retired.add(endpoint)
         self._spawn(self._close_retired(endpoint))
 
@@ -306,11 +157,7 @@ class VerifierClient:
     async def _probe(self, endpoint: VerifierEndpoint) -> bool:
         """Probes endpoint, or waits for the probe of it already in flight; returns whether
         it is up."""
-        if endpoint.probe_lock.locked():
-            async with endpoint.probe_lock:
-                return endpoint.healthy
-        async with endpoint.probe_lock:
-            return await self._probe_now(endpoint)
+        return await endpoint.health.probe(lambda: self._probe_now(endpoint))
 
     async def _probe_now(self, endpoint: VerifierEndpoint) -> bool:
         try:
@@ -326,16 +173,7 @@ class VerifierClient:
             # A verifier without the health service: GetInfo alone decides.
             return await self._probe_info_only(endpoint)
         if not serving:
-            if info.startup_phase:
-                status = f"{STARTING}: {info.startup_phase}"
-                if endpoint.status != status:
-                    logger.info("verifier %s is %s", endpoint.address, status)
-            else:
-                status = "not_serving"
-                if endpoint.healthy:
-                    logger.warning("verifier %s is not serving (shutting down)", endpoint.address)
-            endpoint.healthy = False
-            endpoint.status = status
+            self._mark_not_serving(endpoint, info)
             return False
         return self._mark_up(endpoint, info)
 
@@ -352,53 +190,59 @@ class VerifierClient:
         unless it has been silent for silent_down_s; anything else marks it down now.
         Returns whether it is still up."""
         if err.code() == grpc.StatusCode.DEADLINE_EXCEEDED and endpoint.healthy:
-            silent_s = time.monotonic() - endpoint.last_alive_s
-            if silent_s < self._silent_down_s:
+            if not endpoint.health.timeout_is_evidence(self._silent_down_s):
                 logger.debug("verifier %s is slow to answer probes (busy); still up",
-                            endpoint.address)
+                             endpoint.address)
                 return True
             logger.warning("verifier %s answered nothing for %.0f s", endpoint.address,
-                           silent_s)
-        self._mark_down(endpoint, err)
+                           endpoint.health.silent_s())
+        self.mark_down(endpoint, err)
         return False
 
     @staticmethod
-    def _alive(endpoint: VerifierEndpoint) -> None:
-        endpoint.last_alive_s = time.monotonic()
+    def alive(endpoint: VerifierEndpoint) -> None:
+        endpoint.health.alive()
+
+    @staticmethod
+    def _mark_not_serving(endpoint: VerifierEndpoint, info: specdec_pb2.VerifierInfo) -> None:
+        """Health said NOT_SERVING: still starting (GetInfo names its phase) or draining."""
+        if info.startup_phase:
+            status = f"{STARTING}: {info.startup_phase}"
+            if endpoint.status != status:
+                logger.info("verifier %s is %s", endpoint.address, status)
+            endpoint.health.down(status)
+        elif endpoint.health.down(NOT_SERVING):
+            logger.warning("verifier %s is not serving (shutting down)", endpoint.address)
 
     def _mark_up(self, endpoint: VerifierEndpoint, info: specdec_pb2.VerifierInfo) -> bool:
-        expected = self._tokenizer_fingerprint
-        if expected and info.tokenizer_fingerprint and info.tokenizer_fingerprint != expected:
-            return self._mark_mismatch(endpoint, info, expected)
-        if not endpoint.healthy:
+        problems = model_mismatch(info, vocab_size=None,
+                                  tokenizer_fingerprint=self._tokenizer_fingerprint,
+                                  ours="gateway")
+        if problems:
+            return self._mark_mismatch(endpoint, info, "; ".join(problems))
+        endpoint.info = info
+        if endpoint.health.up():
             logger.info("verifier %s is up: model %s, max_model_len %d, speculation %s k=%d",
                         endpoint.address, info.model_name, info.max_model_len,
                         info.speculative_method or "off", info.num_speculative_tokens)
-        endpoint.info = info
-        endpoint.healthy = True
-        endpoint.status = "serving"
-        self._alive(endpoint)
         return True
 
-    def _mark_mismatch(self, endpoint: VerifierEndpoint, info: specdec_pb2.VerifierInfo,
-                       expected: str) -> bool:
-        if endpoint.mismatch_logged != info.tokenizer_fingerprint:
-            endpoint.mismatch_logged = info.tokenizer_fingerprint
+    @staticmethod
+    def _mark_mismatch(endpoint: VerifierEndpoint, info: specdec_pb2.VerifierInfo,
+                       problems: str) -> bool:
+        if endpoint.health.refusal_is_new(problems):
             logger.error(
-                "verifier %s serves another tokenizer (model %s, tokenizer fingerprint %s; "
-                "the gateway's is %s): it gets no requests. Start the gateway with the "
-                "verifier's --model.", endpoint.address, info.model_name,
-                info.tokenizer_fingerprint, expected)
+                "verifier %s serves another tokenizer (model %s: %s): it gets no requests. "
+                "Start the gateway with the verifier's --model.", endpoint.address,
+                info.model_name, problems)
         endpoint.info = None
-        endpoint.healthy = False
-        endpoint.status = TOKENIZER_MISMATCH
+        endpoint.health.down(TOKENIZER_MISMATCH)
         return False
 
-    def _mark_down(self, endpoint: VerifierEndpoint, err: grpc.aio.AioRpcError) -> None:
-        if endpoint.healthy:
+    @staticmethod
+    def mark_down(endpoint: VerifierEndpoint, err: grpc.aio.AioRpcError) -> None:
+        if endpoint.health.down():
             logger.warning("verifier %s is down: %s", endpoint.address, err.code().name)
-        endpoint.healthy = False
-        endpoint.status = "unreachable"
 
     async def probe_all(self) -> bool:
         """Probes every verifier now (joining a probe already in flight); True when at least
@@ -418,12 +262,12 @@ class VerifierClient:
 
     def statuses(self) -> dict[str, str]:
         """Each verifier's replica name and its last known status (no address)."""
-        return {endpoint.name: endpoint.status for endpoint in self._endpoints}
+        return {name: endpoint.status for name, endpoint in self._replicas.named()}
 
     def problems(self) -> list[str]:
         """What an operator must fix, in words that name no path or address."""
-        return [f"{endpoint.name}: tokenizer mismatch: it serves another tokenizer than the "
-                "gateway's and gets no requests" for endpoint in self._endpoints
+        return [f"{name}: tokenizer mismatch: it serves another tokenizer than the "
+                "gateway's and gets no requests" for name, endpoint in self._replicas.named()
                 if endpoint.status == TOKENIZER_MISMATCH]
 
     @property
@@ -451,7 +295,7 @@ class VerifierClient:
             raise UnavailableError(UNAVAILABLE_MESSAGE)
         return info
 
-    def _next_healthy(self, exclude: Sequence[VerifierEndpoint],
+    def next_healthy(self, exclude: Sequence[VerifierEndpoint],
                       prefer: str | None = None) -> VerifierEndpoint | None:
         """Round-robin: the next healthy verifier not in `exclude` (`prefer`, by address,
         when it is healthy and not excluded)."""

@@ -9,76 +9,18 @@ from __future__ import annotations
 
 import json
 import logging
-import math
 from dataclasses import dataclass, field
 from typing import Any, overload
 
 from specdec.draft_caps import FIELD as DRAFT_CAPS_FIELD
-from specdec.draft_caps import DraftCaps
+from specdec import speculative_fields
 from specdec.config_flags import flag
+from specdec.draft_caps import DraftCaps
 from specdec.errors import ConfigError
 
 logger = logging.getLogger(__name__)
 
-SPECULATIVE_METHODS = ("ngram", "eagle", "eagle3", "draft_model", "suffix")
 MODEL_METHODS = ("eagle", "eagle3", "draft_model")
-DEFAULT_PROMPT_LOOKUP = 5
-# Suffix decoding's fields and vLLM's defaults for them (drafter_svc/suffix_proposer.py).
-SUFFIX_DEFAULTS: dict[str, int | float] = {
-    "suffix_decoding_max_tree_depth": 24,
-    "suffix_decoding_max_cached_requests": 10000,
-    # specdec's own (vLLM bounds the global cache by requests only): the tokens it holds,
-    # lead-ins included. A trie costs about 1.5 KB per token at depth 24.
-    "suffix_decoding_max_cached_tokens": 1_000_000,
-    "suffix_decoding_max_spec_factor": 1.0,
-    "suffix_decoding_min_token_prob": 0.1,
-}
-
-# Fields vLLM's SpeculativeConfig knows that specdec accepts but does not use: a
-# config written for vLLM keeps working, and start-up warns about each one given.
-VLLM_FIELDS_UNUSED = (
-    "draft_tensor_parallel_size",
-    "quantization",
-    "max_model_len",
-    "revision",
-    "code_revision",
-    "disable_padded_drafter_batch",
-    "speculative_token_tree",
-    "disable_log_stats",
-    "enforce_eager",
-    "parallel_drafting",
-)
-# Methods whose draft ends in an LM head over the target's vocabulary, which a token map cuts.
-TOKEN_MAP_METHODS = ("eagle", "draft_model")
-
-_KNOWN_FIELDS = (
-    "method",
-    "num_speculative_tokens",
-    "model",
-    "prompt_lookup_min",
-    "prompt_lookup_max",
-    "speculative_token_map",
-    "disable_by_batch_size",
-    DRAFT_CAPS_FIELD,
-    *SUFFIX_DEFAULTS,
-)
-
-
-def _require_int(raw: dict[str, Any], field_name: str, minimum: int) -> int | None:
-    value = raw.get(field_name)
-    if value is None:
-        return None
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise ConfigError(
-            f"speculative config: {field_name} must be an integer >= {minimum}, got {value!r}",
-            param=field_name,
-        )
-    if value < minimum:
-        raise ConfigError(
-            f"speculative config: {field_name} must be >= {minimum}, got {value}",
-            param=field_name,
-        )
-    return value
 
 
 @dataclass(frozen=True)
@@ -122,108 +64,17 @@ class SpeculativeConfig:
     @classmethod
     def parse(cls, text: str | dict[str, Any] | None) -> SpeculativeConfig | None:
         """Parses the flag's JSON (or an already-decoded dict); None/empty means off."""
-        if text is None:
-            return None
-        if isinstance(text, str):
-            if not text.strip():
-                return None
-            try:
-                raw = json.loads(text)
-            except json.JSONDecodeError as exc:
-                raise ConfigError(
-                    f"--speculative-config is not valid JSON: {exc}", param="speculative_config"
-                ) from None
-        else:
-            raw = dict(text)
+        raw = speculative_fields.decode_json(text)
         if raw is None:
             return None
-        if not isinstance(raw, dict):
-            raise ConfigError(
-                "--speculative-config must be a JSON object, e.g. "
-                '{"method": "ngram", "num_speculative_tokens": 3}',
-                param="speculative_config",
-            )
-        unknown = sorted(set(raw) - set(_KNOWN_FIELDS) - set(VLLM_FIELDS_UNUSED))
-        if unknown:
-            raise ConfigError(
-                f"speculative config: unknown field(s) {', '.join(unknown)}; known fields are "
-                f"{', '.join(_KNOWN_FIELDS)}",
-                param=unknown[0],
-            )
-        for name in sorted(set(raw) & set(VLLM_FIELDS_UNUSED)):
-            logger.warning("speculative config: field %r is accepted for vLLM compatibility "
-                           "but not used by specdec", name)
-
-        model = raw.get("model")
-        if model is not None and (not isinstance(model, str) or not model):
-            raise ConfigError("speculative config: model must be a non-empty string (a path "
-                              "or a shipped draft name)", param="model")
-        method = raw.get("method")
-        if method is None:
-            method = _infer_method(model)
-        if method not in SPECULATIVE_METHODS:
-            raise ConfigError(
-                f"speculative config: method {method!r} is not supported; allowed values: "
-                f"{', '.join(SPECULATIVE_METHODS)}",
-                param="method",
-            )
-        suffix = _parse_suffix_fields(raw, method)
-        if method == "suffix" and "num_speculative_tokens" not in raw:
-            # vLLM's default for suffix: as long as the tree is deep.
-            raw["num_speculative_tokens"] = suffix["suffix_decoding_max_tree_depth"]
-        if "num_speculative_tokens" not in raw:
-            raise ConfigError("speculative config: num_speculative_tokens is required "
-                              "(an integer >= 1)", param="num_speculative_tokens")
-        num_tokens = _require_int(raw, "num_speculative_tokens", 1)
-        if num_tokens is None:
-            raise ConfigError("speculative config: num_speculative_tokens must be an integer "
-                              ">= 1, got null", param="num_speculative_tokens")
-
-        lookup_min = _require_int(raw, "prompt_lookup_min", 1)
-        lookup_max = _require_int(raw, "prompt_lookup_max", 1)
-        if method == "ngram":
-            if model is not None and model not in ("ngram", "[ngram]"):
-                raise ConfigError("speculative config: model is not used by method 'ngram'; "
-                                  "leave it out", param="model")
-            model = None
-            if lookup_min is None and lookup_max is None:
-                lookup_min = lookup_max = DEFAULT_PROMPT_LOOKUP
-            elif lookup_min is None:
-                lookup_min = lookup_max
-            elif lookup_max is None:
-                lookup_max = lookup_min
-            assert lookup_min is not None and lookup_max is not None
-            if lookup_min > lookup_max:
-                raise ConfigError(
-                    f"speculative config: prompt_lookup_min ({lookup_min}) must be <= "
-                    f"prompt_lookup_max ({lookup_max})",
-                    param="prompt_lookup_min",
-                )
-        else:
-            for name, value in (("prompt_lookup_min", lookup_min), ("prompt_lookup_max", lookup_max)):
-                if value is not None:
-                    raise ConfigError(f"speculative config: {name} applies to method 'ngram' "
-                                      f"only, not {method!r}", param=name)
-            if method == "suffix":
-                if model is not None:
-                    raise ConfigError("speculative config: model is not used by method "
-                                      "'suffix'; leave it out", param="model")
-            elif model is None:
-                raise ConfigError(f"speculative config: method {method!r} needs model (the "
-                                  "draft model or head path)", param="model")
-        token_map = raw.get("speculative_token_map")
-        if token_map is not None:
-            if not isinstance(token_map, str) or not token_map:
-                raise ConfigError("speculative config: speculative_token_map must be a non-empty "
-                                  "string (a file of target token ids)", param="speculative_token_map")
-            if method not in TOKEN_MAP_METHODS:
-                reason = ("an EAGLE-3 head carries its own draft vocabulary (d2t)" if method == "eagle3"
-                          else f"method {method!r} has no LM head")
-                raise ConfigError(f"speculative config: speculative_token_map applies to "
-                                  f"{' and '.join(TOKEN_MAP_METHODS)}, not {method!r}: {reason}",
-                                  param="speculative_token_map")
+        speculative_fields.check_known_fields(raw)
+        model, method = speculative_fields.model_and_method(raw)
+        suffix = speculative_fields.suffix_fields(raw, method)
+        num_tokens = speculative_fields.num_speculative_tokens(raw, method, suffix)
+        model, lookup_min, lookup_max = speculative_fields.model_and_prompt_lookup(raw, method, model)
+        token_map = speculative_fields.token_map(raw, method)
         # vLLM's bound: a limit of 1 would switch speculation off for any batch at all.
-        disable_by_batch_size = _require_int(raw, "disable_by_batch_size", 2)
+        disable_by_batch_size = speculative_fields.require_int(raw, "disable_by_batch_size", 2)
         return cls(method=method, num_speculative_tokens=num_tokens, model=model,
                    prompt_lookup_min=lookup_min, prompt_lookup_max=lookup_max,
                    speculative_token_map=token_map, disable_by_batch_size=disable_by_batch_size,
@@ -239,7 +90,7 @@ class SpeculativeConfig:
             raw["prompt_lookup_min"] = self.prompt_lookup_min
             raw["prompt_lookup_max"] = self.prompt_lookup_max
         if self.method == "suffix":
-            for name in SUFFIX_DEFAULTS:
+            for name in speculative_fields.SUFFIX_DEFAULTS:
                 raw[name] = getattr(self, name)
         if self.speculative_token_map is not None:
             raw["speculative_token_map"] = self.speculative_token_map
@@ -248,50 +99,6 @@ class SpeculativeConfig:
         if self.draft_caps is not None:
             raw[DRAFT_CAPS_FIELD] = self.draft_caps.to_json()
         return json.dumps(raw)
-
-
-def _parse_suffix_fields(raw: dict[str, Any], method: str) -> dict[str, Any]:
-    """The suffix_decoding_* fields, checked and defaulted for suffix; refused for others."""
-    given = [name for name in SUFFIX_DEFAULTS if name in raw]
-    if method != "suffix":
-        if given:
-            raise ConfigError(f"speculative config: {given[0]} applies to method 'suffix' "
-                              f"only, not {method!r}", param=given[0])
-        return {}
-    values: dict[str, Any] = {}
-    for name, minimum in (("suffix_decoding_max_tree_depth", 1),
-                          ("suffix_decoding_max_cached_requests", 0),
-                          ("suffix_decoding_max_cached_tokens", 0)):
-        value = _require_int(raw, name, minimum)
-        values[name] = SUFFIX_DEFAULTS[name] if value is None else value
-    for name, low, high in (("suffix_decoding_max_spec_factor", 0.0, None),
-                            ("suffix_decoding_min_token_prob", 0.0, 1.0)):
-        value = raw.get(name)
-        if value is None:
-            values[name] = SUFFIX_DEFAULTS[name]
-            continue
-        bounds = f">= {low}" if high is None else f"in [{low}, {high}]"
-        if (isinstance(value, bool) or not isinstance(value, (int, float))
-                or not math.isfinite(value) or value < low or (high is not None and value > high)):
-            raise ConfigError(f"speculative config: {name} must be a number {bounds}, "
-                              f"got {value!r}", param=name)
-        values[name] = float(value)
-    return values
-
-
-def _infer_method(model: str | None) -> str:
-    """vLLM infers the method from `model` when `method` is absent."""
-    if model is None:
-        raise ConfigError("speculative config: method is required; allowed values: "
-                          f"{', '.join(SPECULATIVE_METHODS)}", param="method")
-    if model in ("ngram", "[ngram]"):
-        return "ngram"
-    lowered = model.lower()
-    if "eagle3" in lowered:
-        return "eagle3"
-    if "eagle" in lowered:
-        return "eagle"
-    return "draft_model"
 
 
 # A model drafter runs k forwards per step, an ngram lookup takes microseconds: the
@@ -339,6 +146,8 @@ DEFAULT_WAITING_PER_SEQ = 4
 # (docs/performance.md). An accelerator prefills hundreds of tokens in about a decode's time.
 CPU_LONG_PREFILL_TOKEN_THRESHOLD = 128
 ACCELERATOR_LONG_PREFILL_TOKEN_THRESHOLD = 512
+# A decode's time between tokens beside a long prompt, in its own decode steps: "a few".
+DEFAULT_PREFILL_CHUNK_DECODE_STEPS = 4.0
 
 
 def default_long_prefill_token_threshold(device_type: str) -> int:
@@ -371,6 +180,13 @@ class EngineConfig:
             "their pace beside a long prompt; 0: no cap (default: "
             f"{CPU_LONG_PREFILL_TOKEN_THRESHOLD} on a CPU, "
             f"{ACCELERATOR_LONG_PREFILL_TOKEN_THRESHOLD} on an accelerator)"))
+    # The prefill pacer's time budget (specdec.engine.prefill_pacer): a step that decodes
+    # prefills only as much as keeps it within about this many measured decode steps, so
+    # the token cap above need not fit every device and model. 0: the token cap alone.
+    prefill_chunk_decode_steps: float = field(default=DEFAULT_PREFILL_CHUNK_DECODE_STEPS, metadata=flag(
+        "a step that also decodes prefills only as many prompt tokens as keep it within about "
+        "this many decode steps' time (measured as the server runs); 0: only "
+        "--long-prefill-token-threshold caps the chunk"))
     block_size: int = field(default=16, metadata=flag("tokens per KV block"))
     # None: as many as the memory budget holds (verifier_svc/builder.py).
     num_kv_blocks: int | None = field(default=None, metadata=flag(
@@ -446,6 +262,10 @@ class EngineConfig:
             raise ConfigError("long_prefill_token_threshold must be >= 0 (0: no cap), got "
                               f"{self.long_prefill_token_threshold}",
                               param="long_prefill_token_threshold")
+        if self.prefill_chunk_decode_steps != 0 and self.prefill_chunk_decode_steps < 1:
+            raise ConfigError("prefill_chunk_decode_steps must be 0 (off) or >= 1 (a step is "
+                              f"at least one decode step), got {self.prefill_chunk_decode_steps}",
+                              param="prefill_chunk_decode_steps")
         if self.max_waiting_requests is not None and self.max_waiting_requests < 0:
             raise ConfigError("max_waiting_requests must be >= 0 (0: no queue beyond "
                               f"max_num_seqs), got {self.max_waiting_requests}",

@@ -8,6 +8,10 @@ never in a thread pool that other work (chat templating) needs: a check past its
 is a 400 naming the field, and a check whose request ended (client gone, deadline) is
 cancelled; either way its worker is killed and another started for the next check. At
 most `num_workers` checks run at once; the others wait for a worker.
+
+The verifier's workers hold the model's tokenizer and do all of its admission work (the
+matcher's compile and its probe): only a grammar that passed is compiled again in-process,
+where nothing can stop it, and that costs no more than the check the budget allowed.
 """
 
 from __future__ import annotations
@@ -22,6 +26,7 @@ from dataclasses import dataclass, field
 from specdec.config_flags import flag
 from specdec.errors import ConfigError, InvalidRequestError, SpecdecError
 from specdec.grammar_spec import MAX_GRAMMAR_CHARS
+from specdec.grammar_tokenizer import GrammarTokenizer
 
 logger = logging.getLogger(__name__)
 
@@ -63,7 +68,11 @@ class GrammarLimits:
 class GrammarChecker:
     """`check(kind, value, param)`: llguidance's grammar text, or InvalidRequestError."""
 
-    def __init__(self, limits: GrammarLimits) -> None:
+    def __init__(self, limits: GrammarLimits, tokenizer: GrammarTokenizer | None = None) -> None:
+        """`tokenizer`: the model's, for a check that is the verifier's whole admission
+        (the matcher's compile and probe); without it, llguidance's validation alone."""
+        self._setup_line = json.dumps(
+            {"tokenizer": tokenizer.to_json() if tokenizer is not None else None}).encode()
         self.timeout_s = limits.compile_timeout_s
         self.max_chars = limits.max_chars
         # Idle workers; None stands for one to start when taken.
@@ -71,6 +80,8 @@ class GrammarChecker:
         for _ in range(limits.compile_workers):
             self._idle.put_nowait(None)
         self._workers: set[asyncio.subprocess.Process] = set()
+        # Killed workers being reaped in the background (close waits for them).
+        self._reaping: set[asyncio.Task[int]] = set()
         self._passed: OrderedDict[tuple[str, str], str] = OrderedDict()
         self.num_killed = 0
 
@@ -113,10 +124,15 @@ class GrammarChecker:
 
     async def _ask(self, worker: asyncio.subprocess.Process, kind: str, value: str,
                    param: str) -> dict:
-        assert worker.stdin is not None and worker.stdout is not None
         line = json.dumps({"kind": kind, "value": value, "param": param,
                            "max_chars": self.max_chars})
-        worker.stdin.write(line.encode() + b"\n")
+        return await self._exchange(worker, line.encode())
+
+    @staticmethod
+    async def _exchange(worker: asyncio.subprocess.Process, line: bytes) -> dict:
+        """Sends `line` to `worker`, returns its one-line reply."""
+        assert worker.stdin is not None and worker.stdout is not None
+        worker.stdin.write(line + b"\n")
         await worker.stdin.drain()
         reply = await worker.stdout.readline()
         if not reply:
@@ -124,10 +140,18 @@ class GrammarChecker:
         return json.loads(reply)
 
     async def _start(self) -> asyncio.subprocess.Process:
+        """A new worker, its tokenizer built (outside any check's budget)."""
         worker = await asyncio.create_subprocess_exec(
             sys.executable, "-m", "specdec.grammar_worker", stdin=asyncio.subprocess.PIPE,
             stdout=asyncio.subprocess.PIPE, limit=MAX_LINE_BYTES)
         self._workers.add(worker)
+        try:
+            reply = await self._exchange(worker, self._setup_line)
+            if not reply.get("ready"):
+                raise SpecdecError(f"the grammar check worker did not start: {reply}")
+        except BaseException:
+            self._kill(worker)  # cancelled or broken while starting
+            raise
         return worker
 
     def _kill(self, worker: asyncio.subprocess.Process, *, reap: bool = True) -> None:
@@ -136,12 +160,15 @@ class GrammarChecker:
             worker.kill()
             self.num_killed += 1
             if reap:  # in the background: the caller is not kept waiting for it
-                asyncio.get_running_loop().create_task(worker.wait())
+                reaping = asyncio.get_running_loop().create_task(worker.wait())
+                self._reaping.add(reaping)
+                reaping.add_done_callback(self._reaping.discard)
 
     async def close(self) -> None:
-        """Kills every worker (those checking too) and reaps it."""
+        """Kills every worker (those checking too) and reaps it, and those killed before."""
         workers = list(self._workers)
         for worker in workers:
             self._kill(worker, reap=False)
         for worker in workers:
             await worker.wait()
+        await asyncio.gather(*self._reaping)

@@ -123,6 +123,19 @@ def check_grammar(kind: str, value: str, *, param: str = "grammar",
     return text
 
 
+def compiled_matcher(kind: str, text: str, tokenizer: Any) -> Any:
+    """llguidance's matcher for the grammar `text` (from `grammar_text`) and `tokenizer` (an
+    LLTokenizer), at its start; raises InvalidRequestError (param `grammar`) saying why when
+    it does not compile."""
+    import llguidance
+
+    matcher = llguidance.LLMatcher(tokenizer, text, log_level=0, limits=parser_limits())
+    if matcher.is_error():
+        raise InvalidRequestError(f"invalid {kind.replace('_', ' ')}: "
+                                  f"{_one_line([matcher.get_error()])}", param="grammar")
+    return matcher
+
+
 def parser_limits() -> Any:
     """llguidance's limits, at their defaults but for errors that would quote the client's
     grammar (they end up in logs)."""

@@ -30,7 +30,7 @@ from pathlib import Path
 from typing import cast
 
 from drafter_svc.proposer import ModelOptions
-from gateway.app import GatewayConfig
+from gateway.config import GatewayConfig
 from specdec.cli import add_logging_args, add_shutdown_args, served_model_name
 from specdec.config import SpeculativeConfig
 from specdec.config_flags import add_config_args, build_config, config_argv
@@ -114,14 +114,14 @@ def _child_commands(args: argparse.Namespace, model_path: str) -> list[tuple[str
     spec = SpeculativeConfig.parse(args.speculative_config)
     verifier_port = args.verifier_port or _free_port()
     drafter_port = (args.drafter_port or _free_port()) if spec is not None else 0
-    # The model as the user named it (not the resolved path) names the verifier's model.
+    # The model as the user named it (not the resolved path) names the served model.
+    served_name = served_model_name(args.model, args.served_model_name)
     verifier = build_config(
-        VerifierConfig, args, model=verifier_model(args.model, model_path),
-        served_model_name=served_model_name(args.model, args.served_model_name),
+        VerifierConfig, args, model=verifier_model(args.model, model_path), served_model_name=served_name,
         drafter_targets=(f"127.0.0.1:{drafter_port}",) if spec is not None else (),
         drafter_wait_s=DRAFTER_WAIT_S if spec is not None else 0.0)
     gateway = build_config(GatewayConfig, args, model=model_path,
-                           served_model_name=args.served_model_name or args.model,
+                           served_model_name=served_name,
                            verifier_addresses=(f"127.0.0.1:{verifier_port}",),
                            max_model_len=None, grammar_limits=verifier.grammar_limits)
     common = ["--log-level", args.log_level]
@@ -266,7 +266,7 @@ def serve(args: argparse.Namespace, started: float | None = None) -> int:
                 if ready:
                     logger.info("specdec ready in %.1f s: http://%s:%d/v1 serving %r",
                                 time.monotonic() - started, args.host, args.port,
-                                args.served_model_name or args.model)
+                                served_model_name(args.model, args.served_model_name))
                 elif time.monotonic() - children_started > READY_TIMEOUT_S:
                     logger.error("the gateway did not become healthy in %.0f s", READY_TIMEOUT_S)
                     return 1

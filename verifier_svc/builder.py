@@ -4,12 +4,10 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import json
 import logging
-import shutil
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -23,11 +21,9 @@ from specdec.config import (
     parse_additional_config,
 )
 from specdec.config_flags import env_default, flag, nested
-from specdec.device import device_memory_bytes, resolve_device, resolve_dtype
 from specdec.engine.block_manager import BlockManager
 from specdec.engine.kv_cache import KVCache
 from specdec.engine.scheduler import Scheduler
-from specdec.layers import cpu_extension
 from specdec.errors import ConfigError
 from specdec.grammar_checker import GrammarLimits
 from specdec.layers.attention import (
@@ -35,38 +31,34 @@ from specdec.layers.attention import (
     ATTENTION_BACKENDS,
     attention_backend_from_env,
 )
-from specdec.layers.batch_invariance import deterministic_reason
-from specdec.models.compiled_forward import CompiledForward, linears_to_pack, warm_up
-from specdec.models.cpu_stack import CpuDecoderStack, cpu_stack_from_env, make_cpu_stack
-from specdec.models.gguf_linear import GgufLinear
-from specdec.models.gguf_model import load_gguf_model, native_gguf_file
-from specdec.models.llama import LlamaForCausalLM
-from specdec.models.loader import load_model, load_model_config
+from specdec.models.compiled_forward import linears_to_pack
+from specdec.models.cpu_stack import cpu_stack_from_env
 from specdec.models.model_files import (
     DEFAULT_MODEL,
-    load_tokenizer,
-    resolve_model,
     tokenizer_fingerprint,
 )
-from specdec.models.packed_linear import PackedLinear, choose_kernel, pack_linears
-from specdec.models.parallel import ParallelContext, check_tensor_parallel
+from specdec.models.packed_linear import choose_kernel, pack_linears
 from specdec.rpc.tls import GrpcTlsConfig
 from verifier_svc.drafting.drafter_pool import DrafterPool
 from specdec.engine.engine import Engine
 from verifier_svc.grammar.backend import GrammarBackend
+from verifier_svc.forward_choice import (
+    choose_forward,
+    compile_by_default,
+    deterministic,
+    forward_name,
+)
 from verifier_svc.grammar.verification import GrammarService
+from verifier_svc.kv_budget import num_kv_blocks
 from verifier_svc.model_runner import ModelRunner
 from verifier_svc.startup_phase import (
-    PHASE_COMPILING_KERNELS,
-    PHASE_LOADING_WEIGHTS,
     PHASE_WARMING_UP,
 )
-from verifier_svc.tp_worker import TensorParallelGroup, rank_device
+from verifier_svc.target_model import TargetModel, load_target, model_eos_token_ids
+from verifier_svc.tp_worker import TensorParallelGroup
 
 logger = logging.getLogger(__name__)
 
-# Fixed headroom for allocator fragmentation and framework buffers.
-_ACTIVATION_SLACK_BYTES = 256 << 20
 # vLLM's CPU backend's variable for VerifierConfig.cpu_kv_cache_space_gib, and its default.
 CPU_KV_CACHE_SPACE_ENV = "VLLM_CPU_KVCACHE_SPACE"
 CPU_KV_CACHE_DEFAULT_GIB = 4.0
@@ -186,121 +178,141 @@ class ServedModel:
 
 def build_engine(config: VerifierConfig, enter_phase: Callable[[str], None] = lambda name: None,
                  ) -> tuple[Engine, ServedModel]:
-    """`enter_phase` is told each start-up phase as it begins (verifier_svc.startup_phase)."""
-    device = resolve_device(config.device)
-    dtype = resolve_dtype(config.dtype, device)
-    model_dir = resolve_model(config.model)
-    if device.type == "cpu":
-        # First, so that a first start says it is compiling rather than loading weights.
-        if not cpu_extension.is_cached():
-            enter_phase(PHASE_COMPILING_KERNELS)
-        cpu_extension.load_extension()
-    enter_phase(PHASE_LOADING_WEIGHTS)
-    parallel = None
-    if config.tensor_parallel_size > 1:
-        # Refuse a size the model's heads do not divide before anything is loaded or started.
-        check_tensor_parallel(load_model_config(model_dir), config.tensor_parallel_size)
-        parallel = ParallelContext(rank=0, world_size=config.tensor_parallel_size)
-        device = rank_device(device, 0)
-    # With tensor parallelism, `model` and its config are rank 0's shard (heads / N).
-    native_gguf = native_gguf_file(config.model, config.dtype, config.quantization, device, dtype,
-                                   config.tensor_parallel_size)
-    if native_gguf is not None:
-        model = load_gguf_model(native_gguf, model_dir, dtype, device, attention_backend=config.attention_backend)
-    else:
-        model = load_model(model_dir, dtype, device, parallel=parallel,
-                           attention_backend=config.attention_backend)
-    model_config = model.config
-    tokenizer = load_tokenizer(model_dir)
-
-    max_model_len = config.engine.max_model_len or model_config.max_position_embeddings
-    if max_model_len > model_config.max_position_embeddings:
-        raise ConfigError(f"--max-model-len {max_model_len} exceeds the model's "
-                          f"max_position_embeddings ({model_config.max_position_embeddings})",
-                          param="max_model_len")
-    num_blocks = _num_kv_blocks(config, model, dtype, device, max_model_len)
+    """`enter_phase` is told each start-up phase as it begins (verifier_svc.startup_phase).
+    Everything that can refuse the configuration runs before the tensor-parallel workers
+    start."""
+    target = load_target(config, enter_phase)
+    model_config = target.model.config
+    max_model_len = _max_model_len(config, model_config.max_position_embeddings)
+    num_blocks = num_kv_blocks(config, target.model, target.dtype, target.device, max_model_len)
     compile_forward = (compile_by_default(config.device, config.tensor_parallel_size,
                                           config.enforce_eager)
                        if config.compile is None else config.compile)
     enter_phase(PHASE_WARMING_UP)
-    if compile_forward and device.type not in ("cpu", "cuda"):
-        raise ConfigError(f"a compiled forward runs on cpu or cuda, not {device.type}; set "
-                          "compile=False (--enforce-eager)", param="compile")
-    # After the KV budget, which counts the checkpoint's weights. For a compiled forward
-    # `linears_to_pack` says which are packed here (with oneDNN only the LM head, which runs
-    # eagerly: inductor prepacks the layers itself).
-    linear_kernel = choose_kernel(device, dtype, config.quantization)
+    linear_kernel = _pack_linears(config, target, compile_forward)
+    engine_config = _engine_config(config, max_model_len, num_blocks, target.device.type)
+    _check_kv_holds_a_sequence(num_blocks, config.engine.block_size, max_model_len)
+    fingerprint = tokenizer_fingerprint(target.tokenizer)
+    pool = _drafter_pool(config, model_config.vocab_size, fingerprint)
+    eos_token_ids = model_eos_token_ids(target.model_dir, model_config.eos_token_ids,
+                                        target.tokenizer)
+    kv_cache = KVCache.allocate(model_config, num_blocks, config.engine.block_size, target.dtype,
+                                target.device)
+    tensor_parallel = _start_tensor_parallel(config, target, num_blocks, linear_kernel)
+    forward = choose_forward(target.model, kv_cache, target.device, parallel=target.parallel,
+                             cpu_stack=config.cpu_stack, compile_forward=compile_forward,
+                             linear_kernel=linear_kernel, spec=config.speculative_config)
+    runner = ModelRunner(target.model, kv_cache, config.engine.block_size, target.device,
+                         tensor_parallel, forward)
+    engine = _assemble_engine(config, engine_config, num_blocks, runner, target.tokenizer,
+                              eos_token_ids, pool)
+    if engine_config.seed is not None:
+        torch.manual_seed(engine_config.seed)  # the stream of the requests that bring no seed
+    _log_engine(config, target, runner, engine_config, num_blocks)
+    return engine, _served_model(config, target, runner, max_model_len, eos_token_ids,
+                                 fingerprint)
+
+
+def _max_model_len(config: VerifierConfig, max_position_embeddings: int) -> int:
+    """--max-model-len, by default the model's own; never beyond it."""
+    max_model_len = config.engine.max_model_len or max_position_embeddings
+    if max_model_len > max_position_embeddings:
+        raise ConfigError(f"--max-model-len {max_model_len} exceeds the model's "
+                          f"max_position_embeddings ({max_position_embeddings})",
+                          param="max_model_len")
+    return max_model_len
+
+
+def _pack_linears(config: VerifierConfig, target: TargetModel, compile_forward: bool,
+                  ) -> str | None:
+    """Packs the linears for their kernel (None: none packs here); returns the kernel.
+
+    After the KV budget, which counts the checkpoint's weights. For a compiled forward
+    `linears_to_pack` says which are packed here (with oneDNN only the LM head, which runs
+    eagerly: inductor prepacks the layers itself)."""
+    if compile_forward and target.device.type not in ("cpu", "cuda"):
+        raise ConfigError(f"a compiled forward runs on cpu or cuda, not {target.device.type}; "
+                          "set compile=False (--enforce-eager)", param="compile")
+    linear_kernel = choose_kernel(target.device, target.dtype, config.quantization)
     if linear_kernel is not None:
-        pack_linears(model, linear_kernel,
+        pack_linears(target.model, linear_kernel,
                      only=linears_to_pack(linear_kernel) if compile_forward else None)
+    return linear_kernel
+
+
+def _engine_config(config: VerifierConfig, max_model_len: int, num_blocks: int,
+                   device_type: str) -> EngineConfig:
+    """The engine's config with what the builder settles: the lengths, the KV blocks, and
+    the defaults that depend on the device or the speculative method."""
     spec = config.speculative_config
-    engine_config = dataclasses.replace(
-        config.engine, max_model_len=max_model_len, num_kv_blocks=num_blocks,
-        draft_timeout_s=config.engine.draft_timeout_s or default_draft_timeout_s(spec),
+    engine = config.engine
+    return dataclasses.replace(
+        engine, max_model_len=max_model_len, num_kv_blocks=num_blocks,
+        draft_timeout_s=engine.draft_timeout_s or default_draft_timeout_s(spec),
         long_prefill_token_threshold=(
-            config.engine.long_prefill_token_threshold
-            if config.engine.long_prefill_token_threshold is not None
-            else default_long_prefill_token_threshold(device.type)),
+            engine.long_prefill_token_threshold
+            if engine.long_prefill_token_threshold is not None
+            else default_long_prefill_token_threshold(device_type)),
         text_drafter=spec is None or spec.method not in MODEL_METHODS,
         disable_by_batch_size=spec.disable_by_batch_size if spec is not None else None,
         draft_caps=spec.draft_caps if spec is not None else None)
-    block_size = config.engine.block_size
+
+
+def _check_kv_holds_a_sequence(num_blocks: int, block_size: int, max_model_len: int) -> None:
     if num_blocks * block_size < max_model_len:
         raise ConfigError(f"the KV cache holds {num_blocks * block_size} tokens, less "
                           f"than one sequence of --max-model-len {max_model_len}; raise "
                           "--gpu-memory-utilization or lower --max-model-len",
                           param="max_model_len")
-    fingerprint = tokenizer_fingerprint(tokenizer)
-    pool = None
-    if spec is not None:
-        pool = DrafterPool(list(config.drafter_targets), vocab_size=model_config.vocab_size,
-                           tokenizer_fingerprint=fingerprint, tls=config.grpc_tls,
-                           internal_token=config.internal_token)
-    eos_token_ids = _eos_token_ids(model_dir, model_config.eos_token_ids, tokenizer)
-    kv_cache = KVCache.allocate(model_config, num_blocks, block_size, dtype, device)
-    # Workers start last: nothing after this can refuse the configuration.
-    tensor_parallel = None
-    if parallel is not None:
-        tensor_parallel = TensorParallelGroup.start(parallel, model_dir=model_dir, dtype=dtype,
-                                                    device=device, num_blocks=num_blocks,
-                                                    block_size=block_size,
-                                                    linear_kernel=linear_kernel,
-                                                    attention_backend=config.attention_backend)
-    # On the CPU the C++ decoder stack where it runs the model (fastest measured, nothing to
-    # compile), else the compiled forward when asked, else the model eagerly.
-    forward: CpuDecoderStack | CompiledForward | None = None
-    if device.type == "cpu" and parallel is None:
-        forward = make_cpu_stack(model, config.cpu_stack)
-    if forward is None and compile_forward:
-        try:
-            forward = CompiledForward(model)
-            # Before the first request; the blocks it writes hold no sequence yet.
-            warm_up(forward, kv_cache, block_ids=list(range(-(-16 // block_size))),
-                    aux_layer_ids=_drafter_aux_layer_ids(spec, model_config.num_hidden_layers))
-        except Exception as exc:
-            # The model itself still runs eagerly (its attention falls back outside a trace);
-            # its layers' linears still need the packing the compiler was to do.
-            logger.warning("compiling the forward failed (%s: %s); running eagerly",
-                           type(exc).__name__, str(exc).splitlines()[0] if str(exc) else "")
-            forward = None
-            if linear_kernel is not None:
-                pack_linears(model, linear_kernel)
-    runner = ModelRunner(model, kv_cache, block_size, device, tensor_parallel, forward)
-    scheduler = Scheduler(engine_config, BlockManager(
-        num_blocks, block_size, enable_prefix_caching=engine_config.enable_prefix_caching))
 
-    engine = Engine(engine_config, runner, scheduler, vocab_size=model_config.vocab_size,
-                    eos_token_ids=eos_token_ids,
-                    num_speculative_tokens=spec.num_speculative_tokens if spec else 0,
-                    drafter_pool=pool,
-                    grammars=GrammarService(functools.partial(
-                        GrammarBackend, tokenizer, model_config.vocab_size,
-                        eos_token_ids=eos_token_ids, limits=config.grammar_limits)))
-    if engine_config.seed is not None:
-        torch.manual_seed(engine_config.seed)  # the stream of the requests that bring no seed
+
+def _drafter_pool(config: VerifierConfig, vocab_size: int, fingerprint: str,
+                  ) -> DrafterPool | None:
+    """The client of the --drafter replicas; None without speculation."""
+    if config.speculative_config is None:
+        return None
+    return DrafterPool(list(config.drafter_targets), vocab_size=vocab_size,
+                       tokenizer_fingerprint=fingerprint, tls=config.grpc_tls,
+                       internal_token=config.internal_token)
+
+
+def _start_tensor_parallel(config: VerifierConfig, target: TargetModel, num_blocks: int,
+                           linear_kernel: str | None) -> TensorParallelGroup | None:
+    """Starts the workers of ranks 1..N-1; None without tensor parallelism."""
+    if target.parallel is None:
+        return None
+    return TensorParallelGroup.start(target.parallel, model_dir=target.model_dir,
+                                     dtype=target.dtype, device=target.device,
+                                     num_blocks=num_blocks, block_size=config.engine.block_size,
+                                     linear_kernel=linear_kernel,
+                                     attention_backend=config.attention_backend)
+
+
+def _assemble_engine(config: VerifierConfig, engine_config: EngineConfig, num_blocks: int,
+                     runner: ModelRunner, tokenizer: Any, eos_token_ids: tuple[int, ...],
+                     pool: DrafterPool | None) -> Engine:
+    spec = config.speculative_config
+    vocab_size = runner.model.config.vocab_size
+    scheduler = Scheduler(engine_config, BlockManager(
+        num_blocks, engine_config.block_size,
+        enable_prefix_caching=engine_config.enable_prefix_caching))
+    return Engine(engine_config, runner, scheduler, vocab_size=vocab_size,
+                  eos_token_ids=eos_token_ids,
+                  num_speculative_tokens=spec.num_speculative_tokens if spec else 0,
+                  drafter_pool=pool,
+                  grammars=GrammarService(functools.partial(
+                      GrammarBackend, tokenizer, vocab_size,
+                      eos_token_ids=eos_token_ids, limits=config.grammar_limits)))
+
+
+def _log_engine(config: VerifierConfig, target: TargetModel, runner: ModelRunner,
+                engine_config: EngineConfig, num_blocks: int) -> None:
+    spec = config.speculative_config
+    block_size = engine_config.block_size
     logger.info("verifier: model %s on %s in %s (%s), tensor parallel %d, max_model_len %d, %d KV "
-                "blocks of %d tokens (%d tokens), speculation %s", model_dir, device, dtype,
-                _forward_name(runner.forward), config.tensor_parallel_size, max_model_len,
+                "blocks of %d tokens (%d tokens), speculation %s", target.model_dir,
+                target.device, target.dtype, forward_name(runner.forward),
+                config.tensor_parallel_size, engine_config.max_model_len,
                 num_blocks, block_size, num_blocks * block_size,
                 f"{spec.method} k={spec.num_speculative_tokens} via {', '.join(config.drafter_targets)}"
                 if spec else "off")
@@ -308,112 +320,17 @@ def build_engine(config: VerifierConfig, enter_phase: Callable[[str], None] = la
                 "request timeout %s", engine_config.max_num_seqs, engine_config.waiting_limit,
                 f"{engine_config.request_timeout_s} s" if engine_config.request_timeout_s
                 else "none (client deadlines apply)")
-    served = ServedModel(model_name=served_model_name(config.model, config.served_model_name),
-                         max_model_len=max_model_len,
-                         vocab_size=model_config.vocab_size, eos_token_ids=eos_token_ids,
-                         speculative_method=spec.method if spec else "",
-                         num_speculative_tokens=spec.num_speculative_tokens if spec else 0,
-                         tokenizer_fingerprint=fingerprint,
-                         deterministic=_deterministic(runner, dtype, config.tensor_parallel_size))
-    return engine, served
 
 
-def _deterministic(runner: ModelRunner, dtype: torch.dtype, tensor_parallel_size: int) -> bool:
-    """Whether greedy answers are independent of load, cache and chunking here; says why not
-    once, at start."""
-    lm_head = runner.model.lm_head
-    reason = deterministic_reason(
-        forward_is_cpu_stack=isinstance(runner.forward, CpuDecoderStack),
-        lm_head_row_invariant=isinstance(lm_head, GgufLinear)
-        or (isinstance(lm_head, PackedLinear) and (lm_head.kernel == "cpu" or lm_head.own_int8)),
-        dtype=dtype, tensor_parallel_size=tensor_parallel_size)
-    if reason is not None:
-        logger.warning("deterministic serving is off: %s; a greedy or seeded answer may change "
-                       "with the load, the prefix cache and the chunking (rounding forks at near-ties)",
-                       reason)
-        return False
-    logger.info("deterministic serving: every row is computed the same way whatever shares its step")
-    return True
-
-
-def _forward_name(forward: object) -> str:
-    if isinstance(forward, CpuDecoderStack):
-        return "C++ decoder stack"
-    if isinstance(forward, CompiledForward):
-        return "compiled forward"
-    return "eager forward"
-
-
-def compile_by_default(device: str, tensor_parallel_size: int, enforce_eager: bool) -> bool:
-    """Whether the command line compiles the forward: unless --enforce-eager, on the CPU
-    (where it was measured: ~1.3x faster steps), with one rank (the all-reduces stay eager)
-    and a C++ compiler for inductor's kernels (the slim container image has none)."""
-    if enforce_eager or tensor_parallel_size != 1 or resolve_device(device).type != "cpu":
-        return False
-    if not any(shutil.which(name) for name in ("g++", "c++", "clang++")):
-        logger.info("no C++ compiler found: the forward runs eagerly")
-        return False
-    return True
-
-
-def _drafter_aux_layer_ids(spec: SpeculativeConfig | None, num_layers: int) -> tuple[int, ...]:
-    """The target layers whose states an eagle3 drafter will ask for (the compiled forward
-    needs a graph for them); () for every other method, which reads none or the final
-    state only. Read from the head's config, as the drafter reads it."""
-    if spec is None or spec.method != "eagle3" or spec.model is None:
-        return ()
-    from specdec.models.eagle3 import aux_layer_ids_from_config
-
-    raw = json.loads((resolve_model(str(spec.model)) / "config.json").read_text())
-    return aux_layer_ids_from_config(raw, num_layers)
-
-
-def _num_kv_blocks(config: VerifierConfig, model: LlamaForCausalLM, dtype: torch.dtype,
-                   device: torch.device, max_model_len: int) -> int:
-    """Blocks that fit the memory budget, capped at what the limits can ever use."""
-    engine = config.engine
-    if engine.num_kv_blocks is not None:
-        return engine.num_kv_blocks
-    model_config = model.config
-    block_size = engine.block_size
-    bytes_per_block = KVCache.bytes_per_block(model_config, block_size, dtype)
-    # Buffers too: a GGUF model's quantized blocks are its GgufLinears' buffers.
-    weight_bytes = sum(t.numel() * t.element_size() for t in (*model.parameters(), *model.buffers()))
-    element = torch.tensor([], dtype=dtype).element_size()
-    activation_bytes = (engine.max_num_batched_tokens * element
-                        * (4 * model_config.hidden_size + 2 * model_config.intermediate_size)
-                        + engine.max_num_batched_tokens * model_config.vocab_size * 4
-                        + _ACTIVATION_SLACK_BYTES)
-    device_bytes = device_memory_bytes(device)
-    if device.type == "cpu":
-        # Tensor-parallel ranks on the CPU share its RAM; `model` is one rank's shard.
-        device_bytes //= config.tensor_parallel_size
-    budget = (int(config.gpu_memory_utilization * device_bytes)
-              - weight_bytes - activation_bytes)
-    if config.kv_cache_memory_bytes is not None:
-        budget = config.kv_cache_memory_bytes
-    elif device.type == "cpu":
-        budget = min(budget, int(config.cpu_kv_cache_space_gib * 2**30))
-    usable = max(0, budget) // bytes_per_block
-    blocks_per_seq = -(-max_model_len // block_size)
-    most_ever_used = engine.max_num_seqs * blocks_per_seq
-    num_blocks = min(usable, most_ever_used)
-    logger.info("KV budget: %.2f GiB (device memory %.2f GiB, weights %.2f GiB, "
-                "activations %.2f GiB) -> %d blocks (%d fit, %d the limits can use)",
-                max(0, budget) / 2**30, device_memory_bytes(device) / 2**30, weight_bytes / 2**30,
-                activation_bytes / 2**30, num_blocks, usable, most_ever_used)
-    return num_blocks
-
-
-def _eos_token_ids(model_dir: Path, config_eos: tuple[int, ...] | list[int],
-                   tokenizer: object) -> tuple[int, ...]:
-    """EOS ids from config.json, generation_config.json and the tokenizer, in that order."""
-    ids: list[int] = list(config_eos or ())
-    generation_config = model_dir / "generation_config.json"
-    if generation_config.is_file():
-        value = json.loads(generation_config.read_text()).get("eos_token_id")
-        ids.extend(value if isinstance(value, list) else [] if value is None else [value])
-    tokenizer_eos = getattr(tokenizer, "eos_token_id", None)
-    if tokenizer_eos is not None:
-        ids.append(tokenizer_eos)
-    return tuple(dict.fromkeys(ids))
+def _served_model(config: VerifierConfig, target: TargetModel, runner: ModelRunner,
+                  max_model_len: int, eos_token_ids: tuple[int, ...],
+                  fingerprint: str) -> ServedModel:
+    spec = config.speculative_config
+    return ServedModel(model_name=served_model_name(config.model, config.served_model_name),
+                       max_model_len=max_model_len,
+                       vocab_size=target.model.config.vocab_size, eos_token_ids=eos_token_ids,
+                       speculative_method=spec.method if spec else "",
+                       num_speculative_tokens=spec.num_speculative_tokens if spec else 0,
+                       tokenizer_fingerprint=fingerprint,
+                       deterministic=deterministic(runner, target.dtype,
+                                                   config.tensor_parallel_size))

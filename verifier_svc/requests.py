@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 from specdec.config import EngineConfig
 from specdec.engine.logprobs import TokenLogprobs
-from specdec.engine.sampling_params import SamplingParams
+from specdec.engine.sampling_params import SamplingParams, check_logit_bias_ids
 from specdec.engine.sequence import FinishReason, SpeculationCounters
 from specdec.errors import InvalidRequestError, OverloadedError, SpecdecError
 
@@ -60,10 +60,7 @@ def check_request(prompt_token_ids: list[int], params: SamplingParams, vocab_siz
     if bad is not None:
         raise InvalidRequestError(f"prompt token id {bad} is outside the vocabulary "
                                   f"(size {vocab_size})", param="prompt")
-    bad = next((t for t, _ in params.logit_bias if t >= vocab_size), None)
-    if bad is not None:
-        raise InvalidRequestError(f"logit_bias token id {bad} is outside the vocabulary "
-                                  f"(size {vocab_size})", param="logit_bias")
+    check_logit_bias_ids((token_id for token_id, _ in params.logit_bias), vocab_size)
     if len(prompt_token_ids) >= max_model_len:
         raise InvalidRequestError(
             f"This model's maximum context length is {max_model_len} tokens; the prompt "

@@ -14,7 +14,7 @@ from collections.abc import AsyncIterator
 
 import grpc
 
-from specdec.engine.sampling_params import SamplingParams
+from specdec.engine.sampling_params import PARAMETERS, SamplingParams
 from specdec.engine.sequence import FinishReason, SpeculationCounters
 from specdec.errors import SpecdecError
 from specdec.rpc.grpc_status import abort_with
@@ -34,25 +34,22 @@ _FINISH_REASONS = {
 
 def sampling_params_from_proto(message: specdec_pb2.SamplingParams, max_model_len: int,
                                prompt_len: int) -> SamplingParams:
-    """Proto3 cannot tell 0 from unset: 0 means 1.0 for top_p and repetition_penalty, and
-    "up to max_model_len" for max_tokens (see the .proto)."""
-    max_tokens = message.max_tokens or max(1, max_model_len - prompt_len)
-    return SamplingParams(
-        temperature=message.temperature,
-        top_p=message.top_p or 1.0,
-        top_k=message.top_k,
-        repetition_penalty=message.repetition_penalty or 1.0,
-        seed=message.seed if message.HasField("seed") else None,
-        max_tokens=max_tokens,
-        stop_token_ids=tuple(message.stop_token_ids),
-        ignore_eos=message.ignore_eos,
-        presence_penalty=message.presence_penalty,
-        frequency_penalty=message.frequency_penalty,
-        min_tokens=message.min_tokens,
-        logit_bias=tuple(message.logit_bias.items()),
-        min_p=message.min_p,
-        logprobs=message.logprobs if message.HasField("logprobs") else None,
-    )
+    """The wire's parameters as the engine takes them; building the SamplingParams checks
+    them by the rules the gateway applies to a request's JSON. Proto3 cannot tell 0 from
+    unset: a 0 outside a parameter's bounds means its default (top_p and repetition_penalty
+    1.0), max_tokens 0 "up to max_model_len" (see the .proto); seed and logprobs are set
+    or not."""
+    values: dict[str, float | int] = {}
+    for name, parameter in PARAMETERS.items():
+        if message.DESCRIPTOR.fields_by_name[name].has_presence and not message.HasField(name):
+            continue
+        value = getattr(message, name)
+        if value != 0 or 0 in parameter.bounds:
+            values[name] = value
+    values.setdefault("max_tokens", max(1, max_model_len - prompt_len))
+    return SamplingParams(**values, stop_token_ids=tuple(message.stop_token_ids),  # type: ignore[arg-type]
+                          ignore_eos=message.ignore_eos,
+                          logit_bias=tuple(message.logit_bias.items()))
 
 
 def speculation_to_proto(spec: SpeculationCounters,

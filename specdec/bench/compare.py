@@ -51,7 +51,8 @@ from specdec.bench.llama_cpp_system import (
     llama_cpp_installed,
 )
 from specdec.bench.serve_requests import SHIPPED_DATASETS, load_requests
-from specdec.config import TOKEN_MAP_METHODS, SpeculativeConfig
+from specdec.config import SpeculativeConfig
+from specdec.speculative_fields import TOKEN_MAP_METHODS
 from specdec.device import resolve_device, resolve_dtype
 from specdec.errors import ConfigError
 from specdec.models.gguf_precision import (
@@ -68,7 +69,7 @@ from specdec.models.model_files import (
     load_tokenizer,
     resolve_model,
 )
-from verifier_svc.builder import compile_by_default
+from verifier_svc.forward_choice import compile_by_default
 
 logger = logging.getLogger(__name__)
 

@@ -208,7 +208,7 @@ def _summarise(prompt: str, runs: dict[str, list[RunResult]], method: str) -> di
 def _draft_specs(value: str, k: int, token_map: str | None = None) -> list[tuple[str, SpeculativeConfig]]:
     """(name, config) per draft named in --drafts; the method comes from the shipped table or the name.
     With `token_map`, each draft a map applies to comes twice: as it is, then named '<name> +map'."""
-    from specdec.config import TOKEN_MAP_METHODS
+    from specdec.speculative_fields import TOKEN_MAP_METHODS
     from specdec.drafts import SHIPPED_DRAFTS, shipped_draft_dir
 
     names = list(SHIPPED_DRAFTS) if value.strip() == "shipped" else [v.strip() for v in value.split(",") if v.strip()]

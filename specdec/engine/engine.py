@@ -297,6 +297,7 @@ class Engine:
                                   time.perf_counter() - drafted.answered,
                                   all(item.num_query_tokens == 1 for item in drafted.scheduled))
         record = tally.finish(verify, self.grammars.seconds)
+        self.scheduler.observe_step(record.finished - record.started)
         self.speculation.observe(record)
         if self.step_listener is not None:
             self.step_listener(record)

@@ -7,8 +7,9 @@ blocks. Every step it plans, within `max_num_batched_tokens`, in this order:
 - waiting sequences are admitted while `max_num_seqs` and the budget allow;
 - each sequence still prefilling runs its next chunk (chunked prefill) in what is left.
 In a step that decodes, a prefill chunk (a new prompt's included) is at most
-`long_prefill_token_threshold` tokens, so the step stays about as short as a few decode
-steps and a decode's time between tokens with it.
+`long_prefill_token_threshold` tokens and, once step times are measured, as long as keeps
+the step within about `prefill_chunk_decode_steps` decode steps' time (the prefill pacer),
+so a decode's time between tokens stays near its pace beside a long prompt.
 When the pool runs out, a decode first gives up its draft slots, then the youngest
 running sequence is preempted: its blocks are freed and it is recomputed later. Nothing
 waits on a block that only a waiting sequence could free, so nothing deadlocks.
@@ -22,6 +23,7 @@ from dataclasses import dataclass, field
 
 from specdec.config import EngineConfig
 from specdec.engine.block_manager import BlockManager
+from specdec.engine.prefill_pacer import PrefillPacer
 from specdec.engine.sequence import FinishReason, Sequence, SequenceStatus
 
 
@@ -56,6 +58,9 @@ class Scheduler:
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.num_preemptions = 0
+        self.pacer = PrefillPacer(config.prefill_chunk_decode_steps)
+        # What the last plan ran, for `observe_step`: its prefill tokens, and whether it decoded.
+        self._last_plan = (0, False)
 
     def add(self, seq: Sequence) -> None:
         seq.status = SequenceStatus.WAITING
@@ -91,11 +96,20 @@ class Scheduler:
         decoding = [seq for seq in self.running if seq.num_uncomputed_tokens == 1]
         prefilling = [seq for seq in self.running if seq.num_uncomputed_tokens > 1]
         budget = self._schedule_running(decoding, speculative_tokens_for, budget, output)
-        threshold = self.config.long_prefill_token_threshold
-        max_chunk = threshold if decoding and threshold else budget
+        max_chunk = budget
+        if decoding:
+            max_chunk = self.pacer.max_chunk(self.config.long_prefill_token_threshold or budget)
         budget = self._admit_waiting(budget, max_chunk, output)
         self._schedule_running(prefilling, speculative_tokens_for, budget, output, max_chunk)
+        num_prefill_tokens = sum(item.num_query_tokens for item in output.scheduled
+                                 if item.num_query_tokens > 1 or not item.samples)
+        self._last_plan = (num_prefill_tokens, bool(decoding))
         return output
+
+    def observe_step(self, seconds: float) -> None:
+        """The wall time of the step the last `schedule` planned (for the prefill pacer)."""
+        num_prefill_tokens, decoded = self._last_plan
+        self.pacer.observe(seconds, num_prefill_tokens, decoded)
 
     def _schedule_running(self, seqs: list[Sequence],
                           speculative_tokens_for: Callable[[Sequence], int], budget: int,

@@ -41,11 +41,6 @@ def inputs_per_block(qtype: int) -> int:
     return _FILE_BLOCKS[qtype][0]
 
 
-def row_bytes(qtype: int, in_features: int) -> int:
-    inputs, size = _FILE_BLOCKS[qtype]
-    return in_features // inputs * size
-
-
 @dataclass(frozen=True)
 class QuantFields:
     """One quantized matrix [rows, inputs] as integers: `codes` [rows, inputs] (the value the

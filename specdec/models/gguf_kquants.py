@@ -11,9 +11,6 @@ from __future__ import annotations
 
 import numpy as np
 
-SUPER_BLOCK = 256
-
-
 def _f16(values: np.ndarray) -> np.ndarray:
     return values.astype(np.float16)
 

@@ -57,11 +57,6 @@ class GgufLinear(nn.Module):
                 f"bias={self.bias is not None}, types={','.join(self.qtypes)}")
 
 
-def dequantized_weight(parts: list[QuantFields]) -> torch.Tensor:
-    """The float32 weight [out, in] that `GgufLinear(parts)` multiplies by."""
-    return torch.from_numpy(np.concatenate([dequantize_fields(part) for part in parts]))
-
-
 class GgufEmbedding(nn.Module):
     """`nn.Embedding`'s lookup on a GGUF file's quantized embedding: the file's rows (blocks)
     kept as they are, each looked-up row dequantised (as transformers dequantises the file)

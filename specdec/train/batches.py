@@ -25,10 +25,6 @@ class Batch:
     loss_rows: torch.Tensor  # [B, T] bool: label rows that carry loss
     lengths: torch.Tensor  # [B] int64
 
-    @property
-    def num_loss_rows(self) -> int:
-        return int(self.loss_rows.sum())
-
 
 def make_batch(features: FeatureSet, seq_indices: list[int], max_len: int,
                with_features: bool = True) -> Batch:

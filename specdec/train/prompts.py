@@ -192,8 +192,3 @@ def _read_jsonl(name: str) -> list[str]:
 def heldout_prompts() -> list[str]:
     """The held-out chat prompts `python -m specdec bench` measures on (never trained on)."""
     return _read_jsonl("heldout_chat.jsonl")
-
-
-def builtin_prompts() -> list[str]:
-    """The prompts of `python -m specdec bench serve` (never trained on either)."""
-    return _read_jsonl("builtin.jsonl")

@@ -16,7 +16,7 @@ from specdec.models.gguf_linear import GgufLinear, gguf_kernel_supports
 from specdec.models.gguf_model import load_gguf_model
 from specdec.models.loader import load_model
 from specdec.models.model_files import resolve_model
-from tests.stack.test_model import PagedSequence, fresh_cache, hf_logits, prompt, reversed_blocks, run_step
+from tests.support.paged_forward import PagedSequence, fresh_cache, hf_logits, prompt, reversed_blocks, run_step
 from tests.support.tiny_models import make_gguf_ready_llama
 
 CPU = torch.device("cpu")

@@ -20,8 +20,9 @@ from specdec.models.loader import load_model
 from specdec.models.packed_linear import choose_kernel, mkldnn_supported, pack_linears
 from tests.support.engine_harness import PROMPTS, generate, greedy, ngram_engine, plain_outputs
 from tests.support.tiny_models import make_tiny_llama
-from verifier_svc import builder
-from verifier_svc.builder import VerifierConfig, compile_by_default
+from verifier_svc import forward_choice
+from verifier_svc.builder import VerifierConfig
+from verifier_svc.forward_choice import compile_by_default
 
 BLOCK_SIZE = 4
 
@@ -225,7 +226,7 @@ async def test_a_failed_compile_runs_eagerly(tiny_model: Path, monkeypatch: pyte
     def fail(*args: object, **kwargs: object) -> float:
         raise RuntimeError("InductorError: no C++ compiler\nmore lines")
 
-    monkeypatch.setattr(builder, "warm_up", fail)
+    monkeypatch.setattr(forward_choice, "warm_up", fail)
     async with ngram_engine(tiny_model, "cpu", dtype="bfloat16", compile=True) as engine:
         assert engine.runner.forward is engine.runner.model  # eager
         # The layers' linears got the packing the compiler would have done.

@@ -322,7 +322,7 @@ def test_the_verifier_says_whether_it_serves_deterministically(model_dir: Path, 
         pytest.skip("no C++ bf16 linear here")
     for name, value in env.items():
         monkeypatch.setenv(name, value)
-    with caplog.at_level("INFO", logger="verifier_svc.builder"):
+    with caplog.at_level("INFO", logger="verifier_svc.forward_choice"):
         _, served = build_engine(build_config(VerifierConfig, model=str(model_dir), device="cpu",
                                               dtype=dtype, max_model_len=64,
                                               block_size=BLOCK_SIZE, num_kv_blocks=32))

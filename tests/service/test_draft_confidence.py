@@ -12,7 +12,8 @@ from drafter_svc.confidence import match_confidence
 from drafter_svc.ngram_proposer import NgramProposer
 from drafter_svc.proposer_factory import proposer_factory
 from drafter_svc.server import start_drafter_server, stop_drafter_server
-from drafter_svc.servicer import DrafterServicer, handle_propose_request
+from drafter_svc.propose_request import handle_propose_request
+from drafter_svc.servicer import DrafterServicer
 from drafter_svc.suffix_tree import SuffixTree
 from specdec.config import SpeculativeConfig
 from specdec.v1 import specdec_pb2, specdec_pb2_grpc

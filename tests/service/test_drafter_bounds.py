@@ -24,14 +24,9 @@ from drafter_svc.server import (
     start_drafter_server,
     stop_drafter_server,
 )
-from drafter_svc.servicer import (
-    TOKEN_IDS_FIELD,
-    DrafterServicer,
-    SequenceTable,
-    StreamLimits,
-    handle_propose_request,
-    handle_propose_request_sliced,
-)
+from drafter_svc.propose_request import TOKEN_IDS_FIELD, handle_propose_request, handle_propose_request_sliced
+from drafter_svc.sequence_table import SequenceTable, StreamLimits
+from drafter_svc.servicer import DrafterServicer
 from specdec.config import SpeculativeConfig
 from specdec.errors import ConfigError, InvalidRequestError
 from specdec.rpc.grpc_server import GrpcServer

@@ -156,7 +156,9 @@ async def test_needs_resync_from_drafter_resends_the_context(pool_for):
     pool = await pool_for(port)
     try:
         await pool.propose(requests_for({1: [1, 2, 1]}), [], timeout_s=5.0)
-        pool._seqs[1].num_synced_tokens = 1  # the pool now believes the drafter has 1 token
+        state = pool._placement.get(1)
+        assert state is not None
+        state.num_synced_tokens = 1  # the pool now believes the drafter has 1 token
         drafts = await pool.propose(requests_for({1: [1, 2, 1, 2]}), [], timeout_s=5.0)
         assert drafts == {}
         drafts = await pool.propose(requests_for({1: [1, 2, 1, 2]}), [], timeout_s=5.0)
@@ -319,18 +321,17 @@ async def test_no_replica_reachable_gives_no_drafts(pool_for):
     assert pool.num_healthy() == 0
 
 
-async def test_one_replica_per_resolved_address(pool_for, monkeypatch):
+async def test_one_replica_per_resolved_address(pool_for):
     """A name resolving to several addresses (compose --scale) gives one replica each."""
     server, port = await start_drafter_server(CONFIG, "0.0.0.0", 0)
     resolved = ["127.0.0.1", "127.0.0.2"]
 
-    def fake_getaddrinfo(host, port_, type=0):
-        assert host == "drafter"
-        return [(2, 1, 6, "", (ip, port_)) for ip in resolved]
+    def resolver(host: str, port_: int) -> list[str]:
+        assert (host, port_) == ("drafter", port)
+        return list(resolved)
 
-    monkeypatch.setattr("verifier_svc.drafting.drafter_pool.socket.getaddrinfo", fake_getaddrinfo)
     pool = DrafterPool([f"drafter:{port}"], resolve_interval_s=0.05, vocab_size=VOCAB_SIZE,
-                       tokenizer_fingerprint="", backoff_initial_s=0.05)
+                       tokenizer_fingerprint="", backoff_initial_s=0.05, resolver=resolver)
     await pool.start()
     try:
         assert await pool.wait_for_healthy(2, timeout_s=5.0)
@@ -338,7 +339,7 @@ async def test_one_replica_per_resolved_address(pool_for, monkeypatch):
         assert set(await pool.propose(requests_for(contexts), [], timeout_s=5.0)) == set(contexts)
         resolved.pop()  # one replica leaves: its sequences move to the other one
         deadline = time.monotonic() + 5.0
-        while len(pool._replicas) > 1 and time.monotonic() < deadline:
+        while len(pool.replicas) > 1 and time.monotonic() < deadline:
             await asyncio.sleep(0.01)
         assert pool.num_healthy() == 1
         for context in contexts.values():

@@ -259,20 +259,22 @@ def test_probe_timeouts_mark_a_verifier_down_only_after_a_silence(tokenizer):
     server = FakeVerifierServer(servicer)
     server.start()
     loop = BackgroundLoop()
-    client = VerifierClient([server.address], probe_timeout_s=0.05, reprobe_interval_s=3600,
-                            silent_down_s=0.5)
+    # Margins of seconds, not milliseconds: a loaded machine must not turn an answer in
+    # time into a timeout, nor three slow probes into a silence.
+    client = VerifierClient([server.address], probe_timeout_s=0.5, reprobe_interval_s=3600,
+                            silent_down_s=3.0)
     try:
         loop.run(client.start())
         assert client.serving
-        servicer.info_delay_s = 0.2
-        for _ in range(5):  # five slow probes in a row, 0.25 s: still up
+        servicer.info_delay_s = 1.5
+        for _ in range(3):  # three slow probes in a row, 1.5 s of silence: still up
             assert loop.run(client.probe_all())
             assert client.serving and client.statuses() == {"verifier-0": "serving"}
         servicer.info_delay_s = 0.0
         assert loop.run(client.probe_all())  # an answer in time: alive again
-        servicer.info_delay_s = 0.2
+        servicer.info_delay_s = 1.5
         assert loop.run(client.probe_all())
-        time.sleep(0.5)
+        time.sleep(3.0)
         assert not loop.run(client.probe_all())  # silent for silent_down_s: hung
         assert not client.serving and client.statuses() == {"verifier-0": "unreachable"}
         servicer.info_delay_s = 0.0

@@ -15,6 +15,7 @@ from drafter_svc.proposer_factory import proposer_factory
 from drafter_svc.servicer import DrafterServicer
 from specdec.config import SpeculativeConfig
 from specdec.config_flags import build_config
+from specdec.rpc.replica_set import ReplicaTarget
 from specdec.v1 import specdec_pb2, specdec_pb2_grpc
 from verifier_svc.drafting.drafter_pool import DrafterPool, DraftRequest
 
@@ -87,7 +88,7 @@ async def test_rows_are_sent_once_each_and_again_after_resync() -> None:
         assert 2 not in drafts and all(u.seq_id != 2 for u in servicer.requests[-1].sequences)
 
         # After the drafter asks for a resync, the whole context and all rows go again.
-        replica = next(iter(pool._replicas.values()))
+        replica = pool.replicas[0]
         pool.mark_needs_resync(replica, 1)
         context += [6]
         await pool.propose([DraftRequest(1, context, 0, 2, hidden[:7])], [], timeout_s=5)
@@ -106,8 +107,9 @@ async def test_replica_needing_other_layers_is_refused(caplog: pytest.LogCapture
     await pool.start()
     try:
         assert await pool.wait_for_healthy(1, timeout_s=5)
-        pool._targets.append(("127.0.0.1", second_port))
-        await pool._resolve()
+        # A second --drafter, as if configured from the start but reached only now.
+        pool._replicas.targets.append(ReplicaTarget.parse(1, f"127.0.0.1:{second_port}"))
+        await pool._replicas.resolve()
         assert not await pool.wait_for_healthy(2, timeout_s=1.0)
         assert pool.hidden_state_layer_ids == (2, 15, 27)
         assert "[-1]" in caplog.text and "[2, 15, 27]" in caplog.text

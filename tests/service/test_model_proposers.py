@@ -34,7 +34,7 @@ from safetensors.torch import save_file
 from drafter_svc.proposer import ModelOptions, Proposer
 from drafter_svc.proposer_factory import proposer_factory
 from drafter_svc.server import start_drafter_server, stop_drafter_server
-from drafter_svc.servicer import handle_propose_request
+from drafter_svc.propose_request import handle_propose_request
 from specdec.config import SpeculativeConfig
 from specdec.engine.kv_cache import KVCache
 from specdec.errors import ConfigError, DrafterMismatchError, InvalidRequestError

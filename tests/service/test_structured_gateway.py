@@ -63,8 +63,10 @@ def live(tokenizer) -> Iterator[tuple[LiveGateway, FakeVerifier]]:
 @pytest.fixture()
 def fake(live) -> Iterator[FakeVerifier]:
     live[1].abort_code = None
+    live[1].abort_param = None
     yield live[1]
     live[1].abort_code = None
+    live[1].abort_param = None
 
 
 def test_json_schema_reaches_the_verifier_and_the_answer_is_its_json(client, fake):
@@ -147,13 +149,23 @@ def test_a_bad_schema_is_a_bad_request_error_through_the_client(client, fake):
     assert "nope" in caught.value.body["message"]
 
 
-def test_a_grammar_the_verifier_refuses_is_a_400(client, fake):
+def test_a_grammar_the_verifier_refuses_is_a_400_naming_the_field(client, fake):
+    """The verifier names `grammar` (all it knows: a GrammarSpec); the client is told the
+    field it sent the constraint in."""
     fake.abort_code = grpc.StatusCode.INVALID_ARGUMENT
+    fake.abort_param = "grammar"
     before = len(fake.requests)
-    with pytest.raises(openai.BadRequestError):
+    with pytest.raises(openai.BadRequestError) as refused:
         client.chat.completions.create(model=SERVED_MODEL, messages=MESSAGES,
                                        extra_body={"guided_regex": "id-7"})
     assert fake.requests[before].sampling.grammar.value == "id-7"  # the verifier's own 400
+    assert refused.value.body["param"] == "guided_regex"
+    assert refused.value.body["message"] == "fake verifier failure"
+    fake.abort_param = "max_tokens"  # a refusal about another field keeps its name
+    with pytest.raises(openai.BadRequestError) as refused:
+        client.chat.completions.create(model=SERVED_MODEL, messages=MESSAGES,
+                                       extra_body={"guided_regex": "id-7"})
+    assert refused.value.body["param"] == "max_tokens"
 
 
 def test_many_concurrent_requests_keep_their_own_grammars(live, fake):

@@ -14,7 +14,8 @@ import pytest
 
 from drafter_svc.proposer import ModelOptions
 from drafter_svc.proposer_factory import proposer_factory
-from drafter_svc.servicer import DrafterServicer, handle_propose_request
+from drafter_svc.propose_request import handle_propose_request
+from drafter_svc.servicer import DrafterServicer
 from drafter_svc.suffix_proposer import GlobalSuffixCache, SuffixMethod
 from specdec.config import SpeculativeConfig
 from specdec.config_flags import build_config
@@ -271,7 +272,7 @@ async def test_a_restarted_replica_catches_up_from_the_verifiers_replay(target, 
         await replica.start()  # same port, a fresh process state: an empty tree
         assert len(replica.cache) == 0
         await pool.wait_for_healthy(1, timeout_s=HANG_GUARD_S)
-        await wait_until(lambda: not any(r.catching_up for r in pool._replicas.values()),
+        await wait_until(lambda: not any(r.catching_up for r in pool.replicas),
                          "the catch-up")
         assert sorted(replica.cache.outputs().values()) == sorted(outputs)
         output, accepted = await run_one(engine, PROMPTS[1])
@@ -306,7 +307,7 @@ async def test_memory_stays_bounded_after_thousands_of_finished_outputs(target, 
                 await asyncio.sleep(0)  # lets the flush run now and then
             log = pool.sharing.log
             assert len(log) <= 200 and log.num_tokens <= 5000
-        live = next(r for r in pool._replicas.values() if r.healthy)
+        live = next(r for r in pool.replicas if r.healthy)
         # All sent: nothing waits for the dead replica.
         await wait_until(lambda: live.outputs_cursor == log.head(), "the flush")
         # The drafter has them once it holds the last one recorded.

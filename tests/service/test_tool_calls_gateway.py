@@ -26,7 +26,7 @@ from tests.support.fake_verifier import (
 )
 
 from gateway.__main__ import build_parser
-from gateway.app import GatewayConfig
+from gateway.config import GatewayConfig
 from specdec import launcher
 from specdec.errors import ConfigError
 from specdec.v1 import specdec_pb2

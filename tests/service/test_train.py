@@ -25,7 +25,8 @@ from specdec.train.eagle3_trainer import Eagle3Trainer
 from specdec.train.eagle_trainer import EagleTrainer
 from specdec.train.features import FeatureSet, choose_draft_vocab, extract_features
 from specdec.train.loop import TrainOptions, train
-from specdec.train.prompts import builtin_prompts, heldout_prompts, training_prompts
+from specdec.bench.serve_requests import load_requests
+from specdec.train.prompts import heldout_prompts, training_prompts
 from tests.support.model_drafting import NUM_LAYERS, K, serve_and_generate
 from tests.support.tiny_models import make_tiny_llama
 
@@ -174,7 +175,10 @@ def test_a_rerun_resumes_where_the_last_stopped(target, features, tmp_path) -> N
 def test_training_prompts_are_disjoint_from_the_measuring_prompts() -> None:
     training = training_prompts()
     assert len(training) > 1000 and len(set(training)) == len(training)
-    measuring = heldout_prompts() + builtin_prompts()
+    # What `bench serve` sends by default, read by its own loader.
+    builtin = [request.messages[-1]["content"] for request in load_requests("builtin", None)
+               if request.messages]
+    measuring = heldout_prompts() + builtin
     assert len(heldout_prompts()) >= 16
     lowered = [prompt.lower() for prompt in training]
     for prompt in measuring:

@@ -17,7 +17,7 @@ import pytest
 from tests.support.fake_verifier import FakeVerifier, FakeVerifierServer, free_port
 
 from gateway import VerifierClient
-from gateway.verifier_targets import VerifierTarget
+from specdec.rpc.replica_set import ReplicaTarget
 from specdec.v1 import specdec_pb2
 
 NAME = "verifiers.test"
@@ -242,4 +242,4 @@ def test_tls_channels_to_a_resolved_ip_check_the_name(monkeypatch):
     ("localhost:50051", None), ("dns:///verifier.svc:50051", None), ("unix:/tmp/v.sock", None),
 ])
 def test_which_targets_are_resolved(address, host):
-    assert VerifierTarget.parse(0, address).host == host
+    assert ReplicaTarget.parse(0, address).host == host

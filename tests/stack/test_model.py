@@ -8,7 +8,6 @@ prefill, prefill then decode, and several sequences in one flat batch.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
@@ -26,58 +25,17 @@ from specdec.models import (
     resolve_model,
 )
 from specdec.models.cpu_stack import CpuDecoderStack, unsupported_reason
+from tests.support.paged_forward import (
+    BLOCK_SIZE,
+    PagedSequence,
+    fresh_cache,
+    hf_logits,
+    prompt,
+    reversed_blocks,
+    run_step,
+)
 
-BLOCK_SIZE = 4
-NUM_BLOCKS = 64
 ATOL = 1e-4
-
-
-@dataclass
-class PagedSequence:
-    """A test-side stand-in for the scheduler: a block table and how much is cached."""
-
-    block_ids: list[int]
-    num_cached: int = 0
-    logits: list[torch.Tensor] = field(default_factory=list)
-
-
-def run_step(model: LlamaForCausalLM, kv_cache: KVCache, work: list[tuple[PagedSequence, list[int]]],
-             device: torch.device, aux_layer_ids: tuple[int, ...] = ()) -> list[torch.Tensor]:
-    """One flat-batch forward over `work` (sequence, new token ids); returns per-sequence logits."""
-    block_size = kv_cache.block_size
-    input_ids, positions, slots, starts, context_lens = [], [], [], [0], []
-    for seq, token_ids in work:
-        for offset, token_id in enumerate(token_ids):
-            position = seq.num_cached + offset
-            input_ids.append(token_id)
-            positions.append(position)
-            slots.append(seq.block_ids[position // block_size] * block_size + position % block_size)
-        starts.append(starts[-1] + len(token_ids))
-        context_lens.append(seq.num_cached + len(token_ids))
-    metadata = AttentionMetadata(
-        slot_mapping=torch.tensor(slots, dtype=torch.int64, device=device),
-        query_start_locs=starts,
-        context_lens=context_lens,
-        block_tables=[torch.tensor(seq.block_ids, dtype=torch.int64, device=device) for seq, _ in work],
-    )
-    with torch.inference_mode():
-        hidden = model(torch.tensor(input_ids, device=device), torch.tensor(positions, device=device),
-                       kv_cache, metadata, aux_layer_ids)
-        if aux_layer_ids:
-            hidden, _ = hidden
-        logits = model.compute_logits(hidden).cpu()
-    out = []
-    for index, (seq, token_ids) in enumerate(work):
-        seq.num_cached += len(token_ids)
-        seq_logits = logits[starts[index]:starts[index + 1]]
-        seq.logits.append(seq_logits)
-        out.append(seq_logits)
-    return out
-
-
-def reversed_blocks(count: int, first: int) -> list[int]:
-    """Block ids running backwards, so every block table is non-contiguous."""
-    return list(range(first + count - 1, first - 1, -1))
 
 
 def randomize(model: torch.nn.Module, seed: int) -> None:
@@ -119,15 +77,6 @@ def tiny_checkpoint(request: pytest.FixtureRequest, tmp_path_factory: pytest.Tem
     return model_dir, hf_model
 
 
-def hf_logits(hf_model: torch.nn.Module, token_ids: list[int]) -> torch.Tensor:  # [len, vocab]
-    with torch.inference_mode():
-        return hf_model(torch.tensor([token_ids])).logits[0].float()
-
-
-def prompt(length: int, seed: int, vocab_size: int = 97) -> list[int]:
-    return torch.randint(0, vocab_size, (length,), generator=torch.Generator().manual_seed(seed)).tolist()
-
-
 @pytest.fixture(scope="module", params=["model", "cpu_stack"])
 def loaded(request: pytest.FixtureRequest, tiny_checkpoint: tuple[Path, torch.nn.Module], device: torch.device
            ) -> tuple[LlamaForCausalLM | CpuDecoderStack, torch.nn.Module]:
@@ -145,10 +94,6 @@ def loaded(request: pytest.FixtureRequest, tiny_checkpoint: tuple[Path, torch.nn
         assert reason == "q/k norms are not implemented in the stack"
         pytest.skip(reason)
     return CpuDecoderStack(model), hf_model
-
-
-def fresh_cache(model: LlamaForCausalLM, device: torch.device) -> KVCache:
-    return KVCache.allocate(model.config, NUM_BLOCKS, BLOCK_SIZE, torch.float32, device)
 
 
 def test_one_prefill(loaded: tuple[LlamaForCausalLM, torch.nn.Module], device: torch.device) -> None:

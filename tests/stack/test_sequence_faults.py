@@ -5,7 +5,9 @@ draft cut, its masks or its advance), or a request whose stop handling raises, b
 plain requests in the same engine batches, with ngram speculation: only it fails, with a
 clear error; the others complete with the greedy outputs they have when served alone, and
 no KV block stays taken. A grammar that goes past the grammar library's limits while
-generating fails as an INVALID_ARGUMENT naming `grammar`.
+generating (llguidance's matcher in its error state in a mask, an accept, a validation or
+a rollback; or a real grammar whose limit lies past the admission probe) fails as an
+INVALID_ARGUMENT naming `grammar`.
 """
 
 from __future__ import annotations
@@ -21,7 +23,8 @@ from specdec.engine.sampling_params import SamplingParams
 from specdec.errors import InvalidRequestError, SpecdecError
 from specdec.models.model_files import DEFAULT_MODEL, load_tokenizer, resolve_model
 from tests.support.engine_harness import served_engine
-from tests.support.grammar_decode import make_padded_tiny_model
+from specdec.grammar_probe import PROBE_DEPTH
+from tests.support.grammar_decode import late_limit_grammar, make_padded_tiny_model
 from verifier_svc.drafting.drafter_pool import Draft, DraftRequest
 from specdec.engine.engine import Engine
 from verifier_svc.grammar.matcher import GrammarLimitError, GrammarState
@@ -89,16 +92,17 @@ async def finish(queue: asyncio.Queue) -> list[int] | SpecdecError:
     return tokens
 
 
-async def run_beside_plain(engine: Engine, inject: Any) -> tuple[list[list[int] | SpecdecError],
-                                                                   list[int] | SpecdecError]:
+async def run_beside_plain(engine: Engine, inject: Any, constraint: tuple[str, str] = (
+        "json_schema", SCHEMA), params: SamplingParams = CONSTRAINED,
+) -> tuple[list[list[int] | SpecdecError], list[int] | SpecdecError]:
     """5 plain requests and one faulty request (`inject(engine, seq_id)` sets the fault up),
     all at once; how each ended."""
-    compiled = await engine.compile_grammar("json_schema", SCHEMA)
+    compiled = await engine.compile_grammar(*constraint)
     queues = []
     for index in range(5):
         queues.append((await outcome(engine, index, PLAIN))[1])
         if index == 2:  # in the middle of the batch
-            seq_id, faulty = await outcome(engine, 9, CONSTRAINED, compiled)
+            seq_id, faulty = await outcome(engine, 9, params, compiled)
             inject(engine, seq_id)
     results = await asyncio.gather(*(finish(queue) for queue in [*queues, faulty]))
     return list(results[:5]), results[5]
@@ -110,6 +114,50 @@ def fail_state(method: str, after: int, error: Exception | None = None) -> Any:
         seq.grammar = FailingState(seq.grammar, method, after,
                                    error or RuntimeError(f"injected in {method}"))
     return inject
+
+
+class FailingMatcher:
+    """An llguidance matcher that goes into its error state (as at a parser or lexer limit)
+    at the `after`-th call of `method` on: the call then fails as llguidance's own does."""
+
+    def __init__(self, real: Any, method: str, after: int) -> None:
+        self._real = real
+        self._method = method
+        self._calls_left = after
+        self._failed = False
+
+    def is_error(self) -> bool:
+        return self._failed or self._real.is_error()
+
+    def get_error(self) -> str:
+        if self._failed:
+            return f"Parser Error: injected limit in {self._method}\n<non-verbose/>"
+        return self._real.get_error()
+
+    def __getattr__(self, name: str) -> Any:
+        attribute = getattr(self._real, name)
+        if name != self._method:
+            return attribute
+
+        def failing(*args: object, **kwargs: object) -> object:
+            if self._calls_left <= 0 or self._failed:
+                self._failed = True
+                return False  # consume_token, rollback; a mask call's result is unused
+            self._calls_left -= 1
+            return attribute(*args, **kwargs)
+
+        return failing
+
+
+def fail_matcher(method: str, after: int) -> Any:
+    def inject(engine: Engine, seq_id: int) -> None:
+        state = engine._sequences[seq_id].grammar
+        state._matcher = FailingMatcher(state._matcher, method, after)
+    return inject
+
+
+def no_fault(engine: Engine, seq_id: int) -> None:
+    pass
 
 
 def fail_draft_cut(engine: Engine, seq_id: int) -> None:
@@ -164,6 +212,44 @@ async def test_a_failing_sequence_fails_alone(model_dir: Path, alone, inject) ->
         assert plain == alone
         assert isinstance(faulty, EngineError), faulty
         assert "RuntimeError" in faulty.message and "injected" not in faulty.message
+        assert engine.faults.num_failed == 1
+        assert engine.num_requests == 0
+        assert engine.scheduler.block_manager.num_free_blocks == NUM_BLOCKS
+
+
+@pytest.mark.parametrize("method,after", [
+    ("unsafe_compute_mask_ptr", 3),  # a mask (fill_masks, forced tokens)
+    ("consume_token", 2),  # an accept (advance, a draft's masks, forced tokens)
+    ("rollback", 1),  # the rollback after a draft's masks or forced tokens
+    ("validate_tokens", 1),  # a draft's cut, an accept's check
+])
+async def test_the_grammar_library_failing_fails_its_sequence_alone(
+        model_dir: Path, alone, method: str, after: int) -> None:
+    """llguidance's matcher reaching its error state in any call the engine makes through
+    GrammarState: the sequence fails alone, naming its grammar."""
+    async with served_engine(model_dir, NGRAM, "cpu", max_model_len=256,
+                             num_kv_blocks=NUM_BLOCKS) as engine:
+        plain, faulty = await run_beside_plain(engine, fail_matcher(method, after))
+        assert plain == alone
+        assert isinstance(faulty, InvalidRequestError) and faulty.param == "grammar", faulty
+        assert f"injected limit in {method}" in faulty.message
+        assert engine.faults.num_failed == 1
+        assert engine.num_requests == 0
+        assert engine.scheduler.block_manager.num_free_blocks == NUM_BLOCKS
+
+
+async def test_a_real_grammar_past_its_limits_mid_generation_fails_alone(model_dir: Path,
+                                                                        alone) -> None:
+    """A grammar the admission probe passes (its limit lies past the probe's walk) that
+    llguidance gives up on mid-generation, beside 5 plain requests."""
+    params = SamplingParams(temperature=0.0, max_tokens=PROBE_DEPTH + 12)
+    async with served_engine(model_dir, NGRAM, "cpu", max_model_len=256,
+                             num_kv_blocks=NUM_BLOCKS) as engine:
+        plain, faulty = await run_beside_plain(
+            engine, no_fault, ("grammar", late_limit_grammar(PROBE_DEPTH + 4)), params)
+        assert plain == alone
+        assert isinstance(faulty, InvalidRequestError) and faulty.param == "grammar", faulty
+        assert "too many expressions" in faulty.message and "non-verbose" not in faulty.message
         assert engine.faults.num_failed == 1
         assert engine.num_requests == 0
         assert engine.scheduler.block_manager.num_free_blocks == NUM_BLOCKS

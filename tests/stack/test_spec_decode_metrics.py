@@ -11,7 +11,7 @@ from typing import NamedTuple
 import pytest
 from openai import OpenAI
 
-from gateway.app import GatewayConfig
+from gateway.config import GatewayConfig
 from specdec.errors import ConfigError
 from tests.support.served_stack import served_stack
 from tests.support.tiny_models import make_tiny_llama

@@ -1,5 +1,7 @@
-"""Tool calls (gateway/tools.py): tools / tool_choice validation, the grammars that force a
-call (checked by decoding a random model under them), and the Hermes parser."""
+"""Tool calls (gateway/tools.py, gateway/forced_tool_calls.py, gateway/hermes_tool_parser.py):
+tools / tool_choice validation, the grammars that force a call (checked by decoding a random
+model under them), and the tool messages a template without tools renders (the parsers'
+own tests are in tests/unit/test_tool_call_parsing.py)."""
 
 from __future__ import annotations
 
@@ -8,23 +10,12 @@ import json
 import pytest
 from jinja2.exceptions import UndefinedError
 from openai.types.chat import ChatCompletionMessageToolCall
-from openai.types.chat.chat_completion_chunk import ChoiceDeltaToolCall
 from transformers import PreTrainedTokenizerFast
 
+from gateway.forced_tool_calls import tool_calls_from_forced_output, tool_grammar
+from gateway.hermes_tool_parser import TOOL_CALL_PARSERS, HermesToolParser, parse_hermes, tool_messages_as_text
 from gateway.structured import grammar_from_request
-from gateway.tools import (
-    TOOL_CALL_PARSERS,
-    ForcedToolCallStream,
-    HermesToolParser,
-    ToolChoice,
-    parse_hermes,
-    parse_tool_choice,
-    parse_tools,
-    template_accepts_tools,
-    tool_calls_from_forced_output,
-    tool_grammar,
-    tool_messages_as_text,
-)
+from gateway.tools import ToolChoice, parse_tool_choice, parse_tools, template_accepts_tools
 from specdec.errors import InvalidRequestError
 from specdec.grammar_spec import check_grammar
 from tests.support.grammar_decode import PADDED_VOCAB, make_padded_tiny_model, masked_decode
@@ -168,78 +159,7 @@ def test_a_template_that_renders_tools_is_detected() -> None:
     assert template_accepts_tools(default_tokenizer) is True
 
 
-# -- Hermes parser ---------------------------------------------------------------------------
-
-HERMES_OUTPUT = ('Let me check. <tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", '
-                 '"unit": "C", "days": 2}}\n</tool_call>\n<tool_call>\n{"name": "get_time", '
-                 '"arguments": {"zone": "UTC"}}\n</tool_call>')
-
-
-def test_hermes_non_streaming() -> None:
-    content, calls = parse_hermes(HERMES_OUTPUT)
-    assert content == "Let me check."
-    assert [call["function"]["name"] for call in calls] == ["get_weather", "get_time"]
-    assert json.loads(calls[0]["function"]["arguments"]) == {"city": "Paris", "unit": "C", "days": 2}
-    for call in calls:
-        ChatCompletionMessageToolCall.model_validate(call)
-    assert parse_hermes("just text, no <tool call") == ("just text, no <tool call", [])
-    assert parse_hermes('<tool_call>{"name": "ping", "arguments": {}}</tool_call>')[0] is None
-
-
-@pytest.mark.parametrize("chunk", [1, 2, 3, 7, 1000])
-def test_hermes_streaming_matches_non_streaming(chunk: int) -> None:
-    parser = HermesToolParser()
-    content = ""
-    deltas = []
-    for start in range(0, len(HERMES_OUTPUT), chunk):
-        delta = parser.feed(HERMES_OUTPUT[start:start + chunk])
-        content += delta.content
-        deltas += delta.tool_calls
-        assert "<" not in delta.content, "a partial tag is never sent as content"
-    last = parser.finish()
-    content += last.content
-    deltas += last.tool_calls
-    assert content == "Let me check."
-    assert [d["index"] for d in deltas] == [0, 1]
-    for delta in deltas:
-        parsed = ChoiceDeltaToolCall.model_validate(delta)
-        assert parsed.id and parsed.id.startswith("call_") and parsed.type == "function"
-    assert [d["function"]["name"] for d in deltas] == ["get_weather", "get_time"]
-
-
-def test_hermes_bad_body_is_content_and_unclosed_call_is_parsed() -> None:
-    content, calls = parse_hermes("<tool_call>not json</tool_call> tail")
-    assert calls == [] and content == "<tool_call>not json</tool_call> tail"
-    content, calls = parse_hermes('ok <tool_call>\n{"name": "ping", "arguments": "{}"}\n')
-    assert content == "ok" and calls[0]["function"] == {"name": "ping", "arguments": "{}"}
-    parser = HermesToolParser()
-    assert parser.feed("a <tool_").content == "a"
-    assert parser.finish().content == " <tool_"
-
-
-# -- streaming forced calls, conversations with tool messages --------------------------------
-
-def test_forced_named_call_streams_arguments() -> None:
-    stream = ForcedToolCallStream(ToolChoice("function", "get_time"))
-    deltas = stream.feed('{"zone": ') + stream.feed('"UTC"}') + stream.finish()
-    first = ChoiceDeltaToolCall.model_validate(deltas[0])
-    assert first.index == 0 and first.id and first.function.name == "get_time"
-    assert [ChoiceDeltaToolCall.model_validate(d).index for d in deltas] == [0, 0]
-    assert "id" not in deltas[1]
-    assert "".join(d["function"]["arguments"] for d in deltas) == '{"zone": "UTC"}'
-
-
-def test_forced_required_calls_come_whole_at_the_end() -> None:
-    stream = ForcedToolCallStream(ToolChoice("required"))
-    text = '[{"name": "get_time", "parameters": {"zone": "CET"}}, {"name": "ping", "parameters": {}}]'
-    assert stream.feed(text[:20]) == [] and stream.feed(text[20:]) == []
-    deltas = stream.finish()
-    assert [d["index"] for d in deltas] == [0, 1]
-    assert [d["function"]["name"] for d in deltas] == ["get_time", "ping"]
-    assert json.loads(deltas[0]["function"]["arguments"]) == {"zone": "CET"}
-    for delta in deltas:
-        ChoiceDeltaToolCall.model_validate(delta)
-
+# -- conversations with tool messages ----------------------------------------------------
 
 def test_tool_messages_render_through_a_template_without_tools(default_tokenizer) -> None:
     messages = [

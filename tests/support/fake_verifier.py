@@ -24,6 +24,7 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import PreTrainedTokenizerFast
 
 from gateway import GatewayConfig, VerifierClient, create_app
+from specdec.rpc.grpc_status import PARAM_METADATA_KEY
 from specdec.v1 import specdec_pb2, specdec_pb2_grpc
 
 # "é", "ï", "—" and "😀" never occur in the training text, so they stay split into bytes.
@@ -87,6 +88,7 @@ class FakeVerifier(specdec_pb2_grpc.VerifierServicer):
         self.delay_s = 0.0
         self.info_delay_s = 0.0  # GetInfo waits this long: a verifier busy with a forward
         self.abort_code: grpc.StatusCode | None = None
+        self.abort_param: str | None = None  # the field the abort names (as abort_with does)
         self.requests: list[specdec_pb2.GenerateRequest] = []
         self.cancelled_ids: list[str] = []
         self.completed_ids: list[str] = []
@@ -105,7 +107,9 @@ class FakeVerifier(specdec_pb2_grpc.VerifierServicer):
     async def Generate(self, request: specdec_pb2.GenerateRequest, context: Any):
         self.requests.append(request)
         if self.abort_code is not None:
-            await context.abort(self.abort_code, "fake verifier failure")
+            metadata = ((PARAM_METADATA_KEY, self.abort_param),) if self.abort_param else ()
+            await context.abort(self.abort_code, "fake verifier failure",
+                                trailing_metadata=metadata)
         scripted = self.reply_for(request) if self.reply_for is not None else None
         reply = self.reply_token_ids if scripted is None else list(scripted)
         script = reply + ([] if request.sampling.ignore_eos else [self.eos_token_id])

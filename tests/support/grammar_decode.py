@@ -1,8 +1,8 @@
 """A tiny random Llama over the default model's vocabulary, decoded under a grammar.
 
-Shared by tests/stack/test_grammar_backend.py and tests/stack/test_tool_calls.py: the model's logits are
-wider than the tokenizer (padding ids) and favour the padding ids, so only the grammar's
-masks make its output valid text.
+Shared by the grammar tests of tests/stack (backend, tool calls, faults, limits): the
+model's logits are wider than the tokenizer (padding ids) and favour the padding ids, so
+only the grammar's masks make its output valid text.
 """
 
 from __future__ import annotations
@@ -45,8 +45,7 @@ def masked_decode(backend: GrammarBackend, model: LlamaForCausalLM, tokenizer, k
     past = None
     step_input = prompt
     for _ in range(max_tokens):
-        if state.is_terminated():
-            break
+        # Once the grammar is complete the mask allows EOS alone, which ends the loop.
         with torch.no_grad():
             output = model(torch.tensor([step_input]), cache=past, use_cache=True)
         past = output.cache
@@ -65,3 +64,10 @@ def masked_decode(backend: GrammarBackend, model: LlamaForCausalLM, tokenizer, k
         step_input = [token]
     assert state.is_accepting(), f"no complete output in {max_tokens} tokens"
     return tokenizer.decode(ids)
+
+
+def late_limit_grammar(num_digits: int) -> str:
+    """A Lark grammar that compiles, then goes past llguidance's lexer limits at its token
+    `num_digits + 1`: `num_digits` digits (one token each in SmolLM2's vocabulary), a space,
+    then a regex whose lexer blows up as it is entered."""
+    return f'start: DIGITS " " BIG\nDIGITS: /[0-9]{{{num_digits}}}/\nBIG: /(a{{1000}}){{1000}}/\n'

@@ -10,9 +10,9 @@ import dataclasses
 import pytest
 
 from drafter_svc.proposer import ModelOptions
-from drafter_svc.servicer import StreamLimits
+from drafter_svc.sequence_table import StreamLimits
 from gateway import __main__ as gateway_main
-from gateway.app import GatewayConfig
+from gateway.config import GatewayConfig
 from specdec.cli import DEFAULT_PORTS, DefaultsHelpFormatter
 from specdec.config import LOGPROBS_MODES, EngineConfig, SpeculativeConfig
 from specdec.config_flags import add_config_args, build_config, config_argv

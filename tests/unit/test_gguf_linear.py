@@ -18,8 +18,8 @@ import pytest
 import torch
 
 from specdec.models.gguf_blocks import (Q4_0, Q4_1, Q4_K, Q6_K, Q8_0, TYPE_NAMES, QuantFields, dequantize_fields,
-                                        inputs_per_block, row_bytes, unpack)
-from specdec.models.gguf_linear import GgufLinear, dequantized_weight, gguf_kernel_supports
+                                        inputs_per_block, unpack)
+from specdec.models.gguf_linear import GgufLinear, gguf_kernel_supports
 
 TYPES = (Q8_0, Q4_0, Q4_1, Q4_K, Q6_K)
 # Byte offsets of each type's f16 fields within a block (random bytes there could be NaN).
@@ -30,6 +30,17 @@ BF16_ROUNDING = 2.0**-8
 
 needs_kernel = pytest.mark.skipif(not gguf_kernel_supports(torch.float32),
                                   reason="no GGUF kernel here (needs AVX-512 with BF16 and VBMI)")
+
+
+def row_bytes(qtype: int, in_features: int) -> int:
+    """A row's bytes in the file, by the gguf package's block sizes."""
+    inputs, size = gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType(qtype)]
+    return in_features // inputs * size
+
+
+def dequantized_weight(parts: list[QuantFields]) -> torch.Tensor:
+    """The float32 weight [out, in] that `GgufLinear(parts)` multiplies by."""
+    return torch.from_numpy(np.concatenate([dequantize_fields(part) for part in parts]))
 
 
 def random_blocks(qtype: int, num_rows: int, in_features: int, seed: int = 0) -> np.ndarray:

@@ -12,7 +12,6 @@ from specdec.engine.logits_processor import (
     apply_repetition_penalty,
     argmax_rows,
     process_logits,
-    target_probs_from_logits,
 )
 from specdec.engine.sampling_params import SamplingParams
 
@@ -106,15 +105,6 @@ def test_greedy_skips_temperature_and_masks() -> None:
     logits = torch.tensor([[3.0, 2.0, 1.0, 0.0]])
     params = SamplingParams(temperature=0.0, top_k=1, top_p=0.1)
     assert torch.equal(process_logits(logits, [], [], params), logits)
-
-
-def test_target_probs() -> None:
-    logits = torch.tensor([[math.log(p) for p in _PROBS], [0.0, 5.0, 1.0, 2.0]])  # [2, 4]
-    probs = target_probs_from_logits(logits, [], [1], SamplingParams(top_k=2))
-    torch.testing.assert_close(probs[0], torch.tensor([4 / 7, 3 / 7, 0.0, 0.0]))
-    assert probs.sum(-1).tolist() == pytest.approx([1.0, 1.0])
-    greedy = target_probs_from_logits(logits, [], [1], SamplingParams(temperature=0.0))
-    assert greedy.tolist() == [[1.0, 0.0, 0.0, 0.0], [0.0, 1.0, 0.0, 0.0]]
 
 
 def test_large_vocab_half_precision_input() -> None:

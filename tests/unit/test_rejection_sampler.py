@@ -15,7 +15,6 @@ import pytest
 import torch
 from torch import Tensor
 
-from specdec.engine.logits_processor import target_probs_from_logits
 from specdec.engine.rejection_sampler import (
     accept_greedy,
     argmax_ids,
@@ -24,6 +23,7 @@ from specdec.engine.rejection_sampler import (
 )
 from specdec.engine.position_random import PositionRandom
 from specdec.engine.sampling_params import SamplingParams
+from tests.support.target_distribution import target_probs_from_logits
 
 GREEDY = SamplingParams(temperature=0.0)
 VOCAB_SIZE = 8

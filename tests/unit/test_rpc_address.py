@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import pytest
 
-from gateway.app import GatewayConfig
-from gateway.verifier_targets import VerifierTarget
+from gateway.config import GatewayConfig
 from specdec.errors import ConfigError
 from specdec.rpc.address import format_address, split_host_port
+from specdec.rpc.replica_set import ReplicaTarget
 from verifier_svc.drafting.drafter_pool import DrafterPool
 
 
@@ -38,7 +38,7 @@ def test_the_gateway_and_the_verifier_refuse_the_same_addresses() -> None:
         assert "must be host:port" in verifier.value.message
 
 
-def test_a_verifier_target_resolves_names_and_dials_uris_as_given() -> None:
-    assert VerifierTarget.parse(0, "specdec-verifier:50051").host == "specdec-verifier"
-    assert VerifierTarget.parse(0, "dns:///specdec-verifier:50051").host is None
-    assert VerifierTarget.parse(0, "127.0.0.1:50051").host is None  # a literal: nothing to resolve
+def test_a_replica_target_resolves_names_and_dials_uris_as_given() -> None:
+    assert ReplicaTarget.parse(0, "specdec-verifier:50051").host == "specdec-verifier"
+    assert ReplicaTarget.parse(0, "dns:///specdec-verifier:50051").host is None
+    assert ReplicaTarget.parse(0, "127.0.0.1:50051").host is None  # a literal: nothing to resolve

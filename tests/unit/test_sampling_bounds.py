@@ -1,66 +1,75 @@
-"""Sampling parameters have one definition of their bounds: the gateway refuses a value
-outside them in a request's JSON, and the verifier refuses it from a direct gRPC client,
-by the same rule and in the same words."""
+"""Sampling parameters have one definition (specdec.engine.sampling_params.SamplingParams):
+the gateway's request JSON and the verifier's wire are read from it. Here, in process: the
+bounds themselves are accepted on both sides, the defaults are the same, and proto3's zeros
+read as unset where a parameter's bounds exclude 0. tests/service/test_sampling_bounds_wire.py
+checks that a value outside gets the same error over HTTP and over gRPC."""
 
 from __future__ import annotations
 
 import pytest
 
 from gateway.protocol import parse_sampling
-from specdec.engine.sampling_params import (
-    INTEGER_BOUNDS,
-    MAX_REPETITION_PENALTY,
-    MAX_TEMPERATURE,
-    NUMBER_BOUNDS,
-    SamplingParams,
-)
+from specdec.engine.sampling_params import PARAMETERS, SamplingParams
 from specdec.errors import InvalidRequestError
 from specdec.v1 import specdec_pb2
 from verifier_svc.servicer import sampling_params_from_proto
 
-# Just outside each bound (exact in the wire's float32), and on it.
-OUTSIDE = {"temperature": MAX_TEMPERATURE + 1, "top_p": 1.5, "min_p": -0.125,
-           "repetition_penalty": MAX_REPETITION_PENALTY * 2, "presence_penalty": 2.5,
-           "frequency_penalty": -3.0}
-INSIDE = {"temperature": MAX_TEMPERATURE, "top_p": 1.0, "min_p": 0.0,
-          "repetition_penalty": MAX_REPETITION_PENALTY, "presence_penalty": 2.0,
-          "frequency_penalty": -2.0}
+MAX_MODEL_LEN = 64
+PROMPT_LEN = 4
 
 
-def gateway_error(body: dict) -> InvalidRequestError:
-    """The completions endpoint's refusal (its logprobs is the integer the wire carries)."""
-    with pytest.raises(InvalidRequestError) as caught:
-        parse_sampling(body, chat=False)
-    return caught.value
+def from_wire(params: specdec_pb2.SamplingParams) -> SamplingParams:
+    return sampling_params_from_proto(params, MAX_MODEL_LEN, PROMPT_LEN)
 
 
-def verifier_error(message: specdec_pb2.SamplingParams) -> InvalidRequestError:
-    with pytest.raises(InvalidRequestError) as caught:
-        sampling_params_from_proto(message, max_model_len=64, prompt_len=4)
-    return caught.value
+def closed_ends(name: str) -> list[float | int]:
+    bounds = PARAMETERS[name].bounds
+    return [bounds.high] if bounds.low_open else [bounds.low, bounds.high]
 
 
-@pytest.mark.parametrize("name", sorted(NUMBER_BOUNDS))
-def test_a_number_out_of_bounds_is_refused_on_both_sides_alike(name: str) -> None:
-    assert set(OUTSIDE) == set(NUMBER_BOUNDS) == set(INSIDE)
-    at_gateway = gateway_error({name: OUTSIDE[name]})
-    at_verifier = verifier_error(specdec_pb2.SamplingParams(**{name: OUTSIDE[name]}))
-    assert at_gateway.param == at_verifier.param == name
-    assert at_gateway.message == at_verifier.message
-    assert str(NUMBER_BOUNDS[name]) in at_gateway.message
-    # The bound itself is accepted on both sides.
-    assert getattr(parse_sampling({name: INSIDE[name]}), name) == INSIDE[name]
-    assert getattr(SamplingParams(**{name: INSIDE[name]}), name) == INSIDE[name]
+@pytest.mark.parametrize("name", sorted(PARAMETERS))
+def test_a_bound_itself_is_accepted_on_both_sides(name: str) -> None:
+    # max_tokens as large as min_tokens may be: the one rule between the two holds.
+    room = {} if name in ("max_tokens", "min_tokens") else {"max_tokens": 16}
+    for value in closed_ends(name):
+        fields = {"max_tokens": PARAMETERS["max_tokens"].bounds.high, **room, name: value}
+        sampling = parse_sampling(fields, chat=False)
+        assert getattr(sampling.params, name) == (value % 2**64 if name == "seed" else value)
+        engine_value = getattr(SamplingParams(**fields), name)
+        assert engine_value == (-1 if name == "top_k" and value == 0 else value)
 
 
-def test_integer_bounds_are_the_same_on_both_sides() -> None:
-    for name, value in (("top_k", -2), ("max_tokens", 0), ("logprobs", 21)):
-        at_gateway = gateway_error({name: value})
-        with pytest.raises(InvalidRequestError) as caught:
-            SamplingParams(**{name: value})
-        assert at_gateway.param == caught.value.param == name
-        bounds = INTEGER_BOUNDS[name]
-        assert f"[{int(bounds.low)}, {int(bounds.high)}]" in at_gateway.message
-        assert f"[{int(bounds.low)}, {int(bounds.high)}]" in caught.value.message
-    # A direct client's uint32 max_tokens beyond the gateway's bound is refused as well.
-    assert verifier_error(specdec_pb2.SamplingParams(max_tokens=2**31)).param == "max_tokens"
+def test_the_gateway_sends_every_default_and_the_verifier_reads_it_back() -> None:
+    params = from_wire(parse_sampling({}, chat=False).params)
+    defaults = SamplingParams()
+    for name in PARAMETERS:
+        if name != "max_tokens":  # not given: the room left in the context
+            assert getattr(params, name) == getattr(defaults, name), name
+    assert params.max_tokens == MAX_MODEL_LEN - PROMPT_LEN
+
+
+def test_a_zero_the_bounds_exclude_is_unset_on_the_wire() -> None:
+    params = from_wire(specdec_pb2.SamplingParams(temperature=0.5))
+    assert (params.top_p, params.repetition_penalty) == (1.0, 1.0)
+    assert params.max_tokens == MAX_MODEL_LEN - PROMPT_LEN
+    assert (params.seed, params.logprobs) == (None, None)
+    # A zero the bounds include is a value: greedy, no min_p.
+    assert from_wire(specdec_pb2.SamplingParams()).is_greedy
+    assert from_wire(specdec_pb2.SamplingParams(logprobs=0)).logprobs == 0
+
+
+def test_an_alias_is_named_in_its_error() -> None:
+    with pytest.raises(InvalidRequestError) as refused:
+        parse_sampling({"max_completion_tokens": 0})
+    assert refused.value.param == "max_completion_tokens"
+    with pytest.raises(InvalidRequestError) as refused:
+        parse_sampling({"logprobs": True, "top_logprobs": 21})
+    assert refused.value.param == "top_logprobs"
+    assert "[0, 20]" in refused.value.message
+
+
+def test_a_type_error_names_the_field() -> None:
+    for name, value in (("temperature", "hot"), ("top_k", 1.5), ("seed", True)):
+        with pytest.raises(InvalidRequestError) as refused:
+            parse_sampling({name: value})
+        assert refused.value.param == name

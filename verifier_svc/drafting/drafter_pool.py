@@ -9,8 +9,9 @@ and `propose` never raises.
 
 Invariants:
 - a sequence sticks to the replica it was assigned to (least loaded healthy one) until
-  that replica goes down; then it is reassigned on its next step with a full resync;
-- `_SeqState.num_synced_tokens` tokens of the sequence's verified context are on its
+  that replica goes down; then it is reassigned on its next step with a full resync
+  (verifier_svc.drafting.sequence_placement);
+- `SeqState.num_synced_tokens` tokens of the sequence's verified context are on its
   replica; each step sends only `token_ids[num_synced_tokens:]`. It is advanced when the
   message is queued: the stream is ordered, and a stream that breaks loses all the
   replica's state anyway (its sequences are dropped here and resynced elsewhere);
@@ -19,8 +20,8 @@ Invariants:
   extra resync is harmless).
 
 Replicas come from `targets` ("host:port"); each host name is resolved at start and
-every `resolve_interval_s`, one replica per address, so a compose service scaled to N
-drafters behind one name gives N replicas.
+every `resolve_interval_s`, one replica per address (specdec.rpc.replica_set), so a
+compose service scaled to N drafters behind one name gives N replicas.
 
 Drafters that learn across requests (GetInfo.wants_finished_outputs: suffix) get every
 finished output, whichever replica drafted it (`record_finished_output`; the bounded log
@@ -35,15 +36,16 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import socket
 import time
 from dataclasses import dataclass
 
 import torch
 
 from specdec.errors import DrafterMismatchError, InvalidRequestError
-from specdec.rpc.address import format_address, parse_host_port
+from specdec.rpc.address import parse_host_port
 from specdec.rpc.grpc_server import CHANNEL_OPTIONS, client_keepalive_options
+from specdec.rpc.replica_health import model_mismatch
+from specdec.rpc.replica_set import ChannelOptions, ReplicaSet, Resolver, resolve_ips
 from specdec.rpc.tensors import FLOAT_DTYPE_NAMES, decode_tensor, encode_tensor
 from specdec.rpc.tls import GrpcTlsConfig
 from specdec.v1 import specdec_pb2
@@ -55,6 +57,7 @@ from verifier_svc.drafting.finished_outputs import (
     DEFAULT_MAX_TOKENS,
     FinishedOutputSharing,
 )
+from verifier_svc.drafting.sequence_placement import SequencePlacement
 
 logger = logging.getLogger(__name__)
 
@@ -81,11 +84,21 @@ class Draft:
     forced: bool = False
 
 
-@dataclass(slots=True)
-class _SeqState:
-    replica: DrafterReplica
-    num_synced_tokens: int
-    num_synced_hidden_rows: int = 0
+class _StepMessages:
+    """One step's message per replica concerned and, per replica, seq_id -> the number of
+    draft tokens asked for."""
+
+    def __init__(self, step_id: int) -> None:
+        self.step_id = step_id
+        self.messages: dict[DrafterReplica, specdec_pb2.ProposeRequest] = {}
+        self.asked: dict[DrafterReplica, dict[int, int]] = {}
+
+    def message_for(self, replica: DrafterReplica) -> specdec_pb2.ProposeRequest:
+        message = self.messages.get(replica)
+        if message is None:
+            message = self.messages[replica] = specdec_pb2.ProposeRequest(step_id=self.step_id)
+            self.asked[replica] = {}
+        return message
 
 
 class DrafterPool:
@@ -96,9 +109,10 @@ class DrafterPool:
                  internal_token: str | None = None,
                  replay_max_outputs: int = DEFAULT_MAX_OUTPUTS,
                  replay_max_tokens: int = DEFAULT_MAX_TOKENS,
-                 finished_flush_delay_s: float = DEFAULT_FLUSH_DELAY_S) -> None:
-        self._targets = [parse_host_port(target, "--drafter") for target in targets]
-        self._resolve_interval_s = resolve_interval_s
+                 finished_flush_delay_s: float = DEFAULT_FLUSH_DELAY_S,
+                 resolver: Resolver = resolve_ips) -> None:
+        for target in targets:
+            parse_host_port(target, "--drafter")  # a ConfigError for anything but host:port
         self.backoff_initial_s = backoff_initial_s
         self.backoff_max_s = backoff_max_s
         self.vocab_size = vocab_size
@@ -119,35 +133,46 @@ class DrafterPool:
         ]
         # Failures by replica and kind (exported as specdec:drafter_errors_total).
         self.errors = DrafterErrors()
-        self._replicas: dict[str, DrafterReplica] = {}
-        self._addresses_by_target: dict[tuple[str, int], set[str]] = {}
-        self._seqs: dict[int, _SeqState] = {}
+        self._replicas = ReplicaSet("drafter", targets, open_replica=self._open_replica,
+                                    retire_replica=self._retire_replica, tls=tls,
+                                    resolver=resolver, resolve_interval_s=resolve_interval_s)
+        self._placement = SequencePlacement()
         # The target layers every replica needs (GetInfo), fixed by the first replica
         # accepted; () when none are needed, None until a replica has connected.
         self.hidden_state_layer_ids: tuple[int, ...] | None = None
         self._step_id = 0
-        self._resolve_task: asyncio.Task[None] | None = None
-        self.sharing = FinishedOutputSharing(lambda: list(self._replicas.values()),
+        self.sharing = FinishedOutputSharing(lambda: self.replicas,
                                              self._next_step_id, replay_max_outputs,
                                              replay_max_tokens, finished_flush_delay_s)
 
     async def start(self) -> None:
         """Resolves the targets and starts connecting; does not wait for any replica."""
-        await self._resolve()
-        self._resolve_task = asyncio.create_task(self._resolve_periodically())
+        await self._replicas.start()
 
     async def close(self) -> None:
         self.sharing.close()
-        if self._resolve_task is not None:
-            self._resolve_task.cancel()
-            await asyncio.gather(self._resolve_task, return_exceptions=True)
-            self._resolve_task = None
-        replicas, self._replicas = list(self._replicas.values()), {}
-        await asyncio.gather(*(replica.close() for replica in replicas))
-        self._seqs.clear()
+        await self._replicas.close()
+        await asyncio.gather(*(replica.close() for replica in self.replicas))
+        self._placement.clear()
+
+    @property
+    def replicas(self) -> list[DrafterReplica]:
+        """Every replica, healthy or not, by --drafter and slot."""
+        return self._replicas.replicas
+
+    def _open_replica(self, address: str, channel_options: ChannelOptions) -> DrafterReplica:
+        replica = DrafterReplica(self, address, channel_options)
+        replica.start()
+        return replica
+
+    async def _retire_replica(self, replica: DrafterReplica) -> None:
+        """Gone from DNS: its stream half-closes (the drafter drops its state) and its
+        sequences move on their next step."""
+        await replica.close()
+        self.errors.forget(replica.address)
 
     def num_healthy(self) -> int:
-        return sum(replica.healthy for replica in self._replicas.values())
+        return sum(replica.healthy for replica in self.replicas)
 
     async def wait_for_healthy(self, num_replicas: int = 1, timeout_s: float = 10.0) -> bool:
         """Waits until at least num_replicas replicas are healthy; False on timeout."""
@@ -190,69 +215,61 @@ class DrafterPool:
                          dict[DrafterReplica, dict[int, int]]]:
         """Queues one message per replica concerned; returns the futures of the answers
         wanted (with their replicas) and, per replica, the tokens asked for by sequence."""
-        messages: dict[DrafterReplica, specdec_pb2.ProposeRequest] = {}
-        # Per replica: seq_id -> number of draft tokens asked for.
-        asked: dict[DrafterReplica, dict[int, int]] = {}
-
-        def message_for(replica: DrafterReplica) -> specdec_pb2.ProposeRequest:
-            message = messages.get(replica)
-            if message is None:
-                message = messages[replica] = specdec_pb2.ProposeRequest(step_id=step_id)
-                asked[replica] = {}
-            return message
-
+        step = _StepMessages(step_id)
         for seq_id in finished_seq_ids:
-            state = self._seqs.pop(seq_id, None)
+            state = self._placement.finish(seq_id)
             if state is not None:
-                state.replica.seq_ids.discard(seq_id)
                 if state.replica.healthy:
-                    message_for(state.replica).finished_seq_ids.append(seq_id)
-
+                    step.message_for(state.replica).finished_seq_ids.append(seq_id)
         for request in requests:
-            state = self._seqs.get(request.seq_id)
-            if state is None or not state.replica.healthy:
-                state = self._assign(request.seq_id)
-                if state is None:
-                    continue  # no healthy replica: no drafts this step
-            replica = state.replica
-            token_ids = request.token_ids
-            if state.num_synced_tokens > len(token_ids):
-                state.num_synced_tokens = 0  # the context shrank (should not happen): resync
-            hidden_rows = None
-            if self.hidden_state_layer_ids:
-                # Rows cover every context position but the last (see the .proto).
-                num_rows = len(token_ids) - 1
-                hidden = request.hidden_states
-                if hidden is None or hidden.shape[0] < num_rows:
-                    continue  # states not captured for this sequence: it cannot be drafted
-                if state.num_synced_tokens == 0:
-                    state.num_synced_hidden_rows = 0
-                hidden_rows = hidden[state.num_synced_hidden_rows:num_rows]
-                state.num_synced_hidden_rows = num_rows
-            num_tokens = min(max(request.num_speculative_tokens, 0),
-                             replica.max_num_speculative_tokens)
-            update = message_for(replica).sequences.add(
-                seq_id=request.seq_id,
-                new_token_ids=token_ids[state.num_synced_tokens:],
-                num_accepted_tokens=max(request.num_accepted_tokens, 0),
-                context_len=len(token_ids),
-                num_speculative_tokens=num_tokens,
-            )
-            if hidden_rows is not None:
-                encode_tensor(hidden_rows, update.hidden_states)
-            state.num_synced_tokens = len(token_ids)
-            if num_tokens > 0:
-                asked[replica][request.seq_id] = num_tokens
-
-        for replica, message in messages.items():
+            self._add_update(step, request)
+        for replica, message in step.messages.items():
             self.sharing.piggyback(replica, message)
 
         waiting: dict[asyncio.Future[specdec_pb2.ProposeResponse | None], DrafterReplica] = {}
-        for replica, message in messages.items():
-            future = replica.send(message, wants_response=bool(asked[replica]))
+        for replica, message in step.messages.items():
+            future = replica.send(message, wants_response=bool(step.asked[replica]))
             if future is not None:
                 waiting[future] = replica
-        return waiting, asked
+        return waiting, step.asked
+
+    def _add_update(self, step: _StepMessages, request: DraftRequest) -> None:
+        """Adds request's update (the tokens and hidden states its replica lacks) to the
+        message for its replica, assigning one first where it has none healthy."""
+        state = self._placement.get(request.seq_id)
+        if state is None or not state.replica.healthy:
+            state = self._placement.assign(request.seq_id, self.replicas)
+            if state is None:
+                return  # no healthy replica: no drafts this step
+        replica = state.replica
+        token_ids = request.token_ids
+        if state.num_synced_tokens > len(token_ids):
+            state.num_synced_tokens = 0  # the context shrank (should not happen): resync
+        hidden_rows = None
+        if self.hidden_state_layer_ids:
+            # Rows cover every context position but the last (see the .proto).
+            num_rows = len(token_ids) - 1
+            hidden = request.hidden_states
+            if hidden is None or hidden.shape[0] < num_rows:
+                return  # states not captured for this sequence: it cannot be drafted
+            if state.num_synced_tokens == 0:
+                state.num_synced_hidden_rows = 0
+            hidden_rows = hidden[state.num_synced_hidden_rows:num_rows]
+            state.num_synced_hidden_rows = num_rows
+        num_tokens = min(max(request.num_speculative_tokens, 0),
+                         replica.max_num_speculative_tokens)
+        update = step.message_for(replica).sequences.add(
+            seq_id=request.seq_id,
+            new_token_ids=token_ids[state.num_synced_tokens:],
+            num_accepted_tokens=max(request.num_accepted_tokens, 0),
+            context_len=len(token_ids),
+            num_speculative_tokens=num_tokens,
+        )
+        if hidden_rows is not None:
+            encode_tensor(hidden_rows, update.hidden_states)
+        state.num_synced_tokens = len(token_ids)
+        if num_tokens > 0:
+            step.asked[replica][request.seq_id] = num_tokens
 
     async def _await_drafts(self, step_id: int, waiting: dict[asyncio.Future[specdec_pb2.ProposeResponse | None],
                                                                DrafterReplica],
@@ -276,21 +293,6 @@ class DrafterPool:
     def _next_step_id(self) -> int:
         self._step_id += 1
         return self._step_id
-
-    def _assign(self, seq_id: int) -> _SeqState | None:
-        """Puts seq_id on the least loaded healthy replica, to be synced from scratch."""
-        # A replica still catching up would answer late: its drafts would miss the deadline.
-        healthy = [replica for replica in self._replicas.values()
-                   if replica.healthy and not replica.catching_up]
-        if not healthy:
-            return None
-        old = self._seqs.get(seq_id)
-        if old is not None:
-            old.replica.seq_ids.discard(seq_id)
-        replica = min(healthy, key=lambda candidate: len(candidate.seq_ids))
-        replica.seq_ids.add(seq_id)
-        state = self._seqs[seq_id] = _SeqState(replica, 0)
-        return state
 
     def record_finished_output(self, seq_id: int, prompt_token_ids: list[int],
                                output_token_ids: list[int]) -> None:
@@ -351,20 +353,13 @@ class DrafterPool:
         return values
 
     def mark_needs_resync(self, replica: DrafterReplica, seq_id: int) -> None:
-        state = self._seqs.get(seq_id)
-        if state is not None and state.replica is replica:
-            state.num_synced_tokens = 0
-            state.num_synced_hidden_rows = 0
+        self._placement.needs_resync(replica, seq_id)
 
     def check_info(self, info: specdec_pb2.DrafterInfo) -> DrafterMismatchError | None:
         """Why a drafter cannot serve this verifier, or None when it can."""
-        problems = []
-        if info.vocab_size and info.vocab_size != self.vocab_size:
-            problems.append(f"its vocab_size is {info.vocab_size}, the verifier's is "
-                            f"{self.vocab_size}")
-        if info.tokenizer_fingerprint and info.tokenizer_fingerprint != self.tokenizer_fingerprint:
-            problems.append(f"its tokenizer fingerprint is {info.tokenizer_fingerprint!r}, the "
-                            f"verifier's is {self.tokenizer_fingerprint!r}")
+        problems = model_mismatch(info, vocab_size=self.vocab_size,
+                                  tokenizer_fingerprint=self.tokenizer_fingerprint,
+                                  ours="verifier")
         if problems:
             return DrafterMismatchError("drafter built for another model: " + "; ".join(problems))
         layer_ids = tuple(info.hidden_state_layer_ids)
@@ -379,41 +374,7 @@ class DrafterPool:
 
     def drop_replica_sequences(self, replica: DrafterReplica) -> None:
         """The replica lost its stream: its sequences get reassigned on their next step."""
-        for seq_id in replica.seq_ids:
-            state = self._seqs.get(seq_id)
-            if state is not None and state.replica is replica:
-                del self._seqs[seq_id]
-        replica.seq_ids.clear()
-
-    async def _resolve_periodically(self) -> None:
-        while True:
-            await asyncio.sleep(self._resolve_interval_s)
-            try:
-                await self._resolve()
-            except Exception:
-                logger.exception("drafter pool: resolving %s failed", self._targets)
-
-    async def _resolve(self) -> None:
-        """Reconciles replicas with what the targets resolve to now (a failed lookup keeps the old)."""
-        for host, port in self._targets:
-            try:
-                infos = await asyncio.to_thread(socket.getaddrinfo, host, port,
-                                                type=socket.SOCK_STREAM)
-            except OSError as exc:
-                logger.warning("drafter pool: cannot resolve %s:%d: %s", host, port, exc)
-                continue
-            self._addresses_by_target[(host, port)] = {
-                format_address(info[4][0], port) for info in infos
-                if info[0] in (socket.AF_INET, socket.AF_INET6) and isinstance(info[4][0], str)}
-        wanted = set().union(*self._addresses_by_target.values())
-        for address in sorted(set(self._replicas) - wanted):
-            logger.info("drafter pool: replica %s is gone from DNS", address)
-            await self._replicas.pop(address).close()
-            self.errors.forget(address)
-        for address in sorted(wanted - set(self._replicas)):
-            logger.info("drafter pool: adding replica %s", address)
-            replica = self._replicas[address] = DrafterReplica(self, address)
-            replica.start()
+        self._placement.drop_replica(replica)
 
 
 def _decode_probs(message: specdec_pb2.Tensor, num_tokens: int, vocab_size: int,

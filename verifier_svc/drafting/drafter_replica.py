@@ -2,8 +2,10 @@
 
 The replica checks the drafter's GetInfo with its pool before opening the stream,
 reconnects with exponential backoff after any failure, and reconnects a stream that
-stopped answering. When it goes down, its pool forgets the replica's sequences, which
-are reassigned and resynced on their next step.
+stopped answering. Its health is judged on evidence (specdec.rpc.replica_health): the
+stream open is up; a failed connect, a broken stream or a refusal is down. When it goes
+down, its pool forgets the replica's sequences, which are reassigned and resynced on
+their next step.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ from typing import TYPE_CHECKING, Protocol
 import grpc
 
 from specdec.errors import DrafterMismatchError
+from specdec.rpc.replica_health import ReplicaHealth
 from specdec.rpc.tls import open_channel
 from specdec.v1 import specdec_pb2, specdec_pb2_grpc
 from verifier_svc.drafting.drafter_errors import (
@@ -60,10 +63,13 @@ class ReplicaOwner(Protocol):
 class DrafterReplica:
     """One drafter address: a channel, one long-lived Propose stream, a health flag."""
 
-    def __init__(self, pool: ReplicaOwner, address: str) -> None:
+    def __init__(self, pool: ReplicaOwner, address: str,
+                 channel_options: Sequence[tuple[str, object]] = ()) -> None:
         self.pool = pool
         self.address = address
-        self.healthy = False
+        # The pool's options and this address's own (specdec.rpc.replica_set).
+        self.channel_options = [*pool.channel_options, *channel_options]
+        self.health = ReplicaHealth()
         self.max_num_speculative_tokens = 0
         self.seq_ids: set[int] = set()
         # Finished-output sharing (verifier_svc/drafting/finished_outputs.py): whether the
@@ -80,7 +86,10 @@ class DrafterReplica:
         self._call: grpc.aio.StreamStreamCall | None = None
         self._task: asyncio.Task[None] | None = None
         self._closing = False
-        self._last_refusal = ""
+
+    @property
+    def healthy(self) -> bool:
+        return self.health.healthy
 
     def start(self) -> None:
         self._task = asyncio.create_task(self._run(), name=f"drafter-replica-{self.address}")
@@ -124,7 +133,7 @@ class DrafterReplica:
         # its services at once): that is INFO; losing one that served is a WARNING.
         ever_connected = False
         while True:
-            channel = open_channel(self.pool.tls, self.address, self.pool.channel_options,
+            channel = open_channel(self.pool.tls, self.address, self.channel_options,
                                    internal_token=self.pool.internal_token)
             try:
                 async for _ in self._serve(channel):
@@ -135,8 +144,7 @@ class DrafterReplica:
                 # ERROR once per distinct reason; the periodic re-checks repeat it at DEBUG.
                 self.pool.errors.record(
                     self.address, REFUSED, f"refused: {exc.message}; serving without it",
-                    logging.ERROR if exc.message != self._last_refusal else logging.DEBUG)
-                self._last_refusal = exc.message
+                    logging.ERROR if self.health.refusal_is_new(exc.message) else logging.DEBUG)
                 backoff_s = self.pool.backoff_max_s
             except asyncio.CancelledError:
                 current = asyncio.current_task()
@@ -172,7 +180,7 @@ class DrafterReplica:
         self.wants_finished_outputs = info.wants_finished_outputs
         self._outbox = asyncio.Queue()
         self._call = stub.Propose(_drain(self._outbox))
-        self.healthy = True
+        self.health.up()
         self.generation += 1
         logger.info("drafter %s connected: method=%s max k=%d", self.address, info.method,
                     info.max_num_speculative_tokens)
@@ -185,6 +193,7 @@ class DrafterReplica:
             yield
 
     def _on_response(self, response: specdec_pb2.ProposeResponse) -> None:
+        self.health.alive()
         self._num_unanswered = max(0, self._num_unanswered - 1)
         future = self._pending.pop(response.step_id, None)
         if future is not None and not future.done():
@@ -195,7 +204,7 @@ class DrafterReplica:
                 self.pool.mark_needs_resync(self, sequence_draft.seq_id)
 
     def _mark_down(self) -> None:
-        self.healthy = False
+        self.health.down()
         self.catching_up = False
         self._call = None
         self._num_unanswered = 0

@@ -3,14 +3,17 @@
 `GrammarBackend(tokenizer, vocab_size)` wraps the model's tokenizer for llguidance once (about
 half a second for a 49k vocabulary), compiles (kind, value) constraints into
 `CompiledGrammar`s kept in a thread-safe LRU cache keyed by (kind, value), and starts one
-`GrammarState` per sequence from a compiled grammar. `compile_async` first checks a new
-constraint in a `GrammarChecker` process (under the time budget, cancelled when its request
-ends: a check can take minutes and cannot be interrupted in-process), then builds the
-matcher in the backend's own worker threads (llguidance drops the GIL while it builds), so
-the engine loop never waits on a large schema. A compiled grammar is probed before
-admission: its first mask, and its first allowed token, must stay within llguidance's
-limits (a 20,000-string choice or `(a{1000}){1000}` fail there, not mid-step). Why
-llguidance and not xgrammar: docs/performance.md.
+`GrammarState` per sequence from a compiled grammar.
+
+`compile_async` first compiles and probes a new constraint in a `GrammarChecker` process
+holding the model's tokenizer: under the time budget, and killed when its request ends (a
+compile can take minutes and cannot be interrupted in-process). Only a constraint that
+passed is compiled again in the backend's own threads (llguidance drops the GIL while it
+builds; the engine loop never waits on a large schema), at no more than the cost the check
+took, and is not probed again. A compiled grammar's probe (`specdec.grammar_probe`) walks
+its first tokens, so that one going past llguidance's limits there (a 20,000-string choice,
+`(a{1000}){1000}`) is refused before admission, not mid-step. Why llguidance and not
+xgrammar: docs/performance.md.
 """
 
 from __future__ import annotations
@@ -27,15 +30,14 @@ from typing import Any
 
 from specdec.errors import InvalidRequestError
 from specdec.grammar_checker import GrammarChecker, GrammarLimits
-from specdec.grammar_spec import check_grammar, parser_limits
-from verifier_svc.grammar.matcher import GrammarLimitError, GrammarState, allocate_bitmask
+from specdec.grammar_probe import probe_matcher
+from specdec.grammar_spec import compiled_matcher, grammar_text
+from specdec.grammar_tokenizer import GrammarTokenizer
+from verifier_svc.grammar.matcher import GrammarState
 
 logger = logging.getLogger(__name__)
 
 DEFAULT_CACHE_SIZE = 512
-# llguidance's error for a grammar with no way to go on (from its start: one that matches
-# nothing, e.g. a schema whose $ref cycle has no base case).
-_NO_OUTPUT_ERROR = "NoExtensionBias"
 DEFAULT_COMPILE_THREADS = 2
 
 
@@ -66,8 +68,6 @@ class GrammarBackend:
         """`tokenizer`: the model's transformers fast tokenizer; `vocab_size`: the model's
         logits width (may exceed the tokenizer's size: the padding ids are never allowed);
         `eos_token_ids`: the ids that end a sequence (default: the tokenizer's EOS)."""
-        import llguidance.hf
-
         tokenizer_size = len(tokenizer)
         if vocab_size < tokenizer_size:
             raise ValueError(f"model vocab_size {vocab_size} is smaller than the tokenizer's {tokenizer_size}")
@@ -77,8 +77,8 @@ class GrammarBackend:
         self.tokenizer_vocab_size = tokenizer_size
         self.eos_token_ids = tuple(dict.fromkeys(int(t) for t in eos_token_ids))
         started = time.perf_counter()
-        self.ll_tokenizer = llguidance.hf.from_tokenizer(
-            tokenizer, n_vocab=vocab_size, eos_token=list(self.eos_token_ids) or None)
+        self.tokenizer = GrammarTokenizer.from_hf(tokenizer, vocab_size, self.eos_token_ids)
+        self.ll_tokenizer = self.tokenizer.build()
         logger.info("grammar backend: llguidance tokenizer info for %d tokens in %.2f s",
                     tokenizer_size, time.perf_counter() - started)
         self._cache_size = cache_size
@@ -87,7 +87,7 @@ class GrammarBackend:
         self._executor = ThreadPoolExecutor(max_workers=compile_threads,
                                            thread_name_prefix="grammar-compile")
         self.limits = limits or GrammarLimits()
-        # Made on the first compile_async, on the engine's event loop.
+        # Made on first use (`checker`), on the engine's event loop.
         self._checker: GrammarChecker | None = None
         self.hits = 0
         self.misses = 0
@@ -99,7 +99,8 @@ class GrammarBackend:
 
         Raises InvalidRequestError (gRPC INVALID_ARGUMENT, HTTP 400) saying why, naming
         `param`. Threads asking for the same grammar at once compile it once. `text`: the
-        llguidance grammar, checked already (by the GrammarChecker).
+        llguidance grammar, compiled and probed already with this tokenizer (by the
+        GrammarChecker), so not probed again.
         """
         key = (kind, value)
         with self._lock:
@@ -140,50 +141,35 @@ class GrammarBackend:
             ready = future is not None and future.done()
         if ready:
             return self.compile(kind, value, param=param)  # a cache hit costs no thread hop
-        if self._checker is None:
-            self._checker = GrammarChecker(self.limits)
-        text = await self._checker.check(kind, value, param=param)
+        text = await self.checker.check(kind, value, param=param)
+        # Cancelled while it waits for a thread, it never starts; once started it runs to
+        # its end (at most the check's cost) and is cached for the next request.
         loop = asyncio.get_running_loop()
         return await loop.run_in_executor(
             self._executor, lambda: self.compile(kind, value, param=param, text=text))
 
-    def _compile_uncached(self, kind: str, value: str, text: str | None) -> CompiledGrammar:
-        import llguidance
+    @property
+    def checker(self) -> GrammarChecker:
+        """What checks a new constraint, in worker processes (made on first use: its queue
+        belongs to the event loop that uses it)."""
+        if self._checker is None:
+            self._checker = GrammarChecker(self.limits, self.tokenizer)
+        return self._checker
 
+    def _compile_uncached(self, kind: str, value: str, text: str | None) -> CompiledGrammar:
         started = time.perf_counter()
+        probed = text is not None
         if text is None:
-            text = check_grammar(kind, value, param="grammar", tokenizer=self.ll_tokenizer,
-                                 max_chars=self.limits.max_chars)
-        template = llguidance.LLMatcher(self.ll_tokenizer, text, log_level=0,
-                                        limits=parser_limits())
-        if template.is_error():
-            raise InvalidRequestError(f"invalid {kind.replace('_', ' ')}: "
-                                      f"{GrammarLimitError(template.get_error()).detail}")
-        self._probe(kind, template)
+            text = grammar_text(kind, value, max_chars=self.limits.max_chars)
+        template = compiled_matcher(kind, text, self.ll_tokenizer)
+        if not probed:
+            probe_matcher(template.deep_copy(), kind,
+                          tokenizer_vocab_size=self.tokenizer_vocab_size,
+                          eos_token_ids=self.eos_token_ids)
         elapsed = time.perf_counter() - started
         logger.debug("compiled %s grammar (%d chars) in %.1f ms", kind, len(value), elapsed * 1e3)
         return CompiledGrammar(kind=kind, value=value, grammar=text, compile_s=elapsed,
                                template=template)
-
-    def _probe(self, kind: str, template: Any) -> None:
-        """Raises InvalidRequestError when the grammar's first mask, or its first allowed
-        token, takes llguidance past its limits (the error state it would reach mid-step)."""
-        state = GrammarState(template.deep_copy(), tokenizer_vocab_size=self.tokenizer_vocab_size,
-                             vocab_size=self.vocab_size, eos_token_ids=self.eos_token_ids)
-        mask = allocate_bitmask(1, self.vocab_size)
-        try:
-            state.fill_next_mask(mask)
-            first = _first_allowed(mask[0], self.eos_token_ids)
-            if first is not None:
-                state.accept(first)
-                state.fill_next_mask(mask)
-        except GrammarLimitError as error:
-            if error.detail.startswith(_NO_OUTPUT_ERROR):
-                raise InvalidRequestError(
-                    f"the {kind.replace('_', ' ')} matches no text at all (a $ref that only "
-                    "refers to itself?)") from None
-            raise InvalidRequestError(f"the {kind.replace('_', ' ')} exceeds the grammar "
-                                      f"library's limits: {error.detail}") from None
 
     # -- sequences -----------------------------------------------------------------------
     def new_state(self, compiled: CompiledGrammar) -> GrammarState:
@@ -200,19 +186,3 @@ class GrammarBackend:
         self._executor.shutdown(wait=False, cancel_futures=True)
         if self._checker is not None:
             await self._checker.close()
-
-
-def _first_allowed(row: Any, eos_token_ids: tuple[int, ...]) -> int | None:
-    """The lowest token id a bitmask row allows, EOS aside; None when it allows none."""
-    import numpy as np
-
-    words = row.numpy().view(np.uint32)
-    for index in np.flatnonzero(words):
-        word = int(words[index])
-        while word:
-            bit = (word & -word).bit_length() - 1
-            token_id = int(index) * 32 + bit
-            if token_id not in eos_token_ids:
-                return token_id
-            word &= word - 1
-    return None

@@ -19,10 +19,9 @@ import numpy as np
 import torch
 
 from specdec.errors import InvalidRequestError
+from specdec.grammar_probe import error_detail
 
 logger = logging.getLogger(__name__)
-
-MAX_LIMIT_MESSAGE_CHARS = 300
 
 
 class GrammarLimitError(InvalidRequestError):
@@ -30,9 +29,7 @@ class GrammarLimitError(InvalidRequestError):
     while generating: llguidance's matcher is in its error state for good."""
 
     def __init__(self, detail: str) -> None:
-        first_line = detail.strip().splitlines()[0] if detail.strip() else "unknown error"
-        # llguidance's error, on one line and short (it may quote the grammar).
-        self.detail = first_line[:MAX_LIMIT_MESSAGE_CHARS]
+        self.detail = error_detail(detail)
         super().__init__("the grammar exceeded the grammar library's limits while generating: "
                          f"{self.detail}", param="grammar")
 
@@ -172,10 +169,6 @@ class GrammarState:
     def is_accepting(self) -> bool:
         """The text so far satisfies the grammar: EOS is allowed now."""
         return self._eos_accepted or self._matcher.is_accepting()
-
-    def is_terminated(self) -> bool:
-        """Nothing but EOS may follow (or EOS was accepted): the sequence can finish."""
-        return self._eos_accepted or (self._matcher.is_stopped() and not self._matcher.is_error())
 
     def accept(self, token_id: int) -> bool:
         """Advance by one token; False (state unchanged) when the grammar rejects it."""
@@ -323,19 +316,6 @@ class GrammarState:
         finally:
             self.rollback(len(forced))
         return forced
-
-    def jump_forward_tokens(self, max_tokens: int) -> list[int]:
-        """llguidance's fast-forward tokens: the bytes the grammar forces, tokenized
-        canonically (e.g. `{"name": "` of a schema with a fixed first key).
-
-        Unlike `forced_tokens` other tokenizations of the same bytes stay allowed, so these
-        are draft proposals that the target must verify; as a draft any token sequence
-        keeps verification exact. State unchanged.
-        """
-        if self._eos_accepted or max_tokens <= 0:
-            return []
-        return [t for t in self._matcher.compute_ff_tokens()[:max_tokens]
-                if 0 <= t < self.tokenizer_vocab_size]
 
     def _check_limits(self) -> None:
         """Raises GrammarLimitError when the matcher is in its error state (a limit hit)."""

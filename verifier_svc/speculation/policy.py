@@ -66,16 +66,18 @@ first asks that was cheaper than the steady estimate corrects it.
 
 from __future__ import annotations
 
-import heapq
-
-from verifier_svc.speculation import probe_schedule
 from verifier_svc.speculation.acceptance_stats import AcceptanceStats, ProposalStats
 from verifier_svc.speculation.candidate import Candidate
+from verifier_svc.speculation.draft_allocation import (
+    CandidateOutlook,
+    DraftAllocation,
+    StepPrices,
+    allocate_drafts,
+)
 from verifier_svc.speculation.evidence import ConfidenceCalibration, verified_lengths
+from verifier_svc.speculation.off_reasons import request_off_reason, step_off_reason
 from verifier_svc.speculation.probe_schedule import (
-    FREE_FIRST_ASK_TOKENS,
     MAX_PROBE_INTERVAL,
-    PROBE_BUDGET,
     ProbeSchedule,
 )
 from verifier_svc.speculation.realized import RealizedThroughput
@@ -305,133 +307,59 @@ class SpeculationPolicy:
         plan = {candidate.seq_id: 0 for candidate in candidates}
         if not any(candidate.max_tokens > 0 for candidate in candidates):
             return plan  # nothing may draft (e.g. speculation off): no fits, no probes
-        verify_base, verify_slope, verify_per_seq = self.verify_cost.fit()
-        draft_base, draft_per_token = self.draft_cost.fit()
-        num_tokens = len(candidates) + num_other_tokens
-        plain_tokens = float(len(candidates))
-        plain_seconds = verify_base + verify_slope * num_tokens
-        # From here on the costs are drafting's, scaled by what drafting steps realized
-        # against plain ones at this batch size (realized.py; 1 while they pay as fitted).
-        scale = self.realized.cost_scale(len(candidates))
-        verify_slope, verify_per_seq = verify_slope * scale, verify_per_seq * scale
-        draft_base, draft_per_token = draft_base * scale, draft_per_token * scale
-        # The drafter's round trip is paid once for all of a step's drafts, so no single
-        # draft need pay it: the drafts are planned as if it were paid, then kept only if
-        # together they beat not asking (at eight requests here no one draft paid a 1.2 ms
-        # round trip alone, and only probes drafted).
-        expected_tokens, seconds = plain_tokens, plain_seconds + draft_base
-
-        # A sequence never asked for pays its first ask with its first draft (its context;
-        # for EAGLE and draft models the drafter's prefill of it).
-        first_ask_round_trip, first_ask_seconds = (cost * scale for cost in self.first_ask_costs())
-        never_asked = [candidate.seq_id not in self._proposals and candidate.seq_id not in self._stats
-                       for candidate in candidates]
-        # Whose first draft carries a first ask's cost (its context, not synced before).
-        pays_first_ask = [first and not candidate.synced
-                          for first, candidate in zip(never_asked, candidates)]
-        # Max-heap of (-expected tokens the next draft adds, candidate index, its position).
-        heap: list[tuple[float, int, int]] = []
-        rates: list[list[float]] = []
-        proposing: list[float] = []  # chance that an ask returns tokens to verify
-        # The priors once a plan, not once a sequence (the plan runs every step).
-        engine_rates = self.engine_rates(max(candidate.max_tokens for candidate in candidates))
-        engine_proposing = self.engine_proposals.rate(1.0, 1.0)
-        for index, candidate in enumerate(candidates):
-            seq_rates = self.rates(candidate.seq_id, candidate.max_tokens, engine_rates)
-            rates.append(seq_rates)
-            proposing.append(self.proposal_rate(candidate.seq_id, engine_proposing))
-            if candidate.max_tokens > 0:
-                gain = proposing[index] * seq_rates[0]
-                # A first draft that does not pay at the least it can cost never will (the
-                # plan's tokens per second only rise as drafts are added): left out of the heap.
-                least_cost = proposing[index] * (verify_slope + verify_per_seq)
-                if pays_first_ask[index]:
-                    least_cost += first_ask_seconds
-                if gain * seconds > least_cost * expected_tokens:
-                    heapq.heappush(heap, (-gain, index, 0))
-        longest = 0
-        while heap:
-            negative_gain, index, position = heapq.heappop(heap)
-            gain = -negative_gain
-            # Verification is paid only when the drafter proposes; the ask itself always.
-            cost = proposing[index] * (verify_slope + (verify_per_seq if position == 0 else 0.0))
-            if position == 0 and pays_first_ask[index]:
-                cost += first_ask_seconds
-            if position + 1 > longest:
-                cost += draft_per_token
-            if gain * seconds <= cost * expected_tokens:
-                continue
-            candidate = candidates[index]
-            plan[candidate.seq_id] = position + 1
-            expected_tokens += gain
-            seconds += cost
-            longest = max(longest, position + 1)
-            if position + 1 < candidate.max_tokens:
-                heapq.heappush(heap, (-gain * rates[index][position + 1], index, position + 1))
-        if not longest or expected_tokens * plain_seconds <= plain_tokens * seconds:
-            self.step_off_reason = self._off_reason(
-                len(candidates), (expected_tokens / seconds) / (plain_tokens / plain_seconds)
-                if longest else None,
-                max((proposing[i] * rates[i][0] for i, c in enumerate(candidates) if c.max_tokens > 0),
-                    default=0.0),
-                (verify_slope + verify_per_seq) * plain_tokens / plain_seconds)
+        prices = self._prices(candidates, num_other_tokens)
+        outlook = self._outlook(candidates)
+        allocation = allocate_drafts(candidates, prices, outlook, plan)
+        if not allocation.pays(prices):
+            self.step_off_reason = step_off_reason(self.realized, candidates, prices, outlook,
+                                                   allocation)
             plan = dict.fromkeys(plan, 0)
-            expected_tokens, seconds, longest = plain_tokens, plain_seconds, 0
-        for index, candidate in enumerate(candidates):
-            if candidate.max_tokens > 0 and plan[candidate.seq_id] == 0:
-                self.off_reasons[candidate.seq_id] = self.step_off_reason or (
-                    f"off for this request: a draft is expected to add "
-                    f"{proposing[index] * rates[index][0]:.2f} tokens, less than it costs at "
-                    f"batch size {len(candidates)}")
-        # What a probe costs, in seconds of this step: its verification (scaled, as a
-        # draft's, by the chance that the drafter proposes), and on a step that would not ask
-        # the drafter, the round trip shared by the idle sequences.
-        num_idle = sum(1 for candidate in candidates
-                       if plan[candidate.seq_id] == 0 and candidate.max_tokens > 0)
-        ask_seconds = 0.0 if longest else (draft_base + draft_per_token) / max(1, num_idle)
-        tokens_per_second = expected_tokens / seconds if seconds > 0 else 0.0
-        token_cost = verify_slope * tokens_per_second  # one more verified token, in tokens
-        hopeful_shares: dict[int, float] = {}  # by draft cap: the same for every sequence
-
-        def priced_wait(index: int) -> int:
-            """The wait that keeps candidate `index`'s share of the probes within budget (a
-            never-asked sequence's probe carries its first ask)."""
-            probe_seconds = proposing[index] * (verify_slope + verify_per_seq) + ask_seconds
-            if pays_first_ask[index]:
-                probe_seconds += first_ask_seconds
-            loss = probe_seconds * tokens_per_second - proposing[index] * rates[index][0]
-            max_tokens = candidates[index].max_tokens
-            share = hopeful_shares.get(max_tokens)
-            if share is None:
-                share = hopeful_shares[max_tokens] = probe_schedule.hopeful_share(max_tokens, token_cost)
-            return probe_schedule.affordable_wait(loss, num_idle, PROBE_BUDGET * share * expected_tokens)
-
-        first_probe_round_trip = first_ask_round_trip or draft_base + draft_per_token
-        first_ask_is_dear = first_ask_round_trip * tokens_per_second > FREE_FIRST_ASK_TOKENS
-        free_first_probe = [first and not (pays and first_ask_is_dear)
-                            for first, pays in zip(never_asked, pays_first_ask)]
-        self.probes.plan_probes(self._num_plans, candidates, plan, priced_wait, free_first_probe,
-                                first_probe_round_trip / plain_seconds if plain_seconds > 0 else 0.0)
+            allocation = DraftAllocation(prices.plain_tokens, prices.plain_seconds)
+        self._note_off_reasons(candidates, plan, outlook)
+        self.probes.plan_priced_probes(self._num_plans, candidates, plan, prices, outlook,
+                                       allocation)
         if any(plan.values()):
             self._last_ask_plan = self._num_plans
         elif self._num_plans - self._last_ask_plan >= COST_REFRESH_PLANS:
-            self._refresh_cost(candidates, plan, pays_first_ask)
+            self._refresh_cost(candidates, plan, outlook.pays_first_ask)
         return plan
 
-    def _off_reason(self, num_seqs: int, planned_speedup: float | None,
-                    best_first_gain: float, draft_cost_in_tokens: float) -> str:
-        """Why a plan drafts nothing, in the figures it measured: what drafting steps
-        realized at this batch size when they are why, else what the plan expected."""
-        efficiency = self.realized.efficiency(num_seqs)
-        if efficiency is not None and efficiency < 1.0 and self.realized.cost_scale(num_seqs) > 1.0:
-            return (f"off: drafting yields {efficiency:.2f}x plain decoding at batch size "
-                    f"{num_seqs}")
-        if planned_speedup is not None:
-            return (f"off: drafting would yield {planned_speedup:.2f}x plain decoding at batch "
-                    f"size {num_seqs}")
-        return (f"off: a draft is expected to add at most {best_first_gain:.2f} tokens; "
-                f"verifying it takes the time of {draft_cost_in_tokens:.2f} tokens at batch "
-                f"size {num_seqs}")
+    def _prices(self, candidates: list[Candidate], num_other_tokens: int) -> StepPrices:
+        """This step's costs from the fits; drafting's scaled by what drafting steps realized
+        against plain ones at this batch size (realized.py; 1 while they pay as fitted)."""
+        verify_base, verify_slope, verify_per_seq = self.verify_cost.fit()
+        draft_base, draft_per_token = self.draft_cost.fit()
+        num_tokens = len(candidates) + num_other_tokens
+        scale = self.realized.cost_scale(len(candidates))
+        first_ask_round_trip, first_ask_seconds = (cost * scale for cost in self.first_ask_costs())
+        return StepPrices(float(len(candidates)), verify_base + verify_slope * num_tokens,
+                          verify_slope * scale, verify_per_seq * scale, draft_base * scale,
+                          draft_per_token * scale, first_ask_round_trip, first_ask_seconds)
+
+    def _outlook(self, candidates: list[Candidate]) -> CandidateOutlook:
+        """Each candidate's acceptance and proposal estimates, and whether it pays a first
+        ask: a sequence never asked for pays it with its first draft (its context; for EAGLE
+        and draft models the drafter's prefill of it) unless the drafter holds it already."""
+        never_asked = [candidate.seq_id not in self._proposals and candidate.seq_id not in self._stats
+                       for candidate in candidates]
+        # The priors once a plan, not once a sequence (the plan runs every step).
+        engine_rates = self.engine_rates(max(candidate.max_tokens for candidate in candidates))
+        engine_proposing = self.engine_proposals.rate(1.0, 1.0)
+        return CandidateOutlook(
+            rates=[self.rates(candidate.seq_id, candidate.max_tokens, engine_rates)
+                   for candidate in candidates],
+            proposing=[self.proposal_rate(candidate.seq_id, engine_proposing)
+                       for candidate in candidates],
+            never_asked=never_asked,
+            pays_first_ask=[first and not candidate.synced
+                            for first, candidate in zip(never_asked, candidates)])
+
+    def _note_off_reasons(self, candidates: list[Candidate], plan: dict[int, int],
+                          outlook: CandidateOutlook) -> None:
+        for index, candidate in enumerate(candidates):
+            if candidate.max_tokens > 0 and plan[candidate.seq_id] == 0:
+                self.off_reasons[candidate.seq_id] = self.step_off_reason or request_off_reason(
+                    outlook.first_gain(index), len(candidates))
 
     def _refresh_cost(self, candidates: list[Candidate], plan: dict[int, int], pays_first_ask: list[bool]) -> None:
         """Plans one draft token for one sequence that may draft (one asked before, whose

@@ -1,6 +1,6 @@
 """Probes: a sequence the plan does not draft for verifies one draft token now and then, so
-that its acceptance keeps being measured; this module says when (used by
-verifier_svc/speculation/policy.py, which prices each probe at the step's costs).
+that its acceptance keeps being measured; this module says when, each probe priced at the
+step's costs (used by verifier_svc/speculation/policy.py).
 
 A sequence planned at k = 0 is probed: it verifies one draft token, so its acceptance
 keeps being measured (a passage can become predictable again). The wait before a probe
@@ -52,6 +52,7 @@ from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     from verifier_svc.speculation.candidate import Candidate
+    from verifier_svc.speculation.draft_allocation import CandidateOutlook, DraftAllocation, StepPrices
 
 # Steps a sequence may go undrafted before one draft token is verified to re-measure:
 # FIRST_PROBE_INTERVAL, doubling per fruitless probe up to PROBE_INTERVAL (powers of two).
@@ -176,3 +177,43 @@ class ProbeSchedule:
                 self._waits[seq_id] = min(2 * wait, PROBE_INTERVAL)
             self._idle_steps[seq_id] = idle
         self._arrival_rate = self._arrival_rate * ARRIVAL_DECAY + (1.0 - ARRIVAL_DECAY) * arrived
+
+    def plan_priced_probes(self, plan_number: int, candidates: list[Candidate], plan: dict[int, int],
+                           prices: StepPrices, outlook: CandidateOutlook,
+                           allocation: DraftAllocation) -> None:
+        """Gives idle sequences their probes (`plan_probes`), each priced in seconds of this
+        step: its verification (scaled, as a draft's, by the chance that the drafter
+        proposes), and on a step that would not ask the drafter, the round trip shared by
+        the idle sequences."""
+        num_idle = sum(1 for candidate in candidates
+                       if plan[candidate.seq_id] == 0 and candidate.max_tokens > 0)
+        ask_seconds = (0.0 if allocation.longest
+                       else (prices.draft_base + prices.draft_per_token) / max(1, num_idle))
+        tokens_per_second = (allocation.expected_tokens / allocation.seconds
+                             if allocation.seconds > 0 else 0.0)
+        token_cost = prices.verify_slope * tokens_per_second  # one more verified token, in tokens
+        hopeful_shares: dict[int, float] = {}  # by draft cap: the same for every sequence
+
+        def priced_wait(index: int) -> int:
+            """The wait that keeps candidate `index`'s share of the probes within budget (a
+            never-asked sequence's probe carries its first ask)."""
+            probe_seconds = (outlook.proposing[index] * (prices.verify_slope + prices.verify_per_seq)
+                             + ask_seconds)
+            if outlook.pays_first_ask[index]:
+                probe_seconds += prices.first_ask_seconds
+            loss = probe_seconds * tokens_per_second - outlook.first_gain(index)
+            max_tokens = candidates[index].max_tokens
+            share = hopeful_shares.get(max_tokens)
+            if share is None:
+                share = hopeful_shares[max_tokens] = hopeful_share(max_tokens, token_cost)
+            return affordable_wait(loss, num_idle,
+                                                  PROBE_BUDGET * share * allocation.expected_tokens)
+
+        first_probe_round_trip = (prices.first_ask_round_trip
+                                  or prices.draft_base + prices.draft_per_token)
+        first_ask_is_dear = prices.first_ask_round_trip * tokens_per_second > FREE_FIRST_ASK_TOKENS
+        free_first_probe = [first and not (pays and first_ask_is_dear)
+                            for first, pays in zip(outlook.never_asked, outlook.pays_first_ask)]
+        self.plan_probes(plan_number, candidates, plan, priced_wait, free_first_probe,
+                         first_probe_round_trip / prices.plain_seconds
+                         if prices.plain_seconds > 0 else 0.0)
