@@ -26,6 +26,7 @@ import sys
 import time
 import urllib.request
 from collections.abc import Callable
+from pathlib import Path
 from typing import cast
 
 from drafter_svc.proposer import ModelOptions
@@ -34,7 +35,7 @@ from specdec.cli import add_logging_args, add_shutdown_args, served_model_name
 from specdec.config import SpeculativeConfig
 from specdec.config_flags import add_config_args, build_config, config_argv
 from specdec.models.loader import load_model_config
-from specdec.models.model_files import resolve_model
+from specdec.models.model_files import DEFAULT_MODEL, resolve_model
 from specdec.models.parallel import check_tensor_parallel
 from specdec.rpc.internal_auth import (
     API_KEY_ENV,
@@ -95,6 +96,17 @@ def _free_port() -> int:
         return sock.getsockname()[1]
 
 
+def verifier_model(model: str, model_path: str) -> str:
+    """The verifier's --model: a GGUF as the user named it (the default model's name, or the
+    file's absolute path), so that the verifier can serve the file's blocks
+    (`specdec.models.gguf_model.native_gguf_file` needs the file, not its conversion); else
+    the resolved directory. The verifier's own resolve_model finds the launcher's conversion."""
+    if model.strip().lower() == DEFAULT_MODEL:
+        return DEFAULT_MODEL
+    path = Path(model).expanduser()
+    return str(path.resolve()) if path.is_file() and path.suffix.lower() == ".gguf" else model_path
+
+
 def _child_commands(args: argparse.Namespace, model_path: str) -> list[tuple[str, list[str]]]:
     """Each child's command, from the configs the launcher's flags make (specdec.config_flags):
     a child gets every setting that differs from its own default."""
@@ -105,7 +117,7 @@ def _child_commands(args: argparse.Namespace, model_path: str) -> list[tuple[str
     # The model as the user named it (not the resolved path) names the served model.
     served_name = served_model_name(args.model, args.served_model_name)
     verifier = build_config(
-        VerifierConfig, args, model=model_path, served_model_name=served_name,
+        VerifierConfig, args, model=verifier_model(args.model, model_path), served_model_name=served_name,
         drafter_targets=(f"127.0.0.1:{drafter_port}",) if spec is not None else (),
         drafter_wait_s=DRAFTER_WAIT_S if spec is not None else 0.0)
     gateway = build_config(GatewayConfig, args, model=model_path,

@@ -32,21 +32,24 @@ from gateway.chat import render_chat_prompt
 from specdec.cli import DefaultsHelpFormatter
 from specdec.bench.compare_report import format_table, summarise
 from specdec.bench.compare_systems import (
-    LLAMA_CPP_MISSING,
     Generation,
-    LlamaCppSystem,
     SpecdecEngine,
     SpecdecSystem,
     System,
     TransformersSystem,
     Unavailable,
     assisted_kwargs,
-    llama_cpp_installed,
     load_assistant,
     load_transformers_model,
     prompt_lookup_kwargs,
 )
 from specdec.bench.decode import PROMPTS
+from specdec.bench.llama_cpp_system import (
+    LLAMA_CPP_MISSING,
+    LlamaCppCrashed,
+    LlamaCppSystem,
+    llama_cpp_installed,
+)
 from specdec.bench.serve_requests import SHIPPED_DATASETS, load_requests
 from specdec.config import SpeculativeConfig
 from specdec.speculative_fields import TOKEN_MAP_METHODS
@@ -407,6 +410,9 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as exc:
         print(f"error: {exc.message}", file=sys.stderr)
         return 2
+    except LlamaCppCrashed as exc:  # mid-run: the figures would lack a system
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
     if args.json:
         Path(args.json).write_text(json.dumps(report, indent=2) + "\n")
     return code

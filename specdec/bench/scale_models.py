@@ -4,7 +4,8 @@ template. Built once into the cache; no download (but the default model's, for i
 tokenizer).
 
 Random weights decode as fast as trained ones (the work per token is the same), so speed
-at a size can be measured on a model nobody has to fetch. Quantised files come from
+at a size can be measured on a model nobody has to fetch. The size `135m` is the default
+model itself, its shipped Q4_1 file among the formats. Quantised files come from
 llama.cpp's own quantiser (llama-cpp-python) where it is installed, else from
 `specdec.models.gguf_writer`.
 """
@@ -19,12 +20,13 @@ from pathlib import Path
 
 import torch
 
-from specdec.bench.compare_systems import llama_cpp_installed
+from specdec.bench.llama_cpp_system import llama_cpp_installed
 from specdec.models.gguf_writer import FILE_TYPES, write_llama_gguf
+from specdec.models.model_files import DEFAULT_MODEL, default_cache_dir, fetch_default_gguf, resolve_model
 
 logger = logging.getLogger(__name__)
 
-FORMATS = ("F16", "Q8_0", "Q4_K_M", "Q4_0")
+FORMATS = ("F16", "Q8_0", "Q4_K_M", "Q4_0", "Q4_1")
 # Matrices are drawn from N(0, INIT_STD), norms are ones.
 INIT_STD = 0.02
 # Largest safetensors shard written at once (bytes of bf16).
@@ -56,6 +58,10 @@ PRESETS = {
     "1.5b": ScalePreset(2048, 24, 8192, 32, 4),
     "3b": ScalePreset(3072, 28, 8192, 24, 8),
 }
+# The default model itself (SmolLM2-135M-Instruct, trained weights): its shipped Q4_1 file,
+# and the other formats written from its dequantised directory.
+DEFAULT_SIZE = "135m"
+SIZES = (DEFAULT_SIZE, *PRESETS)
 
 
 def _tensor_shapes(preset: ScalePreset, vocab_size: int) -> list[tuple[str, tuple[int, ...]]]:
@@ -108,7 +114,9 @@ def _write_weights(preset: ScalePreset, vocab_size: int, directory: Path, seed: 
 
 def build_hf_model(name: str, cache_dir: Path, tokenizer_dir: Path, seed: int = 0) -> Path:
     """The HF directory of preset `name` (made once): config, bf16 weights and the tokenizer
-    files of `tokenizer_dir`."""
+    files of `tokenizer_dir`; for DEFAULT_SIZE, the default model's own directory."""
+    if name == DEFAULT_SIZE:
+        return resolve_model(DEFAULT_MODEL)
     preset = PRESETS[name]
     destination = cache_dir / name / "hf"
     if (destination / "config.json").is_file():
@@ -151,9 +159,11 @@ def build_gguf(name: str, precision: str, cache_dir: Path, tokenizer_dir: Path,
                use_llama_cpp: bool | None = None) -> Path:
     """Preset `name` as GGUF at `precision` (made once): F16 written from the HF directory,
     the quantised formats by llama.cpp's quantiser from it (when installed, or as asked),
-    else by `gguf_writer`."""
+    else by `gguf_writer`; DEFAULT_SIZE at Q4_1 is the default model's shipped file."""
     if precision not in FILE_TYPES:
         raise ValueError(f"precision {precision!r} is not one of {', '.join(FILE_TYPES)}")
+    if name == DEFAULT_SIZE and precision == "Q4_1":
+        return fetch_default_gguf(default_cache_dir())
     destination = cache_dir / name / f"{name}.{precision}.gguf"
     if destination.is_file():
         return destination

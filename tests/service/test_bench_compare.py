@@ -13,11 +13,11 @@ from specdec.bench import compare as bench_compare
 from specdec.bench.compare_report import same_output, summarise
 from specdec.bench.compare_systems import (
     Generation,
-    llama_cpp_installed,
     load_assistant,
     load_transformers_model,
     strip_stop,
 )
+from specdec.bench.llama_cpp_system import llama_cpp_installed
 from specdec.config import SpeculativeConfig
 from specdec.errors import ConfigError
 from tests.support.draft_checkpoints import make_draft_model

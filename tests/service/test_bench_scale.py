@@ -47,7 +47,7 @@ def test_a_tiny_preset_loads_in_specdec_and_transformers_alike(tokenizer_dir: Pa
 
 @pytest.mark.skipif(not gguf_kernel_supports(torch.bfloat16), reason="no GGUF kernel here")
 def test_each_format_is_written_and_served_on_its_blocks(tokenizer_dir: Path, tmp_path: Path) -> None:
-    expected_types = {"Q8_0": {"Q8_0"}, "Q4_0": {"Q4_0"}, "Q4_K_M": {"Q4_K", "Q6_K"}}
+    expected_types = {"Q8_0": {"Q8_0"}, "Q4_0": {"Q4_0"}, "Q4_1": {"Q4_1"}, "Q4_K_M": {"Q4_K", "Q6_K"}}
     for precision in FORMATS:
         path = build_gguf("tiny", precision, tmp_path, tokenizer_dir, use_llama_cpp=False)
         assert path.name == f"tiny.{precision}.gguf"

@@ -5,12 +5,14 @@ with ngram speculation giving the quantized model's own greedy output.
 
 from __future__ import annotations
 
+import argparse
 from pathlib import Path
 
 import gguf
 import pytest
 import torch
 
+from specdec import launcher
 from specdec.engine.sampling_params import SamplingParams
 from specdec.errors import ConfigError
 from specdec.models.cpu_stack import CpuDecoderStack
@@ -61,6 +63,24 @@ def test_which_gguf_runs_on_its_blocks(gguf_files: dict[str, Path], monkeypatch:
     assert error.value.param == "quantization"
     with pytest.raises(ConfigError, match="needs a GGUF model"):
         native_gguf_file(str(gguf_files["Q4_0"].parent), "auto", "gguf", CPU, torch.bfloat16, 1)
+
+
+def test_serve_gives_its_verifier_the_gguf_file_not_its_conversion(gguf_files: dict[str, Path]) -> None:
+    """Else `serve --model FILE.gguf` (or the default model with --quantization gguf) would
+    load the converted directory, dequantised."""
+    serve = argparse.ArgumentParser()
+    launcher.add_serve_args(serve)
+
+    def model_of(argv: list[str], service: str) -> str | None:
+        command = dict(launcher._child_commands(serve.parse_args(argv), "/converted/model"))[service]
+        return command[command.index("--model") + 1] if "--model" in command else None
+
+    path = gguf_files["Q4_0"]
+    assert model_of(["--model", str(path)], "verifier") == str(path.resolve())
+    assert model_of(["--model", str(path)], "gateway") == "/converted/model"
+    # The default model: the verifier's own default, which it resolves to the shipped file.
+    assert model_of(["--quantization", "gguf"], "verifier") in (None, "smollm2-135m-instruct")
+    assert model_of(["--model", str(path.parent)], "verifier") == "/converted/model"
 
 
 @needs_kernel

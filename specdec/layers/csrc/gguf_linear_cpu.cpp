@@ -31,7 +31,9 @@
 //
 // Row invariance: a row's sums take the same operations in the same order whatever the
 // number of rows in the call (tiles of up to kQuantTileRows rows share each decoded pair
-// row; every fused multiply-add is written out), and threads split the blocks.
+// row; every fused multiply-add is written out), and threads split the blocks. A call of
+// more rows than one tile decodes each unit once into a buffer that every tile reads (the
+// same values), its sums kept in memory between units (exactly).
 
 #include "cpu_kernels.h"
 
@@ -45,6 +47,8 @@
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
+#include <vector>
 
 namespace specdec_cpu {
 namespace {
@@ -248,91 +252,189 @@ struct QuantOperands {
   T* out;
 };
 
-// Block `block`'s columns for the MR rows from row m0.
-template <typename Rows, int MR>
-void block_rows(const Decoders& d, const QuantOperands<Rows>& a, int64_t block, int64_t m0) {
-  using T = typename Rows::T;
-  const int64_t* row = a.table + 4 * block;
-  const uint8_t* unit = a.bytes + row[0];
-  const int64_t format = row[1], n = row[2], columns = row[3];
-  FormatShape shape;
-  shape_of(format, shape);
-  const int64_t K = a.K, per_unit = unit_bytes(shape), groups_per_row = K / kMinGroup;
-  const T* x = a.x + m0 * K;
-  const float* sums = a.sums == nullptr ? nullptr : a.sums + m0 * groups_per_row;
-  __m512 acc[2 * MR], part[2 * MR];
-  for (int i = 0; i < 2 * MR; ++i) acc[i] = _mm512_setzero_ps();
-  for (int64_t k0 = 0; k0 < K; k0 += shape.unit_inputs, unit += per_unit) {
-    const uint8_t* codes = unit + shape.header_bytes;
-    switch (format) {
-      case kQ8_0:
-        group_sums<Rows, Int8Codes, MR>(Int8Codes{}, codes, 16, x, K, k0, part);
-        scale_into<MR>(acc, part, halves(unit, 0), halves(unit, 1));
-        break;
-      case kQ4_0:
-        group_sums<Rows, NibbleCodes, MR>(d.signed4, codes, 16, x, K, k0, part);
-        scale_into<MR>(acc, part, halves(unit, 0), halves(unit, 1));
-        break;
-      case kQ4_1:
-        group_sums<Rows, NibbleCodes, MR>(d.unsigned4, codes, 16, x, K, k0, part);
-        scale_into<MR>(acc, part, halves(unit, 0), halves(unit, 1));
-        add_mins<MR>(acc, halves(unit + 64, 0), halves(unit + 64, 1), sums + k0 / kMinGroup, groups_per_row);
-        break;
-      case kQ4_K: {
-        const __m512 d_lo = halves(unit, 0), d_hi = halves(unit, 1);
-        const __m512 dmin_lo = halves(unit + 64, 0), dmin_hi = halves(unit + 64, 1);
-        const uint8_t* sc = unit + 128;
-        const uint8_t* mins = sc + 8 * 32;
-        for (int64_t j = 0; j < 8; ++j) {
-          group_sums<Rows, NibbleCodes, MR>(d.unsigned4, codes + j * 16 * 32, 16, x, K, k0 + 32 * j, part);
-          scale_into<MR>(acc, part, _mm512_mul_ps(d_lo, bytes_as_floats(sc + 32 * j, false)),
-                         _mm512_mul_ps(d_hi, bytes_as_floats(sc + 32 * j + 16, false)));
-          // -(dmin m): exact, as the dequantised weight's term.
-          add_mins<MR>(acc, _mm512_mul_ps(dmin_lo, _mm512_sub_ps(_mm512_setzero_ps(), bytes_as_floats(mins + 32 * j, false))),
-                       _mm512_mul_ps(dmin_hi, _mm512_sub_ps(_mm512_setzero_ps(), bytes_as_floats(mins + 32 * j + 16, false))),
-                       sums + (k0 + 32 * j) / kMinGroup, groups_per_row);
-        }
-        break;
+// A unit's pair rows decoded once (bf16 pairs, 2 registers a pair row), for calls with more
+// rows than one tile: every tile then reads them instead of decoding the codes again. The
+// values are the decoders' own, so a row's sums do not depend on which path ran.
+struct Decoded {
+  static constexpr int64_t kBytes = 128;
+  static void decode(const uint8_t* p, __m512i& w0, __m512i& w1) {
+    w0 = _mm512_load_si512(p);
+    w1 = _mm512_load_si512(p + 64);
+  }
+};
+// The most pair rows a unit holds (Q4_K and Q6_K: 256 inputs).
+constexpr int64_t kMaxUnitPairs = 128;
+
+void decode_unit(const Decoders& d, const uint8_t* codes, int64_t format, int64_t pairs, uint8_t* decoded) {
+  const auto fill = [&](const auto& decoder) {
+    using Codes = std::decay_t<decltype(decoder)>;
+    for (int64_t r = 0; r < pairs; ++r) {
+      __m512i w0, w1;
+      decoder.decode(codes + r * Codes::kBytes, w0, w1);
+      _mm512_store_si512(decoded + r * Decoded::kBytes, w0);
+      _mm512_store_si512(decoded + r * Decoded::kBytes + 64, w1);
+    }
+  };
+  switch (format) {
+    case kQ8_0: fill(Int8Codes{}); break;
+    case kQ4_0: fill(d.signed4); break;
+    case kQ4_1: case kQ4_K: fill(d.unsigned4); break;
+    default: fill(d.six); break;  // kQ6_K
+  }
+}
+
+// One unit (inputs k0 on) of a block into the MR rows' sums `acc`; x and sums start at the
+// tile's first row. kPredecoded: the codes come from decode_unit's `decoded`, else from the
+// unit itself.
+template <typename Rows, int MR, bool kPredecoded>
+inline void unit_rows(const Decoders& d, const QuantOperands<Rows>& a, const uint8_t* unit, int64_t format,
+                      int64_t header_bytes, const uint8_t* decoded, const typename Rows::T* x, const float* sums,
+                      int64_t k0, __m512* acc) {
+  const int64_t K = a.K, groups_per_row = K / kMinGroup;
+  const uint8_t* codes = unit + header_bytes;
+  __m512 part[2 * MR];
+  // The products of `pairs` pair rows from pair row `first` (inputs k0 + 2 first on).
+  const auto products = [&](const auto& decoder, int64_t first, int64_t pairs) {
+    using Codes = std::decay_t<decltype(decoder)>;
+    if constexpr (kPredecoded) {
+      group_sums<Rows, Decoded, MR>(Decoded{}, decoded + first * Decoded::kBytes, pairs, x, K, k0 + 2 * first, part);
+    } else {
+      group_sums<Rows, Codes, MR>(decoder, codes + first * Codes::kBytes, pairs, x, K, k0 + 2 * first, part);
+    }
+  };
+  switch (format) {
+    case kQ8_0:
+      products(Int8Codes{}, 0, 16);
+      scale_into<MR>(acc, part, halves(unit, 0), halves(unit, 1));
+      break;
+    case kQ4_0:
+      products(d.signed4, 0, 16);
+      scale_into<MR>(acc, part, halves(unit, 0), halves(unit, 1));
+      break;
+    case kQ4_1:
+      products(d.unsigned4, 0, 16);
+      scale_into<MR>(acc, part, halves(unit, 0), halves(unit, 1));
+      add_mins<MR>(acc, halves(unit + 64, 0), halves(unit + 64, 1), sums + k0 / kMinGroup, groups_per_row);
+      break;
+    case kQ4_K: {
+      const __m512 d_lo = halves(unit, 0), d_hi = halves(unit, 1);
+      const __m512 dmin_lo = halves(unit + 64, 0), dmin_hi = halves(unit + 64, 1);
+      const uint8_t* sc = unit + 128;
+      const uint8_t* mins = sc + 8 * 32;
+      for (int64_t j = 0; j < 8; ++j) {
+        products(d.unsigned4, 16 * j, 16);
+        scale_into<MR>(acc, part, _mm512_mul_ps(d_lo, bytes_as_floats(sc + 32 * j, false)),
+                       _mm512_mul_ps(d_hi, bytes_as_floats(sc + 32 * j + 16, false)));
+        // -(dmin m): exact, as the dequantised weight's term.
+        add_mins<MR>(acc, _mm512_mul_ps(dmin_lo, _mm512_sub_ps(_mm512_setzero_ps(), bytes_as_floats(mins + 32 * j, false))),
+                     _mm512_mul_ps(dmin_hi, _mm512_sub_ps(_mm512_setzero_ps(), bytes_as_floats(mins + 32 * j + 16, false))),
+                     sums + (k0 + 32 * j) / kMinGroup, groups_per_row);
       }
-      default: {  // kQ6_K
-        const __m512 d_lo = halves(unit, 0), d_hi = halves(unit, 1);
-        const uint8_t* sc = unit + 64;
-        for (int64_t j = 0; j < 16; ++j) {
-          group_sums<Rows, SixBitCodes, MR>(d.six, codes + j * 8 * 48, 8, x, K, k0 + 16 * j, part);
-          scale_into<MR>(acc, part, _mm512_mul_ps(d_lo, bytes_as_floats(sc + 32 * j, true)),
-                         _mm512_mul_ps(d_hi, bytes_as_floats(sc + 32 * j + 16, true)));
-        }
-        break;
+      break;
+    }
+    default: {  // kQ6_K
+      const __m512 d_lo = halves(unit, 0), d_hi = halves(unit, 1);
+      const uint8_t* sc = unit + 64;
+      for (int64_t j = 0; j < 16; ++j) {
+        products(d.six, 8 * j, 8);
+        scale_into<MR>(acc, part, _mm512_mul_ps(d_lo, bytes_as_floats(sc + 32 * j, true)),
+                       _mm512_mul_ps(d_hi, bytes_as_floats(sc + 32 * j + 16, true)));
       }
+      break;
     }
   }
+}
+
+// Row m's outputs of the block at column n: its sums plus the bias.
+template <typename Rows>
+inline void store_row(const QuantOperands<Rows>& a, int64_t m, int64_t n, int64_t columns, __m512 lo, __m512 hi) {
   const __mmask16 lo_mask = columns >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << columns) - 1);
   const __mmask16 hi_mask = columns <= 16 ? 0 : static_cast<__mmask16>((1u << (columns - 16)) - 1);
   __m512 lo_bias = _mm512_setzero_ps(), hi_bias = _mm512_setzero_ps();
   if (a.bias != nullptr) lo_bias = Rows::load_bias(a.bias + n, lo_mask), hi_bias = Rows::load_bias(a.bias + n + 16, hi_mask);
-  for (int m = 0; m < MR; ++m) {
-    T* o = a.out + (m0 + m) * a.N + n;
-    Rows::store(o, _mm512_add_ps(acc[2 * m], lo_bias), lo_mask);
-    Rows::store(o + 16, _mm512_add_ps(acc[2 * m + 1], hi_bias), hi_mask);
+  typename Rows::T* o = a.out + m * a.N + n;
+  Rows::store(o, _mm512_add_ps(lo, lo_bias), lo_mask);
+  Rows::store(o + 16, _mm512_add_ps(hi, hi_bias), hi_mask);
+}
+
+// Block `block`'s columns for all MR rows of the call (one tile), decoding in registers.
+template <typename Rows, int MR>
+void block_rows(const Decoders& d, const QuantOperands<Rows>& a, int64_t block) {
+  const int64_t* row = a.table + 4 * block;
+  const uint8_t* unit = a.bytes + row[0];
+  const int64_t format = row[1];
+  FormatShape shape;
+  shape_of(format, shape);
+  const int64_t per_unit = unit_bytes(shape);
+  __m512 acc[2 * MR];
+  for (int i = 0; i < 2 * MR; ++i) acc[i] = _mm512_setzero_ps();
+  for (int64_t k0 = 0; k0 < a.K; k0 += shape.unit_inputs, unit += per_unit) {
+    unit_rows<Rows, MR, false>(d, a, unit, format, shape.header_bytes, nullptr, a.x, a.sums, k0, acc);
+  }
+  for (int m = 0; m < MR; ++m) store_row(a, m, row[2], row[3], acc[2 * m], acc[2 * m + 1]);
+}
+
+// One tile's MR rows from row m0 for one unit, their sums kept in `sums_out` ([M, 32]) between units.
+template <typename Rows, int MR>
+void tile_unit(const Decoders& d, const QuantOperands<Rows>& a, const uint8_t* unit, int64_t format,
+               int64_t header_bytes, const uint8_t* decoded, int64_t m0, int64_t k0, float* sums_out) {
+  __m512 acc[2 * MR];
+  float* s = sums_out + m0 * kBlockColumns;
+  for (int i = 0; i < 2 * MR; ++i) acc[i] = _mm512_loadu_ps(s + 16 * i);
+  const float* sums = a.sums == nullptr ? nullptr : a.sums + m0 * (a.K / kMinGroup);
+  unit_rows<Rows, MR, true>(d, a, unit, format, header_bytes, decoded, a.x + m0 * a.K, sums, k0, acc);
+  for (int i = 0; i < 2 * MR; ++i) _mm512_storeu_ps(s + 16 * i, acc[i]);
+}
+
+// Block `block`'s columns for a call of several tiles: each unit decoded once, then read by
+// every tile. `decoded` holds kMaxUnitPairs pair rows, `sums_out` M x 32 floats.
+template <typename Rows>
+void block_tiles(const Decoders& d, const QuantOperands<Rows>& a, int64_t block, uint8_t* decoded, float* sums_out) {
+  const int64_t* row = a.table + 4 * block;
+  const uint8_t* unit = a.bytes + row[0];
+  const int64_t format = row[1];
+  FormatShape shape;
+  shape_of(format, shape);
+  const int64_t per_unit = unit_bytes(shape), tiles = num_balanced_parts(a.M, kQuantTileRows);
+  std::fill(sums_out, sums_out + a.M * kBlockColumns, 0.f);
+  for (int64_t k0 = 0; k0 < a.K; k0 += shape.unit_inputs, unit += per_unit) {
+    decode_unit(d, unit + shape.header_bytes, format, shape.unit_inputs / 2, decoded);
+    for (int64_t tile = 0, m = 0; tile < tiles; ++tile) {
+      const int64_t rows = balanced_part(a.M, tiles, tile);
+      switch (rows) {
+        case 6: tile_unit<Rows, 6>(d, a, unit, format, shape.header_bytes, decoded, m, k0, sums_out); break;
+        case 5: tile_unit<Rows, 5>(d, a, unit, format, shape.header_bytes, decoded, m, k0, sums_out); break;
+        case 4: tile_unit<Rows, 4>(d, a, unit, format, shape.header_bytes, decoded, m, k0, sums_out); break;
+        case 3: tile_unit<Rows, 3>(d, a, unit, format, shape.header_bytes, decoded, m, k0, sums_out); break;
+        case 2: tile_unit<Rows, 2>(d, a, unit, format, shape.header_bytes, decoded, m, k0, sums_out); break;
+        default: tile_unit<Rows, 1>(d, a, unit, format, shape.header_bytes, decoded, m, k0, sums_out); break;
+      }
+      m += rows;
+    }
+  }
+  for (int64_t m = 0; m < a.M; ++m) {
+    const float* s = sums_out + m * kBlockColumns;
+    store_row(a, m, row[2], row[3], _mm512_loadu_ps(s), _mm512_loadu_ps(s + 16));
   }
 }
 
 template <typename Rows>
 void walk(const QuantOperands<Rows>& a, int64_t begin, int64_t end) {
   const Decoders decoders;
-  const int64_t tiles = num_balanced_parts(a.M, kQuantTileRows);
+  if (a.M > kQuantTileRows) {
+    alignas(64) uint8_t decoded[kMaxUnitPairs * Decoded::kBytes];
+    std::vector<float> sums_out(a.M * kBlockColumns);
+    for (int64_t block = begin; block < end; ++block) block_tiles(decoders, a, block, decoded, sums_out.data());
+    return;
+  }
   for (int64_t block = begin; block < end; ++block) {
-    for (int64_t tile = 0, m = 0; tile < tiles; ++tile) {
-      const int64_t rows = balanced_part(a.M, tiles, tile);
-      switch (rows) {
-        case 6: block_rows<Rows, 6>(decoders, a, block, m); break;
-        case 5: block_rows<Rows, 5>(decoders, a, block, m); break;
-        case 4: block_rows<Rows, 4>(decoders, a, block, m); break;
-        case 3: block_rows<Rows, 3>(decoders, a, block, m); break;
-        case 2: block_rows<Rows, 2>(decoders, a, block, m); break;
-        default: block_rows<Rows, 1>(decoders, a, block, m); break;
-      }
-      m += rows;
+    switch (a.M) {
+      case 6: block_rows<Rows, 6>(decoders, a, block); break;
+      case 5: block_rows<Rows, 5>(decoders, a, block); break;
+      case 4: block_rows<Rows, 4>(decoders, a, block); break;
+      case 3: block_rows<Rows, 3>(decoders, a, block); break;
+      case 2: block_rows<Rows, 2>(decoders, a, block); break;
+      default: block_rows<Rows, 1>(decoders, a, block); break;
     }
   }
 }
