@@ -2,7 +2,9 @@
 
 Reads `config.json` (plus `generation_config.json` for extra stop ids) and the weights from
 `model.safetensors`, sharded safetensors with `model.safetensors.index.json`, or
-`pytorch_model.bin` (sharded or not, read with `weights_only=True`). Loading is strict: a
+`pytorch_model.bin` (sharded or not, read with `weights_only=True`), or, for a GGUF model's
+directory in the cache, the GGUF file it names (`GGUF_SOURCE_FILE`; dequantised tensor by
+tensor, `specdec.models.gguf_tensors`). Loading is strict: a
 missing or unexpected tensor, or one of the wrong shape, raises `ConfigError` naming it.
 
 Parameters are allocated uninitialised on the target device and filled tensor by tensor,
@@ -14,7 +16,7 @@ from __future__ import annotations
 import json
 import logging
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -22,6 +24,7 @@ import torch
 
 from specdec.errors import ConfigError
 from specdec.layers.attention import make_attention_backend
+from specdec.models.gguf_tensors import iter_gguf_tensors
 from specdec.models.llama import LlamaForCausalLM
 from specdec.models.model_config import ModelConfig
 from specdec.models.parallel import (
@@ -34,6 +37,8 @@ from specdec.models.parallel import (
 
 logger = logging.getLogger(__name__)
 
+# In a GGUF model's directory: {"gguf": the file's absolute path}, whose tensors are its weights.
+GGUF_SOURCE_FILE = "gguf_source.json"
 # Checkpoint tensors that carry no weights of ours (derived buffers saved by old transformers).
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 
@@ -66,7 +71,11 @@ def load_model_config(model_dir: Path) -> ModelConfig:
 
 
 def _weight_files(model_dir: Path) -> list[Path]:
-    """The checkpoint files, safetensors preferred over pytorch_model.bin."""
+    """The checkpoint files, safetensors preferred over pytorch_model.bin; a GGUF model's
+    directory: its GGUF file."""
+    source = model_dir / GGUF_SOURCE_FILE
+    if source.is_file():
+        return [Path(_read_json(source)["gguf"])]
     for index_name, single_name in (
         ("model.safetensors.index.json", "model.safetensors"),
         ("pytorch_model.bin.index.json", "pytorch_model.bin"),
@@ -86,9 +95,9 @@ def _weight_files(model_dir: Path) -> list[Path]:
     )
 
 
-def _iter_tensors(path: Path, keep: set[str] | None = None) -> Iterator[tuple[str, torch.Tensor]]:
-    """Yield (name, cpu tensor) from one checkpoint file (only names in `keep`, when given);
-    a corrupt file raises ConfigError."""
+def _iter_tensors(path: Path, keep: Callable[[str], bool] | None = None) -> Iterator[tuple[str, torch.Tensor]]:
+    """Yield (name, cpu tensor) from one checkpoint file (only names `keep` accepts, when
+    given; the others are not read); a corrupt file raises ConfigError."""
     if not path.is_file():
         raise ConfigError(f"weight file {path} is missing", param="model")
     try:
@@ -97,11 +106,13 @@ def _iter_tensors(path: Path, keep: set[str] | None = None) -> Iterator[tuple[st
 
             with safe_open(str(path), framework="pt", device="cpu") as reader:
                 for name in reader.keys():
-                    if keep is None or name in keep:
+                    if keep is None or keep(name):
                         yield name, reader.get_tensor(name)
+        elif path.suffix.lower() == ".gguf":
+            yield from iter_gguf_tensors(path, keep)
         else:
             state = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
-            yield from ((name, tensor) for name, tensor in state.items() if keep is None or name in keep)
+            yield from ((name, tensor) for name, tensor in state.items() if keep is None or keep(name))
     except ConfigError:
         raise
     except Exception as error:  # safetensors / pickle errors come in many types
@@ -166,7 +177,7 @@ def load_model(
     loaded: set[tuple[str, int | None]] = set()
 
     for path in files:
-        for hf_name, tensor in _iter_tensors(path):
+        for hf_name, tensor in _iter_tensors(path, keep=lambda hf_name: _target_of(model, hf_name)[0] not in leave_out):
             if hf_name.endswith(_IGNORED_SUFFIXES):
                 continue
             if config.tie_word_embeddings and hf_name == "lm_head.weight":
@@ -214,7 +225,7 @@ def _borrow(model: LlamaForCausalLM, params: dict[str, torch.nn.Parameter],
     """Fills unsharded missing parameters from `borrow_from`'s checkpoint; returns what is still missing."""
     wanted = {name for name, shard in missing if shard is None}
     for path in _weight_files(borrow_from):
-        for hf_name, tensor in _iter_tensors(path, keep=wanted):
+        for hf_name, tensor in _iter_tensors(path, keep=wanted.__contains__):
             target = params[hf_name].data
             if tuple(tensor.shape) != tuple(target.shape):
                 raise ConfigError(f"borrowed tensor {hf_name!r} in {path} has shape {tuple(tensor.shape)}, "
