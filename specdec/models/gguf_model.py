@@ -130,7 +130,7 @@ def load_gguf_model(gguf_path: Path, model_dir: Path, dtype: torch.dtype, device
     else:
         embedding = None
     model = load_model(model_dir, dtype, device, max_positions=max_positions, leave_out=frozenset(leave_out),
-                       attention_backend=attention_backend)
+                       attention_backend=attention_backend, gguf_reader=reader)
     if embedding is not None:
         dense = model.model.embed_tokens
         lookup = GgufEmbedding(np.asarray(embedding.data).reshape(dense.num_embeddings, -1),

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
@@ -23,12 +24,14 @@ import torch
 from specdec.models.gguf_writer import hf_tensor_name, rope_permutation
 
 
-def iter_gguf_tensors(path: Path, wanted: Callable[[str], bool] | None = None) -> Iterator[tuple[str, torch.Tensor]]:
-    """(HF name, float32 tensor) for each of the file's tensors whose HF name `wanted` accepts
-    (all when None); the rest are never dequantised."""
+def iter_gguf_tensors(source: Path | Any, wanted: Callable[[str], bool] | None = None
+                      ) -> Iterator[tuple[str, torch.Tensor]]:
+    """(HF name, float32 tensor) for each tensor of `source` (a GGUF file, or a `GGUFReader`
+    already open on one: parsing a file's metadata takes seconds) whose HF name `wanted`
+    accepts (all when None); the rest are never dequantised."""
     import gguf
 
-    reader = gguf.GGUFReader(path)
+    reader = source if isinstance(source, gguf.GGUFReader) else gguf.GGUFReader(source)
     arch = str(reader.fields["general.architecture"].contents())
     heads = int(reader.fields[f"{arch}.attention.head_count"].contents())
     kv_field = reader.fields.get(f"{arch}.attention.head_count_kv")

@@ -94,9 +94,11 @@ def _weight_files(model_dir: Path) -> list[Path]:
     )
 
 
-def _iter_tensors(path: Path, keep: Callable[[str], bool] | None = None) -> Iterator[tuple[str, torch.Tensor]]:
+def _iter_tensors(path: Path, keep: Callable[[str], bool] | None = None,
+                  gguf_reader: Any | None = None) -> Iterator[tuple[str, torch.Tensor]]:
     """Yield (name, cpu tensor) from one checkpoint file (only names `keep` accepts, when
-    given; the others are not read); a corrupt file raises ConfigError."""
+    given; the others are not read); a corrupt file raises ConfigError. A GGUF file is read
+    through `gguf_reader` where the caller has one open on it."""
     if not path.is_file():
         raise ConfigError(f"weight file {path} is missing", param="model")
     try:
@@ -108,7 +110,7 @@ def _iter_tensors(path: Path, keep: Callable[[str], bool] | None = None) -> Iter
                     if keep is None or keep(name):
                         yield name, reader.get_tensor(name)
         elif path.suffix.lower() == ".gguf":
-            yield from iter_gguf_tensors(path, keep)
+            yield from iter_gguf_tensors(path if gguf_reader is None else gguf_reader, keep)
         else:
             state = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
             yield from ((name, tensor) for name, tensor in state.items() if keep is None or keep(name))
@@ -131,7 +133,7 @@ def load_model(
     model_dir: Path, dtype: torch.dtype, device: torch.device, max_positions: int | None = None,
     parallel: ParallelContext | None = None, borrow_from: Path | None = None,
     leave_out: frozenset[str] = frozenset(),
-    attention_backend: str | None = None,
+    attention_backend: str | None = None, gguf_reader: Any | None = None,
 ) -> LlamaForCausalLM:
     """Build the model described by `model_dir/config.json` and fill it from the checkpoint.
 
@@ -143,7 +145,8 @@ def load_model(
     lacks are read from there instead, with the same shape checks. Parameters named in
     `leave_out` (ours, e.g. `model.layers.0.self_attn.qkv_proj.weight`) are neither read nor
     required: the caller replaces their modules (their memory, never written, is never
-    resident). `attention_backend`: see `make_attention_backend`.
+    resident). `attention_backend`: see `make_attention_backend`. `gguf_reader`: a
+    `GGUFReader` open on a GGUF model's file, read instead of parsing the file again.
     """
     model_dir = Path(model_dir)
     started = time.perf_counter()
@@ -176,7 +179,8 @@ def load_model(
     loaded: set[tuple[str, int | None]] = set()
 
     for path in files:
-        for hf_name, tensor in _iter_tensors(path, keep=lambda hf_name: _target_of(model, hf_name)[0] not in leave_out):
+        for hf_name, tensor in _iter_tensors(path, lambda hf_name: _target_of(model, hf_name)[0] not in leave_out,
+                                             gguf_reader):
             if hf_name.endswith(_IGNORED_SUFFIXES):
                 continue
             if config.tie_word_embeddings and hf_name == "lm_head.weight":
