@@ -173,9 +173,10 @@ async def test_speculation_gives_the_quantized_models_greedy_output(gguf_files: 
 def test_bench_compare_gives_llama_cpp_the_file_specdec_serves(gguf_files: dict[str, Path],
                                                                monkeypatch: pytest.MonkeyPatch) -> None:
     from specdec.bench import compare as bench_compare
+    from specdec.bench import compare_build
 
     monkeypatch.setattr("specdec.models.gguf_model.gguf_kernel_supports", lambda dtype: True)
     path = str(gguf_files["Q4_K_M"])
-    assert bench_compare.llama_cpp_precision(bench_compare.build_parser().parse_args(["--model", path])) == "file"
+    assert compare_build.llama_cpp_precision(bench_compare.build_parser().parse_args(["--model", path])) == "file"
     dequantised = bench_compare.build_parser().parse_args(["--model", path, "--dtype", "bfloat16"])
-    assert bench_compare.llama_cpp_precision(dequantised) == "F16"
+    assert compare_build.llama_cpp_precision(dequantised) == "F16"
