@@ -153,60 +153,12 @@ def load_model(
     config = load_model_config(model_dir)
     if parallel is not None:
         config = rank_config(config, parallel.world_size)
-    files = _weight_files(model_dir)
-    backend = make_attention_backend(device, config.num_attention_heads, config.num_key_value_heads,
-                                     config.head_dim, attention_backend)
-    with torch.device("meta"):
-        model = LlamaForCausalLM(config, max_positions=max_positions, attention_backend=backend)
-    if parallel is not None:
-        install_all_reduce(model, parallel)
-    model = model.to(dtype).to_empty(device=device)
-    if config.tie_word_embeddings:
-        model.lm_head.weight = model.model.embed_tokens.weight
-    model.model.rotary_emb.reset_cache(device, dtype)
-    model.requires_grad_(False)
-
+    model = _empty_model(config, dtype, device, max_positions, parallel, attention_backend)
     params = dict(model.named_parameters())  # tied lm_head appears once, as embed_tokens
-    expected: set[tuple[str, int | None]] = set()
-    for name in params:
-        if name in leave_out:
-            continue
-        fused = next((f for f, _, _ in model.stacked_params if f".{f}." in name), None)
-        if fused is None:
-            expected.add((name, None))
-        else:
-            expected.update((name, shard) for shard in range(len(model.shard_sizes(fused))))
     loaded: set[tuple[str, int | None]] = set()
-
-    for path in files:
-        for hf_name, tensor in _iter_tensors(path, lambda hf_name: _target_of(model, hf_name)[0] not in leave_out,
-                                             gguf_reader):
-            if hf_name.endswith(_IGNORED_SUFFIXES):
-                continue
-            if config.tie_word_embeddings and hf_name == "lm_head.weight":
-                continue  # some tied checkpoints store the shared matrix twice
-            name, shard = _target_of(model, hf_name)
-            if name in leave_out:
-                continue
-            if parallel is not None:
-                tensor = shard_tensor(hf_name, tensor, parallel)
-            if name not in params:
-                raise ConfigError(f"unexpected tensor {hf_name!r} in {path}", param="model")
-            target = params[name].data
-            if shard is not None:
-                fused = name.rsplit(".", 2)[-2]
-                sizes = model.shard_sizes(fused)
-                target = target.narrow(0, sum(sizes[:shard]), sizes[shard])
-            if tuple(tensor.shape) != tuple(target.shape):
-                raise ConfigError(
-                    f"tensor {hf_name!r} in {path} has shape {tuple(tensor.shape)}, "
-                    f"expected {tuple(target.shape)}",
-                    param="model",
-                )
-            target.copy_(tensor)
-            loaded.add((name, shard))
-
-    missing = expected - loaded
+    for path in _weight_files(model_dir):
+        loaded |= _fill_from(path, model, params, parallel, leave_out, gguf_reader)
+    missing = _expected_tensors(model, params, leave_out) - loaded
     if missing and borrow_from is not None:
         missing = _borrow(model, params, missing, Path(borrow_from))
     if missing:
@@ -221,6 +173,75 @@ def load_model(
         model_dir, config.model_type, num_params / 1e6, dtype, device, time.perf_counter() - started,
     )
     return model
+
+
+def _empty_model(config: ModelConfig, dtype: torch.dtype, device: torch.device,
+                 max_positions: int | None, parallel: ParallelContext | None,
+                 attention_backend: str | None) -> LlamaForCausalLM:
+    """The model's modules on `device`, their memory allocated but not written."""
+    backend = make_attention_backend(device, config.num_attention_heads, config.num_key_value_heads,
+                                     config.head_dim, attention_backend)
+    with torch.device("meta"):
+        model = LlamaForCausalLM(config, max_positions=max_positions, attention_backend=backend)
+    if parallel is not None:
+        install_all_reduce(model, parallel)
+    model = model.to(dtype).to_empty(device=device)
+    if config.tie_word_embeddings:
+        model.lm_head.weight = model.model.embed_tokens.weight
+    model.model.rotary_emb.reset_cache(device, dtype)
+    model.requires_grad_(False)
+    return model
+
+
+def _expected_tensors(model: LlamaForCausalLM, params: dict[str, torch.nn.Parameter],
+                      leave_out: frozenset[str]) -> set[tuple[str, int | None]]:
+    """(parameter, shard) pairs a complete checkpoint fills: each shard of a fused one."""
+    expected: set[tuple[str, int | None]] = set()
+    for name in params:
+        if name in leave_out:
+            continue
+        fused = next((f for f, _, _ in model.stacked_params if f".{f}." in name), None)
+        if fused is None:
+            expected.add((name, None))
+        else:
+            expected.update((name, shard) for shard in range(len(model.shard_sizes(fused))))
+    return expected
+
+
+def _fill_from(path: Path, model: LlamaForCausalLM, params: dict[str, torch.nn.Parameter],
+               parallel: ParallelContext | None, leave_out: frozenset[str],
+               gguf_reader: Any | None) -> set[tuple[str, int | None]]:
+    """Copies one checkpoint file's tensors into `params` (this rank's shard of each);
+    returns the (parameter, shard) pairs it filled."""
+    config = model.config
+    loaded: set[tuple[str, int | None]] = set()
+    for hf_name, tensor in _iter_tensors(path, lambda hf_name: _target_of(model, hf_name)[0] not in leave_out,
+                                         gguf_reader):
+        if hf_name.endswith(_IGNORED_SUFFIXES):
+            continue
+        if config.tie_word_embeddings and hf_name == "lm_head.weight":
+            continue  # some tied checkpoints store the shared matrix twice
+        name, shard = _target_of(model, hf_name)
+        if name in leave_out:
+            continue
+        if parallel is not None:
+            tensor = shard_tensor(hf_name, tensor, parallel)
+        if name not in params:
+            raise ConfigError(f"unexpected tensor {hf_name!r} in {path}", param="model")
+        target = params[name].data
+        if shard is not None:
+            fused = name.rsplit(".", 2)[-2]
+            sizes = model.shard_sizes(fused)
+            target = target.narrow(0, sum(sizes[:shard]), sizes[shard])
+        if tuple(tensor.shape) != tuple(target.shape):
+            raise ConfigError(
+                f"tensor {hf_name!r} in {path} has shape {tuple(tensor.shape)}, "
+                f"expected {tuple(target.shape)}",
+                param="model",
+            )
+        target.copy_(tensor)
+        loaded.add((name, shard))
+    return loaded
 
 
 def _borrow(model: LlamaForCausalLM, params: dict[str, torch.nn.Parameter],
