@@ -111,6 +111,28 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--temperature", type=float, default=0.0, help="default 0 (greedy)")
     parser.add_argument("--ignore-eos", action="store_true",
                         help="generate exactly max_tokens (fixed output lengths)")
+    _add_comparison_args(parser)
+    parser.add_argument("--no-stream", action="store_true",
+                        help="non-streaming requests (no TTFT / TPOT / ITL)")
+    parser.add_argument("--seed", type=int, default=0,
+                        help="seed of the Poisson arrivals and of the rounds' order")
+    parser.add_argument("--api-key", default=None, help="sent as 'Authorization: Bearer KEY'")
+    parser.add_argument("--metrics-url", default=None,
+                        help="Prometheus endpoint with the speculation counters (default: "
+                             "BASE_URL/metrics; e.g. the verifier's, for per-position counts)")
+    parser.add_argument("--timeout", type=float, default=600.0, help="per request, seconds")
+    parser.add_argument("--output-json", default=None, metavar="PATH",
+                        help="write every figure (and per-request data) here")
+    parser.add_argument("--plot", default=None, metavar="PATH.png",
+                        help="acceptance per position and latency per request (needs matplotlib)")
+    parser.add_argument("--disable-tqdm", action="store_true", help="no progress bar")
+    parser.add_argument("--log-level", default="warning",
+                        choices=["debug", "info", "warning", "error"])
+    return parser
+
+
+def _add_comparison_args(parser: argparse.ArgumentParser) -> None:
+    """--speculation settings, compared over --rounds or request by request (--paired)."""
     parser.add_argument("--speculation", default=None,
                         help="per-request override: 'off', 'on' or a number of speculative "
                              "tokens (default: the server's setting); several, comma-separated "
@@ -135,23 +157,6 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--paired-warmup", type=int, default=None, metavar="N",
                         help=f"with --paired: the first N requests (a cold server's) are "
                              f"reported apart (default {DEFAULT_WARMUP})")
-    parser.add_argument("--no-stream", action="store_true",
-                        help="non-streaming requests (no TTFT / TPOT / ITL)")
-    parser.add_argument("--seed", type=int, default=0,
-                        help="seed of the Poisson arrivals and of the rounds' order")
-    parser.add_argument("--api-key", default=None, help="sent as 'Authorization: Bearer KEY'")
-    parser.add_argument("--metrics-url", default=None,
-                        help="Prometheus endpoint with the speculation counters (default: "
-                             "BASE_URL/metrics; e.g. the verifier's, for per-position counts)")
-    parser.add_argument("--timeout", type=float, default=600.0, help="per request, seconds")
-    parser.add_argument("--output-json", default=None, metavar="PATH",
-                        help="write every figure (and per-request data) here")
-    parser.add_argument("--plot", default=None, metavar="PATH.png",
-                        help="acceptance per position and latency per request (needs matplotlib)")
-    parser.add_argument("--disable-tqdm", action="store_true", help="no progress bar")
-    parser.add_argument("--log-level", default="warning",
-                        choices=["debug", "info", "warning", "error"])
-    return parser
 
 
 def _options(args: argparse.Namespace, speculation: str | None) -> dict[str, Any]:
