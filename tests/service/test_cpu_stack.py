@@ -256,7 +256,8 @@ def test_bad_steps_are_refused(model_dir: Path) -> None:
             stack._kernel.decoder_stack(input_ids, positions, stack._embed, stack._rotary.cos_cache,
                                         stack._rotary.sin_cache, [], stack._final_norm, [], [],
                                         metadata.slot_mapping, metadata.query_start_locs, metadata.context_lens,
-                                        metadata.block_tables, [], *stack._shape, stack.batch_invariant)
+                                        metadata.block_tables, [], *stack._shape, stack.batch_invariant,
+                                        metadata.tree_parent_tensors())
         with pytest.raises(RuntimeError, match="one K and V cache per layer"):
             short = KVCache.allocate(model.config, 32, BLOCK_SIZE, torch.float32, torch.device("cpu"))
             short.key_caches = short.key_caches[:1]
