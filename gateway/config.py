@@ -30,6 +30,12 @@ class GatewayConfig:
     # specdec.cli.served_model_name, which the verifier follows too).
     served_model_name: str | None = field(default=None, metadata=flag(
         "model name in the API (default: --model as given; a path by its last component)"))
+    # vLLM names a model --served-model-name, else --model as given, so a client moving from
+    # vLLM may send a path; that name is accepted in requests though the API lists the served
+    # name (the launcher passes the user's --model here, the gateway's own being the
+    # resolved files).
+    model_alias: str | None = field(default=None, metadata=flag(
+        "another name requests may give the model by (default: --model as given)"))
     # Defaults to the verifier's (GetInfo).
     max_model_len: int | None = field(default=None, metadata=flag(
         "context length limit (default: the verifier's)"))
@@ -82,3 +88,8 @@ class GatewayConfig:
     def model_name(self) -> str:
         """The name the API answers to and the metrics' model_name label."""
         return served_model_name(self.model, self.served_model_name)
+
+    def names_model(self, name: str) -> bool:
+        """Whether a request's `model` names this gateway's model: the served name, or the
+        model as given (`model_alias`, else `model`), vLLM's name for it."""
+        return name in (self.model_name, self.model_alias or self.model)

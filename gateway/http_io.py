@@ -66,8 +66,7 @@ async def read_json(request: Request) -> dict[str, Any]:
 
 
 def check_model(request: Request, model: str | None) -> None:
-    served = request.app.state.config.model_name
-    if model is not None and model != served:
+    if model is not None and not request.app.state.config.names_model(model):
         quoted = model if len(model) <= MAX_QUOTED_MODEL_CHARS else (
             model[:MAX_QUOTED_MODEL_CHARS] + "...")
         raise ModelNotFoundError(f"The model `{quoted}` does not exist.", "model")

@@ -32,8 +32,7 @@ def _model_card(request: Request) -> dict[str, Any]:
 async def retrieve_model(request: Request) -> Response:
     """`/v1/models/{id}`: the served model's card, or OpenAI's 404 for another id."""
     model_id = request.path_params["model_id"]
-    if model_id != request.app.state.config.model_name:
-        check_model(request, model_id)  # raises the 404 naming the model
+    check_model(request, model_id)  # OpenAI's 404 naming another model
     return JSONResponse(_model_card(request))
 
 

@@ -68,7 +68,7 @@ RESTART_RESET_S = 60.0
 # drafters (the one it starts), and the gateway's model, verifiers and context length
 # (the verifier's, from GetInfo); the grammar limits are the verifier's flags too.
 VERIFIER_FIELDS_SET = ("drafter_targets", "drafter_wait_s")
-GATEWAY_FIELDS_SET = ("model", "served_model_name", "verifier_addresses", "max_model_len",
+GATEWAY_FIELDS_SET = ("model", "served_model_name", "model_alias", "verifier_addresses", "max_model_len",
                       "trust_remote_code", "grammar_limits")
 
 
@@ -122,7 +122,7 @@ def _child_commands(args: argparse.Namespace, model_path: str) -> list[tuple[str
         drafter_targets=(f"127.0.0.1:{drafter_port}",) if spec is not None else (),
         drafter_wait_s=DRAFTER_WAIT_S if spec is not None else 0.0)
     gateway = build_config(GatewayConfig, args, model=model_path,
-                           served_model_name=served_name,
+                           served_model_name=served_name, model_alias=args.model,
                            verifier_addresses=(f"127.0.0.1:{verifier_port}",),
                            max_model_len=None, grammar_limits=verifier.grammar_limits)
     common = ["--log-level", args.log_level]

@@ -49,3 +49,19 @@ def test_the_launcher_gives_its_children_one_served_name() -> None:
         for child in ("verifier", "gateway"):
             argv = commands[child]
             assert argv[argv.index("--served-model-name") + 1] == expected, child
+
+
+def test_requests_may_name_the_model_as_vllm_would() -> None:
+    """vLLM's name for a path model is the path as given: a client moving from it may send
+    that, and the gateway accepts it beside the served name (it lists only the latter)."""
+    config = gateway_config(MODEL_PATH)
+    assert config.names_model("SmolLM2-135M") and config.names_model(MODEL_PATH)
+    assert not config.names_model("other") and not config.names_model("/srv/models")
+    launched = GatewayConfig(model="/resolved/snapshot", served_model_name="SmolLM2-135M",
+                             model_alias=MODEL_PATH, verifier_addresses=("127.0.0.1:50051",))
+    assert launched.names_model(MODEL_PATH) and not launched.names_model("/resolved/snapshot")
+    parser = argparse.ArgumentParser()
+    launcher.add_serve_args(parser)
+    args = parser.parse_args(["--model", MODEL_PATH, "--verifier-port", "50051"])
+    argv = dict(launcher._child_commands(args, "/resolved/snapshot"))["gateway"]
+    assert argv[argv.index("--model-alias") + 1] == MODEL_PATH
