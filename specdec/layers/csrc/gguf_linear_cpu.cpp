@@ -59,6 +59,9 @@ constexpr int64_t kBlockColumns = 32;
 constexpr int64_t kQuantTileRows = 6;
 constexpr int64_t kMinBlocksPerThread = 8;
 constexpr int64_t kMinGroup = 32;  // the inputs a min-sum covers (Q4_1, Q4_K)
+// How far ahead of its decoding a block's stream of codes is fetched (the hardware's
+// prefetcher alone leaves a one-row decode waiting on memory).
+constexpr int64_t kPrefetchBytes = 2048;
 
 // GGML's type ids.
 constexpr int64_t kQ4_0 = 2, kQ4_1 = 3, kQ8_0 = 8, kQ4_K = 12, kQ6_K = 14;
@@ -207,6 +210,17 @@ struct Fp32Rows {
   static float value(T v) { return v; }
 };
 
+// A unit's pair rows decoded once (bf16 pairs, 2 registers a pair row), for calls with more
+// rows than one tile: every tile then reads them instead of decoding the codes again. The
+// values are the decoders' own, so a row's sums do not depend on which path ran.
+struct Decoded {
+  static constexpr int64_t kBytes = 128;
+  static void decode(const uint8_t* p, __m512i& w0, __m512i& w1) {
+    w0 = _mm512_load_si512(p);
+    w1 = _mm512_load_si512(p + 64);
+  }
+};
+
 // part[2m], part[2m + 1] (columns 0-15, 16-31 of row m) = the products of `pairs` pair rows
 // of codes at p with the MR rows' inputs [k0, k0 + 2 pairs), summed in input order.
 template <typename Rows, typename Codes, int MR>
@@ -214,6 +228,7 @@ inline void group_sums(const Codes& codes, const uint8_t* p, int64_t pairs, cons
                        int64_t k0, __m512* part) {
   for (int i = 0; i < 2 * MR; ++i) part[i] = _mm512_setzero_ps();
   for (int64_t r = 0; r < pairs; ++r, p += Codes::kBytes) {
+    if constexpr (!std::is_same_v<Codes, Decoded>) _mm_prefetch(reinterpret_cast<const char*>(p + kPrefetchBytes), _MM_HINT_T0);
     __m512i pairs0, pairs1;
     codes.decode(p, pairs0, pairs1);
     const typename Rows::W w0 = Rows::weights(pairs0), w1 = Rows::weights(pairs1);
@@ -269,16 +284,6 @@ struct QuantOperands {
   T* out;
 };
 
-// A unit's pair rows decoded once (bf16 pairs, 2 registers a pair row), for calls with more
-// rows than one tile: every tile then reads them instead of decoding the codes again. The
-// values are the decoders' own, so a row's sums do not depend on which path ran.
-struct Decoded {
-  static constexpr int64_t kBytes = 128;
-  static void decode(const uint8_t* p, __m512i& w0, __m512i& w1) {
-    w0 = _mm512_load_si512(p);
-    w1 = _mm512_load_si512(p + 64);
-  }
-};
 // The most pair rows a unit holds (Q4_K and Q6_K: 256 inputs).
 constexpr int64_t kMaxUnitPairs = 128;
 
