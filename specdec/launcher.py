@@ -23,6 +23,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 import urllib.request
 from collections.abc import Callable
@@ -198,13 +199,7 @@ def serve(args: argparse.Namespace, started: float | None = None) -> int:
     """Runs the stack until SIGTERM or SIGINT. `started`: the command's start
     (time.monotonic()), from which "ready in N s" counts; default now."""
     started = time.monotonic() if started is None else started
-    # Validate everything before starting anything.
-    _child_commands(args, args.model)
-    grpc_tls_from_args(args)
-    if args.api_key is not None:
-        logger.warning("--api-key on the command line is visible to every local user (ps); "
-                       "prefer $SPECDEC_API_KEY or --api-key-file")
-    api_key = load_api_key(args.api_key, args.api_key_file)
+    api_key = _checked_api_key(args)
     # /health answers from the first instant; the gateway takes the address over.
     startup_health = StartupHealth(args.host, args.port)
     try:
@@ -216,66 +211,85 @@ def serve(args: argparse.Namespace, started: float | None = None) -> int:
         startup_health.close()
         raise
     startup_health.enter(PHASE_STARTING_SERVICES)
-    model_path = str(model_dir)
-    stop_requested = False
-
-    def request_stop(signum: int, frame: object) -> None:
-        nonlocal stop_requested
-        stop_requested = True
-
-    signal.signal(signal.SIGTERM, request_stop)
-    signal.signal(signal.SIGINT, request_stop)
+    stop = threading.Event()
+    signal.signal(signal.SIGTERM, lambda signum, frame: stop.set())
+    signal.signal(signal.SIGINT, lambda signum, frame: stop.set())
     children: list[tuple[str, subprocess.Popen[bytes]]] = []
     environments = _child_environments(api_key, generate_token())
-    listen_fd: int | None = None  # the launcher's /health socket, handed to the gateway
     try:
-        for name, command in _child_commands(args, model_path):
-            if name == "gateway":
-                # Once the verifier listens, so that the gateway's /health tells its start-up
-                # phase from the first answer, never "unreachable" on a normal start.
-                verifier = children[-1][1]
-                verifier_args = _command_of(verifier)
-                _wait_until_listening(int(verifier_args[verifier_args.index("--port") + 1]),
-                                      verifier, lambda: stop_requested)
-                listen_fd = startup_health.hand_over()
-                if listen_fd is not None:
-                    command = [*command, "--listen-fd", str(listen_fd)]
-            logger.info("starting %s: %s", name, " ".join(command))
-            # Own process group: a terminal's Ctrl-C reaches the launcher, which stops
-            # the children in order.
-            children.append((name, subprocess.Popen(
-                command, env=environments[name], start_new_session=True,
-                pass_fds=(listen_fd,) if name == "gateway" and listen_fd is not None else ())))
-            if name == "gateway":
-                startup_health.close()
-        ready = False
-        children_started = time.monotonic()
-        health_url = f"http://{args.host}:{args.port}/health"
-        drafter_restarts = _RestartWithBackoff("drafter", environments["drafter"])
-        while not stop_requested:
-            # A dead drafter is restarted, never a reason to stop the stack.
-            children[:] = [(name, drafter_restarts.check(proc) if name == "drafter" else proc)
-                           for name, proc in children]
-            dead = [(name, proc.returncode) for name, proc in children
-                    if name != "drafter" and proc.poll() is not None]
-            if dead:
-                logger.error("%s exited with code %s; stopping the others", *dead[0])
-                return 1
-            if not ready:
-                ready = _healthy(health_url)
-                if ready:
-                    logger.info("specdec ready in %.1f s: http://%s:%d/v1 serving %r",
-                                time.monotonic() - started, args.host, args.port,
-                                served_model_name(args.model, args.served_model_name))
-                elif time.monotonic() - children_started > READY_TIMEOUT_S:
-                    logger.error("the gateway did not become healthy in %.0f s", READY_TIMEOUT_S)
-                    return 1
-            time.sleep(0.5)
-        logger.info("stopping")
-        return 0
+        _start_children(args, str(model_dir), environments, startup_health, stop, children)
+        return _supervise(args, children, environments, started, stop)
     finally:
         startup_health.close()
         _stop_all(children, args.shutdown_grace_s + STOP_MARGIN_S)
+
+
+def _checked_api_key(args: argparse.Namespace) -> str | None:
+    """Validates every child's arguments before anything starts; the API key to use."""
+    _child_commands(args, args.model)
+    grpc_tls_from_args(args)
+    if args.api_key is not None:
+        logger.warning("--api-key on the command line is visible to every local user (ps); "
+                       "prefer $SPECDEC_API_KEY or --api-key-file")
+    return load_api_key(args.api_key, args.api_key_file)
+
+
+def _start_children(args: argparse.Namespace, model_path: str, environments: dict[str, dict[str, str]],
+                    startup_health: StartupHealth, stop: threading.Event,
+                    children: list[tuple[str, subprocess.Popen[bytes]]]) -> None:
+    """Starts the drafter, the verifier and the gateway in turn, appending each to
+    `children` as it starts (so that a failure stops those already running)."""
+    for name, command in _child_commands(args, model_path):
+        listen_fd: int | None = None  # the launcher's /health socket, handed to the gateway
+        if name == "gateway":
+            # Once the verifier listens, so that the gateway's /health tells its start-up
+            # phase from the first answer, never "unreachable" on a normal start.
+            verifier = children[-1][1]
+            verifier_args = _command_of(verifier)
+            _wait_until_listening(int(verifier_args[verifier_args.index("--port") + 1]),
+                                  verifier, stop.is_set)
+            listen_fd = startup_health.hand_over()
+            if listen_fd is not None:
+                command = [*command, "--listen-fd", str(listen_fd)]
+        logger.info("starting %s: %s", name, " ".join(command))
+        # Own process group: a terminal's Ctrl-C reaches the launcher, which stops
+        # the children in order.
+        children.append((name, subprocess.Popen(
+            command, env=environments[name], start_new_session=True,
+            pass_fds=(listen_fd,) if listen_fd is not None else ())))
+        if name == "gateway":
+            startup_health.close()
+
+
+def _supervise(args: argparse.Namespace, children: list[tuple[str, subprocess.Popen[bytes]]],
+               environments: dict[str, dict[str, str]], started: float, stop: threading.Event) -> int:
+    """Watches the children until a stop is asked for (0) or one that must not die did, or
+    the gateway never became healthy (1). A dead drafter is restarted, never a reason to
+    stop the stack."""
+    ready = False
+    children_started = time.monotonic()
+    health_url = f"http://{args.host}:{args.port}/health"
+    drafter_restarts = _RestartWithBackoff("drafter", environments["drafter"])
+    while not stop.is_set():
+        children[:] = [(name, drafter_restarts.check(proc) if name == "drafter" else proc)
+                       for name, proc in children]
+        dead = [(name, proc.returncode) for name, proc in children
+                if name != "drafter" and proc.poll() is not None]
+        if dead:
+            logger.error("%s exited with code %s; stopping the others", *dead[0])
+            return 1
+        if not ready:
+            ready = _healthy(health_url)
+            if ready:
+                logger.info("specdec ready in %.1f s: http://%s:%d/v1 serving %r",
+                            time.monotonic() - started, args.host, args.port,
+                            served_model_name(args.model, args.served_model_name))
+            elif time.monotonic() - children_started > READY_TIMEOUT_S:
+                logger.error("the gateway did not become healthy in %.0f s", READY_TIMEOUT_S)
+                return 1
+        time.sleep(0.5)  # not stop.wait: a signal handler's set() inside it could deadlock
+    logger.info("stopping")
+    return 0
 
 
 def _command_of(proc: subprocess.Popen[bytes]) -> list[str]:

@@ -34,6 +34,7 @@ from specdec.device import resolve_device, resolve_dtype
 from specdec.engine.sampling_params import SamplingParams
 from specdec.engine.sequence import SpeculationCounters
 from specdec.errors import ConfigError, SpecdecError
+from specdec.models.model_files import transformers_source
 from specdec.rpc.grpc_server import GrpcServer
 from verifier_svc.builder import VerifierConfig, build_engine
 from specdec.engine.engine import Engine
@@ -196,8 +197,8 @@ def load_transformers_model(model_dir: Path, dtype: str, device: str) -> Any:
     from transformers import AutoModelForCausalLM
 
     torch_device = resolve_device(device)
-    model = AutoModelForCausalLM.from_pretrained(str(model_dir),
-                                                 dtype=resolve_dtype(dtype, torch_device))
+    path, source_args = transformers_source(model_dir)
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=resolve_dtype(dtype, torch_device), **source_args)
     # transformers wraps `to` with functools.wraps, which types its first argument as the model.
     return model.to(torch_device).eval()  # type: ignore[arg-type]
 

@@ -146,6 +146,37 @@ def significant(value: float, digits: int = 3) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
+    parser = _build_parser()
+    args = parser.parse_args(argv)
+    names = [name.strip() for name in args.paths.split(",") if name.strip()]
+    unknown = [name for name in names if name not in PATHS]
+    if unknown:
+        parser.error(f"unknown paths {unknown}; allowed: {', '.join(PATHS)}")
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    model_dir = resolve_model(args.model)
+    num_blocks = -(-max(args.context_len, args.prefill_len) // BLOCK_SIZE) + 1
+    shapes = (1, 1 + args.num_speculative_tokens) + ((args.prefill_len,) if args.prefill_len else ())
+    with torch.inference_mode():
+        paths = [_load(model_dir, name, num_blocks, args.model) for name in names]
+        for path in paths:
+            for num_tokens in shapes:
+                _forward(path, num_tokens, args.context_len)  # warm-up
+        times, reads = _timed_rounds(paths, shapes, args.context_len, args.repeats)
+        _print_table(paths, shapes, times, reads, args.memory_gbps)
+        if args.profile:
+            profiled = next((p for p in paths if p.name == args.profile), None)
+            if profiled is None:
+                parser.error(f"--profile {args.profile!r} is not among --paths")
+            from torch.profiler import ProfilerActivity, profile
+            with profile(activities=[ProfilerActivity.CPU]) as profiler:
+                for _ in range(10):
+                    _forward(profiled, shapes[1], args.context_len)
+            print(profiler.key_averages().table(sort_by="self_cpu_time_total", row_limit=15))
+    return 0
+
+
+def _build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m specdec bench forward", description=__doc__,
                                      formatter_class=DefaultsHelpFormatter)
     parser.add_argument("--model", default=DEFAULT_MODEL)
@@ -164,57 +195,44 @@ def main(argv: list[str] | None = None) -> int:
                              "measured here by summing a 512 MiB tensor)")
     parser.add_argument("--profile", default=None, metavar="PATH_NAME",
                         help="print the torch profiler's table for this path's 1 + k forward")
-    args = parser.parse_args(argv)
-    names = [name.strip() for name in args.paths.split(",") if name.strip()]
-    unknown = [name for name in names if name not in PATHS]
-    if unknown:
-        parser.error(f"unknown paths {unknown}; allowed: {', '.join(PATHS)}")
-    if args.threads:
-        torch.set_num_threads(args.threads)
-    model_dir = resolve_model(args.model)
-    num_blocks = -(-max(args.context_len, args.prefill_len) // BLOCK_SIZE) + 1
-    shapes = (1, 1 + args.num_speculative_tokens) + ((args.prefill_len,) if args.prefill_len else ())
-    with torch.inference_mode():
-        paths = [_load(model_dir, name, num_blocks, args.model) for name in names]
+    return parser
+
+
+def _timed_rounds(paths: list[Path], shapes: tuple[int, ...], context_len: int, repeats: int,
+                  ) -> tuple[dict[tuple[str, int], list[float]], dict[str, list[float]]]:
+    """Each path's forward times per shape, and per repeat the faster of two reads of as many
+    bytes as its weights, taken beside its forwards (so drift falls on both)."""
+    times: dict[tuple[str, int], list[float]] = {}
+    reads: dict[str, list[float]] = {}
+    readable = torch.ones(max(path.weight_bytes for path in paths) // 4)
+    for _ in range(repeats):
         for path in paths:
+            weights_worth = readable[:path.weight_bytes // 4]
+            before = _read_seconds(weights_worth)
             for num_tokens in shapes:
-                _forward(path, num_tokens, args.context_len)  # warm-up
-        times: dict[tuple[str, int], list[float]] = {}
-        reads: dict[str, list[float]] = {}  # per repeat, the faster of the two paired reads
-        readable = torch.ones(max(path.weight_bytes for path in paths) // 4)
-        for _ in range(args.repeats):
-            for path in paths:
-                weights_worth = readable[:path.weight_bytes // 4]
-                before = _read_seconds(weights_worth)
-                for num_tokens in shapes:
-                    times.setdefault((path.name, num_tokens), []).append(
-                        _forward(path, num_tokens, args.context_len))
-                reads.setdefault(path.name, []).append(min(before, _read_seconds(weights_worth)))
-        del readable
-        memory_gbps = args.memory_gbps or read_bandwidth_gbps()
-        print(f"memory read bandwidth {significant(memory_gbps)} GB/s"
-              f"{'' if args.memory_gbps else ' (measured)'}; bound = weight bytes / bandwidth")
-        width = max(12, *(len(path.name) for path in paths))
-        print("read ms: reading as many bytes as the weights, paired with the forwards; "
-              "x read: the median of each forward over its repeat's read")
-        print(f"{'path':{width}s} {'tokens':>6s} {'median ms':>10s} {'min ms':>8s} {'bound ms':>9s} "
-              f"{'read ms':>8s} {'x read':>7s}")
-        for path in paths:
-            bound_ms = path.weight_bytes / (memory_gbps * 1e9) * 1e3
-            paired_reads = reads[path.name]
-            for num_tokens in shapes:
-                samples = times[(path.name, num_tokens)]
-                over_read = statistics.median(sample / read for sample, read in zip(samples, paired_reads))
-                print(f"{path.name:{width}s} {num_tokens:6d} {significant(statistics.median(samples) * 1e3):>10s} "
-                      f"{significant(min(samples) * 1e3):>8s} {significant(bound_ms):>9s} "
-                      f"{significant(statistics.median(paired_reads) * 1e3):>8s} {significant(over_read):>7s}")
-        if args.profile:
-            profiled = next((p for p in paths if p.name == args.profile), None)
-            if profiled is None:
-                parser.error(f"--profile {args.profile!r} is not among --paths")
-            from torch.profiler import ProfilerActivity, profile
-            with profile(activities=[ProfilerActivity.CPU]) as profiler:
-                for _ in range(10):
-                    _forward(profiled, shapes[1], args.context_len)
-            print(profiler.key_averages().table(sort_by="self_cpu_time_total", row_limit=15))
-    return 0
+                times.setdefault((path.name, num_tokens), []).append(
+                    _forward(path, num_tokens, context_len))
+            reads.setdefault(path.name, []).append(min(before, _read_seconds(weights_worth)))
+    return times, reads
+
+
+def _print_table(paths: list[Path], shapes: tuple[int, ...], times: dict[tuple[str, int], list[float]],
+                 reads: dict[str, list[float]], memory_gbps: float | None) -> None:
+    measured = memory_gbps is None
+    gbps = read_bandwidth_gbps() if memory_gbps is None else memory_gbps
+    print(f"memory read bandwidth {significant(gbps)} GB/s"
+          f"{' (measured)' if measured else ''}; bound = weight bytes / bandwidth")
+    width = max(12, *(len(path.name) for path in paths))
+    print("read ms: reading as many bytes as the weights, paired with the forwards; "
+          "x read: the median of each forward over its repeat's read")
+    print(f"{'path':{width}s} {'tokens':>6s} {'median ms':>10s} {'min ms':>8s} {'bound ms':>9s} "
+          f"{'read ms':>8s} {'x read':>7s}")
+    for path in paths:
+        bound_ms = path.weight_bytes / (gbps * 1e9) * 1e3
+        paired_reads = reads[path.name]
+        for num_tokens in shapes:
+            samples = times[(path.name, num_tokens)]
+            over_read = statistics.median(sample / read for sample, read in zip(samples, paired_reads))
+            print(f"{path.name:{width}s} {num_tokens:6d} {significant(statistics.median(samples) * 1e3):>10s} "
+                  f"{significant(min(samples) * 1e3):>8s} {significant(bound_ms):>9s} "
+                  f"{significant(statistics.median(paired_reads) * 1e3):>8s} {significant(over_read):>7s}")

@@ -70,22 +70,7 @@ def read_checkpoint(model_dir: Path, keep: Callable[[str], bool] | None = None) 
     """
     tensors: dict[str, torch.Tensor] = {}
     for path in _weight_files(Path(model_dir)):
-        if path.suffix == ".safetensors" and keep is not None:
-            from safetensors import (
-                safe_open,  # read only the wanted tensors of a large target
-            )
-
-            try:
-                with safe_open(str(path), framework="pt", device="cpu") as reader:
-                    for name in reader.keys():
-                        if keep(name):
-                            tensors[name] = reader.get_tensor(name)
-            except Exception as error:
-                raise ConfigError(f"cannot read weights from {path}: {error}", param="model") from None
-            continue
-        for name, tensor in _iter_tensors(path):
-            if keep is None or keep(name):
-                tensors[name] = tensor
+        tensors.update(_iter_tensors(path, keep))  # only the wanted tensors of a large target are read
     return {name: tensor for name, tensor in tensors.items() if not name.endswith("rotary_emb.inv_freq")}
 
 

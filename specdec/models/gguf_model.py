@@ -2,9 +2,10 @@
 
 Why: the people who run models on CPUs download GGUF files, mostly Q4_K_M, Q8_0 or Q4_0;
 dequantised to 16 bits such a model reads ~2-3.5x the bytes per token and holds as much
-more memory. `load_gguf_model` builds the model from the converted directory
-(`specdec.models.model_files`: config, tokenizer, and the tensors kept dense: embedding,
-norms, biases, any matrix in a type the kernel does not read) and, for every linear whose
+more memory. `load_gguf_model` builds the model from the file's converted directory
+(`specdec.models.model_files`: config and tokenizer) and the file itself: the tensors kept
+dense (norms, biases, any matrix in a type the kernel does not read) dequantised one by one
+(`specdec.models.gguf_tensors`), and, for every linear whose
 matrices the file holds as Q8_0, Q4_0, Q4_1, Q4_K or Q6_K, a `GgufLinear` over the file's
 own blocks (the projections fused as the model fuses them; llama.cpp's per-head q/k row
 order undone, as transformers undoes it), and a quantized embedding stays in its blocks too
@@ -129,7 +130,7 @@ def load_gguf_model(gguf_path: Path, model_dir: Path, dtype: torch.dtype, device
     else:
         embedding = None
     model = load_model(model_dir, dtype, device, max_positions=max_positions, leave_out=frozenset(leave_out),
-                       attention_backend=attention_backend)
+                       attention_backend=attention_backend, gguf_reader=reader)
     if embedding is not None:
         dense = model.model.embed_tokens
         lookup = GgufEmbedding(np.asarray(embedding.data).reshape(dense.num_embeddings, -1),

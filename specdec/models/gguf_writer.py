@@ -51,6 +51,19 @@ def gguf_tensor_name(hf_name: str) -> str:
     return f"blk.{parts[2]}.{_LAYER_NAMES[module]}.{leaf}"
 
 
+def hf_tensor_name(gguf_name: str) -> str | None:
+    """The Hugging Face Llama name of a llama.cpp tensor name, or None for one with no HF
+    counterpart (`rope_freqs.weight`)."""
+    top = {gguf: hf for hf, gguf in _TOP_NAMES.items()}
+    if gguf_name in top:
+        return top[gguf_name]
+    parts = gguf_name.split(".")  # blk.<i>.<role>.<weight|bias>
+    modules = {gguf: hf for hf, gguf in _LAYER_NAMES.items()}
+    if len(parts) != 4 or parts[0] != "blk" or parts[2] not in modules:
+        return None
+    return f"model.layers.{parts[1]}.{modules[parts[2]]}.{parts[3]}"
+
+
 def rope_permutation(num_rows: int, num_heads: int) -> np.ndarray:
     """Row order of llama.cpp's q/k: its row h d + 2 i + j (d rows a head) is HF's row
     h d + j d / 2 + i; so llama.cpp's rows are `hf[rope_permutation(...)]`."""
@@ -97,15 +110,13 @@ def quantize_rows(values: np.ndarray, type_name: str) -> np.ndarray:
 
 
 def _checkpoint(model_dir: Path) -> Iterator[tuple[str, np.ndarray]]:
-    from safetensors import safe_open
+    """The checkpoint's tensors as float32 arrays, read as the loader reads them (a GGUF
+    model's directory: from its file)."""
+    from specdec.models.loader import _iter_tensors, _weight_files  # the loader reads GGUF names through this module
 
-    files = sorted(model_dir.glob("*.safetensors"))
-    if not files:
-        raise ValueError(f"{model_dir} holds no safetensors weights")
-    for path in files:
-        with safe_open(str(path), framework="pt", device="cpu") as reader:
-            for name in reader.keys():
-                yield name, reader.get_tensor(name).float().numpy()
+    for path in _weight_files(model_dir):
+        for name, tensor in _iter_tensors(path):
+            yield name, tensor.float().numpy()
 
 
 def _tokenizer_fields(model_dir: Path, vocab_size: int) -> dict[str, Any]:

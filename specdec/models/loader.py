@@ -2,7 +2,9 @@
 
 Reads `config.json` (plus `generation_config.json` for extra stop ids) and the weights from
 `model.safetensors`, sharded safetensors with `model.safetensors.index.json`, or
-`pytorch_model.bin` (sharded or not, read with `weights_only=True`). Loading is strict: a
+`pytorch_model.bin` (sharded or not, read with `weights_only=True`), or, for a GGUF model's
+directory in the cache, the GGUF file it names (`model_files.GGUF_SOURCE_FILE`; dequantised tensor by
+tensor, `specdec.models.gguf_tensors`). Loading is strict: a
 missing or unexpected tensor, or one of the wrong shape, raises `ConfigError` naming it.
 
 Parameters are allocated uninitialised on the target device and filled tensor by tensor,
@@ -14,7 +16,7 @@ from __future__ import annotations
 import json
 import logging
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -22,8 +24,10 @@ import torch
 
 from specdec.errors import ConfigError
 from specdec.layers.attention import make_attention_backend
+from specdec.models.gguf_tensors import iter_gguf_tensors
 from specdec.models.llama import LlamaForCausalLM
 from specdec.models.model_config import ModelConfig
+from specdec.models.model_files import gguf_source
 from specdec.models.parallel import (
     ParallelContext,
     finish_loading,
@@ -66,7 +70,11 @@ def load_model_config(model_dir: Path) -> ModelConfig:
 
 
 def _weight_files(model_dir: Path) -> list[Path]:
-    """The checkpoint files, safetensors preferred over pytorch_model.bin."""
+    """The checkpoint files, safetensors preferred over pytorch_model.bin; a GGUF model's
+    directory: its GGUF file."""
+    source = gguf_source(model_dir)
+    if source is not None:
+        return [source]
     for index_name, single_name in (
         ("model.safetensors.index.json", "model.safetensors"),
         ("pytorch_model.bin.index.json", "pytorch_model.bin"),
@@ -86,9 +94,11 @@ def _weight_files(model_dir: Path) -> list[Path]:
     )
 
 
-def _iter_tensors(path: Path, keep: set[str] | None = None) -> Iterator[tuple[str, torch.Tensor]]:
-    """Yield (name, cpu tensor) from one checkpoint file (only names in `keep`, when given);
-    a corrupt file raises ConfigError."""
+def _iter_tensors(path: Path, keep: Callable[[str], bool] | None = None,
+                  gguf_reader: Any | None = None) -> Iterator[tuple[str, torch.Tensor]]:
+    """Yield (name, cpu tensor) from one checkpoint file (only names `keep` accepts, when
+    given; the others are not read); a corrupt file raises ConfigError. A GGUF file is read
+    through `gguf_reader` where the caller has one open on it."""
     if not path.is_file():
         raise ConfigError(f"weight file {path} is missing", param="model")
     try:
@@ -97,11 +107,13 @@ def _iter_tensors(path: Path, keep: set[str] | None = None) -> Iterator[tuple[st
 
             with safe_open(str(path), framework="pt", device="cpu") as reader:
                 for name in reader.keys():
-                    if keep is None or name in keep:
+                    if keep is None or keep(name):
                         yield name, reader.get_tensor(name)
+        elif path.suffix.lower() == ".gguf":
+            yield from iter_gguf_tensors(path if gguf_reader is None else gguf_reader, keep)
         else:
             state = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
-            yield from ((name, tensor) for name, tensor in state.items() if keep is None or name in keep)
+            yield from ((name, tensor) for name, tensor in state.items() if keep is None or keep(name))
     except ConfigError:
         raise
     except Exception as error:  # safetensors / pickle errors come in many types
@@ -121,7 +133,7 @@ def load_model(
     model_dir: Path, dtype: torch.dtype, device: torch.device, max_positions: int | None = None,
     parallel: ParallelContext | None = None, borrow_from: Path | None = None,
     leave_out: frozenset[str] = frozenset(),
-    attention_backend: str | None = None,
+    attention_backend: str | None = None, gguf_reader: Any | None = None,
 ) -> LlamaForCausalLM:
     """Build the model described by `model_dir/config.json` and fill it from the checkpoint.
 
@@ -133,66 +145,20 @@ def load_model(
     lacks are read from there instead, with the same shape checks. Parameters named in
     `leave_out` (ours, e.g. `model.layers.0.self_attn.qkv_proj.weight`) are neither read nor
     required: the caller replaces their modules (their memory, never written, is never
-    resident). `attention_backend`: see `make_attention_backend`.
+    resident). `attention_backend`: see `make_attention_backend`. `gguf_reader`: a
+    `GGUFReader` open on a GGUF model's file, read instead of parsing the file again.
     """
     model_dir = Path(model_dir)
     started = time.perf_counter()
     config = load_model_config(model_dir)
     if parallel is not None:
         config = rank_config(config, parallel.world_size)
-    files = _weight_files(model_dir)
-    backend = make_attention_backend(device, config.num_attention_heads, config.num_key_value_heads,
-                                     config.head_dim, attention_backend)
-    with torch.device("meta"):
-        model = LlamaForCausalLM(config, max_positions=max_positions, attention_backend=backend)
-    if parallel is not None:
-        install_all_reduce(model, parallel)
-    model = model.to(dtype).to_empty(device=device)
-    if config.tie_word_embeddings:
-        model.lm_head.weight = model.model.embed_tokens.weight
-    model.model.rotary_emb.reset_cache(device, dtype)
-    model.requires_grad_(False)
-
+    model = _empty_model(config, dtype, device, max_positions, parallel, attention_backend)
     params = dict(model.named_parameters())  # tied lm_head appears once, as embed_tokens
-    expected: set[tuple[str, int | None]] = set()
-    for name in params:
-        if name in leave_out:
-            continue
-        fused = next((f for f, _, _ in model.stacked_params if f".{f}." in name), None)
-        if fused is None:
-            expected.add((name, None))
-        else:
-            expected.update((name, shard) for shard in range(len(model.shard_sizes(fused))))
     loaded: set[tuple[str, int | None]] = set()
-
-    for path in files:
-        for hf_name, tensor in _iter_tensors(path):
-            if hf_name.endswith(_IGNORED_SUFFIXES):
-                continue
-            if config.tie_word_embeddings and hf_name == "lm_head.weight":
-                continue  # some tied checkpoints store the shared matrix twice
-            name, shard = _target_of(model, hf_name)
-            if name in leave_out:
-                continue
-            if parallel is not None:
-                tensor = shard_tensor(hf_name, tensor, parallel)
-            if name not in params:
-                raise ConfigError(f"unexpected tensor {hf_name!r} in {path}", param="model")
-            target = params[name].data
-            if shard is not None:
-                fused = name.rsplit(".", 2)[-2]
-                sizes = model.shard_sizes(fused)
-                target = target.narrow(0, sum(sizes[:shard]), sizes[shard])
-            if tuple(tensor.shape) != tuple(target.shape):
-                raise ConfigError(
-                    f"tensor {hf_name!r} in {path} has shape {tuple(tensor.shape)}, "
-                    f"expected {tuple(target.shape)}",
-                    param="model",
-                )
-            target.copy_(tensor)
-            loaded.add((name, shard))
-
-    missing = expected - loaded
+    for path in _weight_files(model_dir):
+        loaded |= _fill_from(path, model, params, parallel, leave_out, gguf_reader)
+    missing = _expected_tensors(model, params, leave_out) - loaded
     if missing and borrow_from is not None:
         missing = _borrow(model, params, missing, Path(borrow_from))
     if missing:
@@ -209,12 +175,81 @@ def load_model(
     return model
 
 
+def _empty_model(config: ModelConfig, dtype: torch.dtype, device: torch.device,
+                 max_positions: int | None, parallel: ParallelContext | None,
+                 attention_backend: str | None) -> LlamaForCausalLM:
+    """The model's modules on `device`, their memory allocated but not written."""
+    backend = make_attention_backend(device, config.num_attention_heads, config.num_key_value_heads,
+                                     config.head_dim, attention_backend)
+    with torch.device("meta"):
+        model = LlamaForCausalLM(config, max_positions=max_positions, attention_backend=backend)
+    if parallel is not None:
+        install_all_reduce(model, parallel)
+    model = model.to(dtype).to_empty(device=device)
+    if config.tie_word_embeddings:
+        model.lm_head.weight = model.model.embed_tokens.weight
+    model.model.rotary_emb.reset_cache(device, dtype)
+    model.requires_grad_(False)
+    return model
+
+
+def _expected_tensors(model: LlamaForCausalLM, params: dict[str, torch.nn.Parameter],
+                      leave_out: frozenset[str]) -> set[tuple[str, int | None]]:
+    """(parameter, shard) pairs a complete checkpoint fills: each shard of a fused one."""
+    expected: set[tuple[str, int | None]] = set()
+    for name in params:
+        if name in leave_out:
+            continue
+        fused = next((f for f, _, _ in model.stacked_params if f".{f}." in name), None)
+        if fused is None:
+            expected.add((name, None))
+        else:
+            expected.update((name, shard) for shard in range(len(model.shard_sizes(fused))))
+    return expected
+
+
+def _fill_from(path: Path, model: LlamaForCausalLM, params: dict[str, torch.nn.Parameter],
+               parallel: ParallelContext | None, leave_out: frozenset[str],
+               gguf_reader: Any | None) -> set[tuple[str, int | None]]:
+    """Copies one checkpoint file's tensors into `params` (this rank's shard of each);
+    returns the (parameter, shard) pairs it filled."""
+    config = model.config
+    loaded: set[tuple[str, int | None]] = set()
+    for hf_name, tensor in _iter_tensors(path, lambda hf_name: _target_of(model, hf_name)[0] not in leave_out,
+                                         gguf_reader):
+        if hf_name.endswith(_IGNORED_SUFFIXES):
+            continue
+        if config.tie_word_embeddings and hf_name == "lm_head.weight":
+            continue  # some tied checkpoints store the shared matrix twice
+        name, shard = _target_of(model, hf_name)
+        if name in leave_out:
+            continue
+        if parallel is not None:
+            tensor = shard_tensor(hf_name, tensor, parallel)
+        if name not in params:
+            raise ConfigError(f"unexpected tensor {hf_name!r} in {path}", param="model")
+        target = params[name].data
+        if shard is not None:
+            fused = name.rsplit(".", 2)[-2]
+            sizes = model.shard_sizes(fused)
+            target = target.narrow(0, sum(sizes[:shard]), sizes[shard])
+        if tuple(tensor.shape) != tuple(target.shape):
+            raise ConfigError(
+                f"tensor {hf_name!r} in {path} has shape {tuple(tensor.shape)}, "
+                f"expected {tuple(target.shape)}",
+                param="model",
+            )
+        target.copy_(tensor)
+        loaded.add((name, shard))
+    return loaded
+
+
 def _borrow(model: LlamaForCausalLM, params: dict[str, torch.nn.Parameter],
             missing: set[tuple[str, int | None]], borrow_from: Path) -> set[tuple[str, int | None]]:
     """Fills unsharded missing parameters from `borrow_from`'s checkpoint; returns what is still missing."""
     wanted = {name for name, shard in missing if shard is None}
     for path in _weight_files(borrow_from):
-        for hf_name, tensor in _iter_tensors(path, keep=wanted):
+        for hf_name, tensor in _iter_tensors(path, keep=wanted.__contains__):
             target = params[hf_name].data
             if tuple(tensor.shape) != tuple(target.shape):
                 raise ConfigError(f"borrowed tensor {hf_name!r} in {path} has shape {tuple(tensor.shape)}, "

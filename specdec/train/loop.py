@@ -14,7 +14,7 @@ import math
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Protocol
+from typing import Any, Protocol
 
 import torch
 from torch import nn
@@ -98,6 +98,25 @@ def evaluate(trainer: DraftTrainer, features: FeatureSet, indices: list[int],
     return {key: round(value, 4) for key, value in totals.items()}
 
 
+def _epoch_order(train_ids: list[int], lengths: list[int], batch_sequences: int,
+                 generator: torch.Generator) -> list[int]:
+    """One epoch's order of `train_ids`' indices: shuffled, then sorted by length within
+    windows of 8 batches, so batches of similar lengths waste little on padding and their
+    order stays random."""
+    order = torch.randperm(len(train_ids), generator=generator).tolist()
+    window = 8 * batch_sequences
+    return [i for start in range(0, len(order), window)
+            for i in sorted(order[start:start + window], key=lambda i: lengths[train_ids[i]])]
+
+
+def _learning_rate(state: dict[str, Any], budget_s: float, options: TrainOptions) -> float:
+    """The step's learning rate, scheduled over whichever budget (time or steps) runs out first."""
+    fraction = state["seconds"] / budget_s
+    if options.max_steps:
+        fraction = max(fraction, state["step"] / options.max_steps)
+    return options.lr * _lr_factor(state["step"], fraction, options)
+
+
 def train(trainer: DraftTrainer, features: FeatureSet, options: TrainOptions) -> TrainSummary:
     """Trains until max_steps or max_minutes (counting earlier runs of the same run_dir)."""
     train_ids, validation_ids = split_sequences(features, options)
@@ -111,15 +130,11 @@ def train(trainer: DraftTrainer, features: FeatureSet, options: TrainOptions) ->
     lengths = (features.seq_starts[1:] - features.seq_starts[:-1]).tolist()
 
     def epoch_order() -> list[int]:
-        # Shuffled, then sorted by length within windows of 8 batches: batches of similar
-        # lengths waste little on padding, and their order stays random.
-        order = torch.randperm(len(train_ids), generator=generator).tolist()
-        window = 8 * options.batch_sequences
-        return [i for start in range(0, len(order), window)
-                for i in sorted(order[start:start + window], key=lambda i: lengths[train_ids[i]])]
+        return _epoch_order(train_ids, lengths, options.batch_sequences, generator)
 
-    orders = [epoch_order() for _ in range(state["epoch"] + 1)]
-    order = orders[-1]
+    # A resumed run draws the orders of the epochs before it, so its generator is where
+    # the uninterrupted run's would be.
+    order = [epoch_order() for _ in range(state["epoch"] + 1)][-1]
     progress = Progress(f"train {options.run_dir.name}", total=options.max_steps, unit="steps")
     summary = TrainSummary(train_sequences=len(train_ids),
                            train_tokens=sum(int(features.seq_starts[i + 1] - features.seq_starts[i])
@@ -135,10 +150,7 @@ def train(trainer: DraftTrainer, features: FeatureSet, options: TrainOptions) ->
             order = epoch_order()
         chunk = [train_ids[i] for i in order[state["cursor"]:state["cursor"] + options.batch_sequences]]
         state["cursor"] += len(chunk)
-        fraction = state["seconds"] / budget_s
-        if options.max_steps:
-            fraction = max(fraction, state["step"] / options.max_steps)
-        lr = options.lr * _lr_factor(state["step"], fraction, options)
+        lr = _learning_rate(state, budget_s, options)
         for group in optimizer.param_groups:
             group["lr"] = lr
         loss, metrics = trainer.loss(make_batch(features, chunk, options.max_len, trainer.needs_features))

@@ -10,6 +10,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from specdec.bench import compare as bench_compare
+from specdec.bench import compare_build
 from specdec.bench.compare_report import same_output, summarise
 from specdec.bench.compare_systems import (
     Generation,
@@ -80,7 +81,7 @@ def test_system_names_and_selection() -> None:
     specs = [SpeculativeConfig.parse(NGRAM), SpeculativeConfig.parse(NGRAM),
              SpeculativeConfig.parse('{"method": "draft_model", "num_speculative_tokens": 2, '
                                      '"model": "/d"}')]
-    names = list(bench_compare.system_names(specs))
+    names = list(compare_build.system_names(specs))
     assert names == ["specdec", "specdec-ngram", "specdec-ngram-2", "specdec-draft_model",
                      "transformers", "transformers-prompt-lookup", "transformers-assisted",
                      "llama.cpp", "llama.cpp-prompt-lookup"]
@@ -200,6 +201,6 @@ def test_quantization_reaches_specdecs_engines_and_llama_cpps_precision(
     assert {row["system"] for row in report["rows"]} == {"specdec", "specdec-ngram"}
     # llama.cpp's like-for-like precision: Q8_0 beside weight-only int8.
     args = bench_compare.build_parser().parse_args(["--dtype", "bfloat16", "--quantization", "int8"])
-    assert bench_compare.llama_cpp_precision(args) == "Q8_0"
+    assert compare_build.llama_cpp_precision(args) == "Q8_0"
     args = bench_compare.build_parser().parse_args(["--dtype", "float32"])
-    assert bench_compare.llama_cpp_precision(args) == "F32"
+    assert compare_build.llama_cpp_precision(args) == "F32"

@@ -20,8 +20,9 @@ from specdec.models.gguf_linear import GgufEmbedding, GgufLinear, gguf_kernel_su
 from specdec.models.gguf_model import load_gguf_model, native_gguf_file
 from specdec.models.gguf_writer import write_llama_gguf
 from specdec.models.loader import load_model
-from specdec.models.model_files import resolve_model
+from specdec.models.model_files import default_cache_dir, resolve_model
 from tests.support.engine_harness import generate, ngram_engine
+from tests.support.paged_forward import PagedSequence, fresh_cache, reversed_blocks, run_step
 from tests.support.tiny_models import make_gguf_ready_llama
 
 PRECISIONS = ("Q8_0", "Q4_0", "Q4_1", "Q4_K_M")
@@ -83,6 +84,40 @@ def test_serve_gives_its_verifier_the_gguf_file_not_its_conversion(gguf_files: d
     assert model_of(["--model", str(path.parent)], "verifier") == "/converted/model"
 
 
+def _transformers_conversion(gguf_path: Path, output_dir: Path) -> Path:
+    """What the conversion used to write: transformers' float32 dequantisation of the file."""
+    from transformers import AutoModelForCausalLM
+
+    hf_model = AutoModelForCausalLM.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name,
+                                                    dtype=torch.float32)
+    hf_model.hf_quantizer = None
+    del hf_model.config.quantization_config
+    hf_model.save_pretrained(str(output_dir))
+    return output_dir
+
+
+@pytest.mark.parametrize("precision", PRECISIONS)
+def test_a_gguf_loads_from_its_file_without_a_float32_copy(gguf_files: dict[str, Path], precision: str,
+                                                           tmp_path: Path) -> None:
+    """The conversion keeps config and tokenizer only; the weights are read from the file,
+    with the values (and so the logits) of transformers' float32 conversion."""
+    model_dir = resolve_model(str(gguf_files[precision]))
+    written = [path.name for path in (default_cache_dir() / "converted").rglob("*") if path.is_file()]
+    assert not [name for name in written if name.endswith((".safetensors", ".bin"))], written
+    assert (model_dir / "tokenizer.json").is_file() and (model_dir / "chat_template.jinja").is_file()
+    from_file = load_model(model_dir, torch.float32, CPU)
+    converted = load_model(_transformers_conversion(gguf_files[precision], tmp_path / "hf"), torch.float32, CPU)
+    assert from_file.config == converted.config
+    expected = converted.state_dict()
+    for name, tensor in from_file.state_dict().items():
+        assert torch.equal(tensor, expected[name]), name
+    logits = []
+    for model in (from_file, converted):
+        sequence = PagedSequence(reversed_blocks(4, 0))
+        logits.append(run_step(model, fresh_cache(model, CPU), [(sequence, PROMPTS[0])], CPU)[0])
+    assert torch.equal(logits[0], logits[1])
+
+
 @needs_kernel
 @pytest.mark.parametrize("precision", PRECISIONS)
 def test_the_blocks_hold_the_dequantised_weights(gguf_files: dict[str, Path], precision: str) -> None:
@@ -138,9 +173,10 @@ async def test_speculation_gives_the_quantized_models_greedy_output(gguf_files: 
 def test_bench_compare_gives_llama_cpp_the_file_specdec_serves(gguf_files: dict[str, Path],
                                                                monkeypatch: pytest.MonkeyPatch) -> None:
     from specdec.bench import compare as bench_compare
+    from specdec.bench import compare_build
 
     monkeypatch.setattr("specdec.models.gguf_model.gguf_kernel_supports", lambda dtype: True)
     path = str(gguf_files["Q4_K_M"])
-    assert bench_compare.llama_cpp_precision(bench_compare.build_parser().parse_args(["--model", path])) == "file"
+    assert compare_build.llama_cpp_precision(bench_compare.build_parser().parse_args(["--model", path])) == "file"
     dequantised = bench_compare.build_parser().parse_args(["--model", path, "--dtype", "bfloat16"])
-    assert bench_compare.llama_cpp_precision(dequantised) == "F16"
+    assert compare_build.llama_cpp_precision(dequantised) == "F16"

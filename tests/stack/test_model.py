@@ -17,6 +17,7 @@ import transformers
 from specdec.engine.kv_cache import KVCache
 from specdec.layers.attention import AttentionMetadata
 from specdec.layers.cpu_extension import linear_supports
+from specdec.models.model_files import transformers_source
 from specdec.models import (
     DEFAULT_MODEL,
     LlamaForCausalLM,
@@ -181,7 +182,8 @@ def default_model_dir() -> Path:
 def default_models(default_model_dir: Path,
                    device: torch.device) -> tuple[LlamaForCausalLM, torch.nn.Module, list[int]]:
     model = load_model(default_model_dir, torch.float32, device)
-    hf_model = transformers.AutoModelForCausalLM.from_pretrained(default_model_dir, dtype=torch.float32).eval()
+    path, source_args = transformers_source(default_model_dir)  # transformers reads the GGUF itself
+    hf_model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, **source_args).eval()
     tokenizer = load_tokenizer(default_model_dir)
     chat = [{"role": "user", "content": "Name three colours of the rainbow and say why the sky is blue."}]
     prompt_ids = list(tokenizer.apply_chat_template(chat, add_generation_prompt=True, tokenize=True,

@@ -159,8 +159,9 @@ def default_model_dir() -> Path:
 
 
 def test_default_model_files(default_model_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    for name in ("config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json"):
+    for name in ("config.json", "gguf_source.json", "tokenizer.json", "tokenizer_config.json"):
         assert (default_model_dir / name).is_file(), name
+    assert not list(default_model_dir.glob("*.safetensors"))  # the weights stay in the GGUF
     config = load_model_config(default_model_dir)
     assert (config.model_type, config.num_hidden_layers, config.hidden_size) == ("llama", 30, 576)
     assert config.tie_word_embeddings and config.num_key_value_heads == 3
