@@ -18,7 +18,7 @@ along the input):
 `unpack` turns a tensor's raw rows into `QuantFields` (codes and per-group header fields);
 `pack_rows` lays row-concatenated parts out as the kernel's blocks of 32 output columns
 plus the table that says each block's offset, type and columns. The kernel's decoding of
-4- and 6-bit codes (a byte lookup per index, then unpacks within 128-bit lanes) fixes the
+every type's codes (byte lookups per index, then unpacks within 128-bit lanes) fixes the
 order of a pair row's codes: `_POSITION_OF_WORD`.
 """
 
@@ -164,10 +164,11 @@ def _code_bytes(fields: QuantFields, padded: np.ndarray, units: int) -> np.ndarr
     unit_inputs = _UNIT_INPUTS[fields.qtype]
     words = _pair_rows(padded, units, unit_inputs)
     rows: np.ndarray
+    index = words[..., _WORD_AT_POSITION]  # by position in the index register
     if fields.qtype == Q8_0:
-        rows = words.astype(np.int8).view(np.uint8)
+        rows = index.astype(np.int8).view(np.uint8)
     else:
-        index = words.astype(np.uint8)[..., _WORD_AT_POSITION]  # by position in the index register
+        index = index.astype(np.uint8)
         low = (index[..., :32] & 0x0F) | ((index[..., 32:] & 0x0F) << 4)
         if fields.qtype == Q6_K:
             high_bits = (index >> 4) & 0x03  # position 16 L + i -> byte i, bits 2 L

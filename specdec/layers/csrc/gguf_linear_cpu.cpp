@@ -11,7 +11,7 @@
 // header, then its codes in pair rows (inputs k, k + 1 of the 32 columns: 64 codes):
 //
 //   format  unit header (32 columns each)                 a pair row's codes
-//   Q8_0    d f16                                          64 int8, column-major pairs
+//   Q8_0    d f16                                          64 int8 (in the lookups' unpack order)
 //   Q4_0    d f16                                          32 bytes of 4-bit codes u (w = d (u - 8))
 //   Q4_1    d f16, m f16                                   32 bytes of u (w = d u + m)
 //   Q4_K    d f16, dmin f16, sc u8 [8], m u8 [8]           32 bytes of u (w = d sc_j u - dmin m_j)
@@ -22,7 +22,8 @@
 // (Q4_K_M's q/k at Q4_K, v at Q6_K) is one operand.
 //
 // How: each pair row's codes become bf16 pairs in registers (4- and 6-bit codes by two byte
-// lookups, vpermb, that give the bf16's low and high bytes; int8 by conversion), all exact;
+// lookups, vpermb, that give the bf16's low and high bytes; int8 by two 128-entry lookups,
+// vpermi2b, of its magnitude, the sign or-ed in), all exact;
 // bf16 rows multiply them by vdpbf16ps, fp32 rows widen them and use FMAs. The products of a
 // scale group (32 inputs, 16 for Q6_K) are summed in fp32 apart and then scaled into the
 // row's sums: acc += part * scale (+ min * sum of the group's inputs, precomputed per row).
@@ -58,6 +59,9 @@ constexpr int64_t kBlockColumns = 32;
 constexpr int64_t kQuantTileRows = 6;
 constexpr int64_t kMinBlocksPerThread = 8;
 constexpr int64_t kMinGroup = 32;  // the inputs a min-sum covers (Q4_1, Q4_K)
+// How far ahead of its decoding a block's stream of codes is fetched (the hardware's
+// prefetcher alone leaves a one-row decode waiting on memory).
+constexpr int64_t kPrefetchBytes = 2048;
 
 // GGML's type ids.
 constexpr int64_t kQ4_0 = 2, kQ4_1 = 3, kQ8_0 = 8, kQ4_K = 12, kQ6_K = 14;
@@ -118,15 +122,30 @@ inline __m512i nibbles(const uint8_t* p) {
   return _mm512_and_si512(shifted, _mm512_set1_epi8(0x0F));
 }
 
+// Q8_0: bf16(q) = sign(q) | bf16(|q|), so two 128-entry lookups (vpermi2b) by |q| give the
+// bf16's low and high bytes and the sign is or-ed in. |q| = 128 (q = -128) indexes entry 0 as
+// 0 does: their low bytes agree (0x00), the high table holds 128's at entry 0 and q = 0 is
+// masked to zero. The codes are stored in the lookups' unpack order (like the 4-bit ones).
 struct Int8Codes {
   static constexpr int64_t kBytes = 64;
-  static void decode(const uint8_t* p, __m512i& w0, __m512i& w1) {
-    const auto floats = [p](int quarter) {
-      const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 16 * quarter));
-      return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(bytes));
-    };
-    w0 = (__m512i)_mm512_cvtne2ps_pbh(floats(1), floats(0));
-    w1 = (__m512i)_mm512_cvtne2ps_pbh(floats(3), floats(2));
+  __m512i low0, low1, high0, high1;
+  Int8Codes() {
+    alignas(64) uint8_t lo[128], hi[128];
+    for (int i = 0; i < 128; ++i) {
+      const uint16_t bits = from_float<at::BFloat16>(static_cast<float>(i == 0 ? 128 : i)).x;  // exact
+      lo[i] = static_cast<uint8_t>(bits & 0xFF), hi[i] = static_cast<uint8_t>(bits >> 8);
+    }
+    low0 = _mm512_load_si512(lo), low1 = _mm512_load_si512(lo + 64);
+    high0 = _mm512_load_si512(hi), high1 = _mm512_load_si512(hi + 64);
+  }
+  void decode(const uint8_t* p, __m512i& w0, __m512i& w1) const {
+    const __m512i q = _mm512_loadu_si512(p);
+    const __m512i magnitude = _mm512_abs_epi8(q);
+    const __m512i lo = _mm512_permutex2var_epi8(low0, magnitude, low1);
+    const __m512i high = _mm512_maskz_permutex2var_epi8(_mm512_test_epi8_mask(q, q), high0, magnitude, high1);
+    const __m512i hi = _mm512_ternarylogic_epi32(high, q, _mm512_set1_epi8(static_cast<char>(0x80)), 0xF8);  // high | (q & sign)
+    w0 = _mm512_unpacklo_epi8(lo, hi);
+    w1 = _mm512_unpackhi_epi8(lo, hi);
   }
 };
 
@@ -191,6 +210,17 @@ struct Fp32Rows {
   static float value(T v) { return v; }
 };
 
+// A unit's pair rows decoded once (bf16 pairs, 2 registers a pair row), for calls with more
+// rows than one tile: every tile then reads them instead of decoding the codes again. The
+// values are the decoders' own, so a row's sums do not depend on which path ran.
+struct Decoded {
+  static constexpr int64_t kBytes = 128;
+  static void decode(const uint8_t* p, __m512i& w0, __m512i& w1) {
+    w0 = _mm512_load_si512(p);
+    w1 = _mm512_load_si512(p + 64);
+  }
+};
+
 // part[2m], part[2m + 1] (columns 0-15, 16-31 of row m) = the products of `pairs` pair rows
 // of codes at p with the MR rows' inputs [k0, k0 + 2 pairs), summed in input order.
 template <typename Rows, typename Codes, int MR>
@@ -198,6 +228,7 @@ inline void group_sums(const Codes& codes, const uint8_t* p, int64_t pairs, cons
                        int64_t k0, __m512* part) {
   for (int i = 0; i < 2 * MR; ++i) part[i] = _mm512_setzero_ps();
   for (int64_t r = 0; r < pairs; ++r, p += Codes::kBytes) {
+    if constexpr (!std::is_same_v<Codes, Decoded>) _mm_prefetch(reinterpret_cast<const char*>(p + kPrefetchBytes), _MM_HINT_T0);
     __m512i pairs0, pairs1;
     codes.decode(p, pairs0, pairs1);
     const typename Rows::W w0 = Rows::weights(pairs0), w1 = Rows::weights(pairs1);
@@ -235,6 +266,7 @@ inline void add_mins(__m512* acc, __m512 min_lo, __m512 min_hi, const float* gro
 }
 
 struct Decoders {
+  Int8Codes int8;
   NibbleCodes signed4{-8}, unsigned4{0};
   SixBitCodes six;
 };
@@ -252,16 +284,6 @@ struct QuantOperands {
   T* out;
 };
 
-// A unit's pair rows decoded once (bf16 pairs, 2 registers a pair row), for calls with more
-// rows than one tile: every tile then reads them instead of decoding the codes again. The
-// values are the decoders' own, so a row's sums do not depend on which path ran.
-struct Decoded {
-  static constexpr int64_t kBytes = 128;
-  static void decode(const uint8_t* p, __m512i& w0, __m512i& w1) {
-    w0 = _mm512_load_si512(p);
-    w1 = _mm512_load_si512(p + 64);
-  }
-};
 // The most pair rows a unit holds (Q4_K and Q6_K: 256 inputs).
 constexpr int64_t kMaxUnitPairs = 128;
 
@@ -276,7 +298,7 @@ void decode_unit(const Decoders& d, const uint8_t* codes, int64_t format, int64_
     }
   };
   switch (format) {
-    case kQ8_0: fill(Int8Codes{}); break;
+    case kQ8_0: fill(d.int8); break;
     case kQ4_0: fill(d.signed4); break;
     case kQ4_1: case kQ4_K: fill(d.unsigned4); break;
     default: fill(d.six); break;  // kQ6_K
@@ -304,7 +326,7 @@ inline void unit_rows(const Decoders& d, const QuantOperands<Rows>& a, const uin
   };
   switch (format) {
     case kQ8_0:
-      products(Int8Codes{}, 0, 16);
+      products(d.int8, 0, 16);
       scale_into<MR>(acc, part, halves(unit, 0), halves(unit, 1));
       break;
     case kQ4_0:
