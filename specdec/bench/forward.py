@@ -63,6 +63,8 @@ PATHS: dict[str, tuple[torch.dtype, str | None, str]] = {
     # The model's GGUF file on its own blocks (the default model's Q4_1, or a .gguf --model).
     "fp32-gguf-stack": (torch.float32, "gguf", "stack"),
     "bf16-gguf-stack": (torch.bfloat16, "gguf", "stack"),
+    # The same with the kernel's AMX path off (bf16 rows by vdpbf16ps, as on a CPU without AMX).
+    "bf16-gguf-noamx-stack": (torch.bfloat16, "gguf-noamx", "stack"),
 }
 BLOCK_SIZE = 16
 
@@ -74,11 +76,15 @@ class Path:
     forward: LlamaForCausalLM | CompiledForward | CpuDecoderStack  # the model, or a faster forward of it
     kv_cache: KVCache
     weight_bytes: int
+    gguf_amx: bool | None = None  # the GGUF kernel's AMX setting its forwards run under
 
 
 def _load(model_dir, name: str, num_blocks: int, model_name: str) -> Path:
     dtype, kernel, kind = PATHS[name]
     compiled = kind == "compiled"
+    gguf_amx = None
+    if kernel == "gguf-noamx":
+        kernel, gguf_amx = "gguf", False
     if kernel == "gguf":
         gguf_path = gguf_file_of(model_name)
         if gguf_path is None:
@@ -105,7 +111,9 @@ def _load(model_dir, name: str, num_blocks: int, model_name: str) -> Path:
     if compiled:  # as the verifier builds it: warmed up in the last block, which no step uses
         forward = compiled_forward = CompiledForward(model)
         warm_up(compiled_forward, kv_cache, block_ids=[num_blocks - 1])
-    return Path(name, model, forward, kv_cache, weight_bytes)
+    if PATHS[name][1] == "gguf" and dtype == torch.bfloat16:  # the setting the process started with
+        gguf_amx = bool(torch.ops.specdec_cpu.gguf_amx(None))
+    return Path(name, model, forward, kv_cache, weight_bytes, gguf_amx)
 
 
 def _forward(path: Path, num_tokens: int, context_len: int) -> float:
@@ -116,6 +124,8 @@ def _forward(path: Path, num_tokens: int, context_len: int) -> float:
                                      context_lens=[context_len],
                                      block_tables=[torch.arange(-(-context_len // BLOCK_SIZE))])
         input_ids = positions % path.model.config.vocab_size
+    if path.gguf_amx is not None:
+        torch.ops.specdec_cpu.gguf_amx(path.gguf_amx)
     started = time.perf_counter()
     hidden = path.forward(input_ids, positions, path.kv_cache, metadata)
     assert isinstance(hidden, torch.Tensor), "no aux layers asked: the forward returns the hidden states only"

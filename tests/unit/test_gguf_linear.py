@@ -3,7 +3,8 @@ against the `gguf` package's own dequantisation.
 
 Random blocks of each type (every code and 6-bit scale value, f16 scales of mixed sign),
 odd output widths (a partial block of 32 columns), and the row counts of a decode (1), a
-verify window (5, 9) and a prefill chunk (64). The tolerance: the float64 product with the
+verify window (5, 9) and a prefill chunk (64), on each path the kernel has for bf16 rows
+(`vdpbf16ps` dot products, and AMX tile products where the CPU has them). The tolerance: the float64 product with the
 dequantised weight, within fp32 summation error (2e-5 of the sum of the products'
 magnitudes, the scale and min terms apart) plus, for bf16 rows, the output's rounding
 (2^-8 of the value). And row invariance: a row's outputs are bit-identical alone and in any
@@ -11,6 +12,8 @@ batch.
 """
 
 from __future__ import annotations
+
+import sys
 
 import gguf
 import numpy as np
@@ -30,6 +33,18 @@ BF16_ROUNDING = 2.0**-8
 
 needs_kernel = pytest.mark.skipif(not gguf_kernel_supports(torch.float32),
                                   reason="no GGUF kernel here (needs AVX-512 with BF16 and VBMI)")
+
+
+@pytest.fixture(params=["avx512", "amx"])
+def kernel_path(request: pytest.FixtureRequest) -> object:
+    """Runs the test with bf16 rows on one of the kernel's paths (fp32 rows take the AVX-512
+    one either way), restoring the setting after."""
+    before = torch.ops.specdec_cpu.gguf_amx(None)
+    if request.param == "amx" and not torch.ops.specdec_cpu.gguf_amx(True):
+        pytest.skip("this CPU has no AMX tiles with bf16 products (or Linux does not grant their state)")
+    torch.ops.specdec_cpu.gguf_amx(request.param == "amx")
+    yield request.param
+    torch.ops.specdec_cpu.gguf_amx(before)
 
 
 def row_bytes(qtype: int, in_features: int) -> int:
@@ -102,9 +117,10 @@ def _shapes(qtype: int) -> list[tuple[int, int]]:
 @needs_kernel
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("qtype", TYPES, ids=[TYPE_NAMES[t] for t in TYPES])
-@pytest.mark.parametrize("num_rows", [1, 5, 9, 64])
+@pytest.mark.parametrize("num_rows", [1, 5, 9, 17, 64])
 @pytest.mark.parametrize("bias", [False, True], ids=["no_bias", "bias"])
-def test_matches_dequantise_then_matmul(dtype: torch.dtype, qtype: int, num_rows: int, bias: bool) -> None:
+def test_matches_dequantise_then_matmul(dtype: torch.dtype, qtype: int, num_rows: int, bias: bool,
+                                        kernel_path: str) -> None:
     for shape_index, (in_features, out_features) in enumerate(_shapes(qtype)):
         raw = random_blocks(qtype, out_features, in_features, seed=shape_index)
         fields = unpack(raw, qtype, in_features)
@@ -119,19 +135,20 @@ def test_matches_dequantise_then_matmul(dtype: torch.dtype, qtype: int, num_rows
 @needs_kernel
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("qtype", TYPES, ids=[TYPE_NAMES[t] for t in TYPES])
-def test_a_row_is_bit_identical_alone_and_in_a_batch(dtype: torch.dtype, qtype: int) -> None:
+def test_a_row_is_bit_identical_alone_and_in_a_batch(dtype: torch.dtype, qtype: int, kernel_path: str) -> None:
     in_features, out_features = 512, 300  # 10 blocks: both threads take some
     fields = unpack(random_blocks(qtype, out_features, in_features, seed=1), qtype, in_features)
     layer = GgufLinear([fields], torch.randn(out_features).to(dtype))
     x = torch.randn(70, in_features, generator=torch.Generator().manual_seed(2)).to(dtype)
     alone = torch.cat([layer(x[i:i + 1]) for i in range(x.shape[0])])
-    for num_rows in (2, 5, 6, 7, 9, 13, 64, 70):
+    # Around the tiles of 6 rows (vdpbf16ps) and 16 (AMX), and several of each.
+    for num_rows in (2, 5, 6, 7, 9, 13, 16, 17, 33, 64, 70):
         assert torch.equal(layer(x[:num_rows]), alone[:num_rows]), f"{num_rows} rows"
 
 
 @needs_kernel
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
-def test_a_fused_matrix_of_mixed_types(dtype: torch.dtype) -> None:
+def test_a_fused_matrix_of_mixed_types(dtype: torch.dtype, kernel_path: str) -> None:
     """Q4_K_M's fused qkv: q and k at Q4_K, v at Q6_K, parts of widths not a multiple of 32."""
     in_features = 256
     parts = [unpack(random_blocks(qtype, rows, in_features, seed=rows), qtype, in_features)
@@ -160,3 +177,9 @@ def test_a_table_that_does_not_match_its_blocks_is_refused() -> None:
         torch.ops.specdec_cpu.linear(x, layer.packed[:-1].clone(), None, 64, layer.table)
     with pytest.raises(RuntimeError, match="block table"):
         torch.ops.specdec_cpu.linear(x, layer.packed, None, 64)
+
+
+@needs_kernel
+def test_bf16_rows_take_the_amx_path_where_the_cpu_has_it() -> None:
+    flags = set(open("/proc/cpuinfo").read().split()) if sys.platform == "linux" else set()
+    assert torch.ops.specdec_cpu.gguf_amx(None) == ({"amx_tile", "amx_bf16"} <= flags)

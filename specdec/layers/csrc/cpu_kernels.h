@@ -94,6 +94,10 @@ bool linear_supports(at::ScalarType dtype, bool int8_weights);
 // blocks and an int64 [blocks, 4] table (see there); linear_out and check_packed hand them on.
 inline bool is_gguf_packed(const at::Tensor& packed) { return packed.dim() == 1 && packed.scalar_type() == at::kByte; }
 bool gguf_linear_supported(at::ScalarType dtype);
+// Whether bf16 rows take the AMX tile path where the CPU has one (for every row count, so a
+// row's result never depends on the path); `enable` turns it on (where available) or off,
+// for tests and benches. Returns the setting now in force.
+bool gguf_use_amx(c10::optional<bool> enable);
 // A block's bytes in `format` (a GGML type id) for `in_features` inputs; -1 if it has none.
 int64_t gguf_block_bytes(int64_t format, int64_t in_features);
 void check_gguf_packed(const at::Tensor& bytes, const at::Tensor& table, int64_t in_features, int64_t out_features,

@@ -24,7 +24,8 @@
 // How: each pair row's codes become bf16 pairs in registers (4- and 6-bit codes by two byte
 // lookups, vpermb, that give the bf16's low and high bytes; int8 by two 128-entry lookups,
 // vpermi2b, of its magnitude, the sign or-ed in), all exact;
-// bf16 rows multiply them by vdpbf16ps, fp32 rows widen them and use FMAs. The products of a
+// bf16 rows multiply them by vdpbf16ps (or, where the CPU has AMX, by tile products: see
+// "AMX" below), fp32 rows widen them and use FMAs. The products of a
 // scale group (32 inputs, 16 for Q6_K) are summed in fp32 apart and then scaled into the
 // row's sums: acc += part * scale (+ min * sum of the group's inputs, precomputed per row).
 // So the result is the dequantised weight's product up to fp32 summation order (and, for
@@ -46,10 +47,18 @@
 #endif
 
 #include <algorithm>
+#include <atomic>
 #include <cstdint>
+#include <cstdlib>
 #include <cstring>
 #include <type_traits>
 #include <vector>
+
+#if defined(__x86_64__) && defined(__linux__) && defined(__GNUC__)
+#include <cpuid.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+#endif
 
 namespace specdec_cpu {
 namespace {
@@ -93,6 +102,14 @@ int64_t gguf_block_bytes(int64_t format, int64_t in_features) {
 
 #if defined(__AVX512F__) && defined(__AVX512BF16__) && defined(__AVX512VL__) && defined(__AVX512VBMI__)
 #define SPECDEC_HAS_GGUF_KERNEL 1
+#if defined(__x86_64__) && defined(__linux__) && defined(__GNUC__)
+// The AMX path is compiled into the AVX-512 build and taken where the CPU has the tiles and
+// the kernel grants the process their state (Linux 5.16 on).
+#define SPECDEC_HAS_AMX 1
+#define SPECDEC_AMX_TARGET __attribute__((target("amx-tile,amx-bf16")))
+// Whether bf16 rows take the AMX path (see there; gguf_use_amx sets it).
+std::atomic<bool>& amx_enabled();
+#endif
 
 namespace {
 
@@ -287,26 +304,82 @@ struct QuantOperands {
 // The most pair rows a unit holds (Q4_K and Q6_K: 256 inputs).
 constexpr int64_t kMaxUnitPairs = 128;
 
-void decode_unit(const Decoders& d, const uint8_t* codes, int64_t format, int64_t pairs, uint8_t* decoded) {
-  const auto fill = [&](const auto& decoder) {
-    using Codes = std::decay_t<decltype(decoder)>;
-    for (int64_t r = 0; r < pairs; ++r) {
-      __m512i w0, w1;
-      decoder.decode(codes + r * Codes::kBytes, w0, w1);
-      _mm512_store_si512(decoded + r * Decoded::kBytes, w0);
-      _mm512_store_si512(decoded + r * Decoded::kBytes + 64, w1);
-    }
-  };
+// A unit's scale groups in input order, each with its scales for the 32 columns (and its
+// min, for Q4_1 and Q4_K): visit(first pair row, pair rows, scales).
+struct GroupScales {
+  __m512 scale_lo, scale_hi, min_lo, min_hi;
+  bool has_min;
+};
+template <typename Visit>
+inline void unit_groups(const uint8_t* unit, int64_t format, Visit&& visit) {
+  const __m512 zero = _mm512_setzero_ps();
   switch (format) {
-    case kQ8_0: fill(d.int8); break;
-    case kQ4_0: fill(d.signed4); break;
-    case kQ4_1: case kQ4_K: fill(d.unsigned4); break;
-    default: fill(d.six); break;  // kQ6_K
+    case kQ8_0:
+    case kQ4_0:
+      visit(0, 16, GroupScales{halves(unit, 0), halves(unit, 1), zero, zero, false});
+      break;
+    case kQ4_1:
+      visit(0, 16, GroupScales{halves(unit, 0), halves(unit, 1), halves(unit + 64, 0), halves(unit + 64, 1), true});
+      break;
+    case kQ4_K: {
+      const __m512 d_lo = halves(unit, 0), d_hi = halves(unit, 1);
+      const __m512 dmin_lo = halves(unit + 64, 0), dmin_hi = halves(unit + 64, 1);
+      const uint8_t* sc = unit + 128;
+      const uint8_t* mins = sc + 8 * 32;
+      for (int64_t j = 0; j < 8; ++j) {
+        // -(dmin m): exact, as the dequantised weight's term.
+        visit(16 * j, 16,
+              GroupScales{_mm512_mul_ps(d_lo, bytes_as_floats(sc + 32 * j, false)),
+                          _mm512_mul_ps(d_hi, bytes_as_floats(sc + 32 * j + 16, false)),
+                          _mm512_mul_ps(dmin_lo, _mm512_sub_ps(zero, bytes_as_floats(mins + 32 * j, false))),
+                          _mm512_mul_ps(dmin_hi, _mm512_sub_ps(zero, bytes_as_floats(mins + 32 * j + 16, false))),
+                          true});
+      }
+      break;
+    }
+    default: {  // kQ6_K
+      const __m512 d_lo = halves(unit, 0), d_hi = halves(unit, 1);
+      const uint8_t* sc = unit + 64;
+      for (int64_t j = 0; j < 16; ++j) {
+        visit(8 * j, 8,
+              GroupScales{_mm512_mul_ps(d_lo, bytes_as_floats(sc + 32 * j, true)),
+                          _mm512_mul_ps(d_hi, bytes_as_floats(sc + 32 * j + 16, true)), zero, zero, false});
+      }
+      break;
+    }
   }
 }
 
+// Calls f with the decoder of a format's codes.
+template <typename F>
+inline void with_decoder(const Decoders& d, int64_t format, F&& f) {
+  switch (format) {
+    case kQ8_0: f(d.int8); break;
+    case kQ4_0: f(d.signed4); break;
+    case kQ4_1: case kQ4_K: f(d.unsigned4); break;
+    default: f(d.six); break;  // kQ6_K
+  }
+}
+
+// Pair rows [first, first + pairs) of a unit's codes (`codes`: the unit's first pair row)
+// decoded into `decoded` (Decoded's layout, 128 bytes a pair row).
+inline void decode_pairs(const Decoders& d, int64_t format, const uint8_t* codes, int64_t first, int64_t pairs,
+                         uint8_t* decoded) {
+  with_decoder(d, format, [&](const auto& decoder) {
+    using Codes = std::decay_t<decltype(decoder)>;
+    const uint8_t* p = codes + first * Codes::kBytes;
+    for (int64_t r = 0; r < pairs; ++r, p += Codes::kBytes) {
+      _mm_prefetch(reinterpret_cast<const char*>(p + kPrefetchBytes), _MM_HINT_T0);
+      __m512i w0, w1;
+      decoder.decode(p, w0, w1);
+      _mm512_store_si512(decoded + r * Decoded::kBytes, w0);
+      _mm512_store_si512(decoded + r * Decoded::kBytes + 64, w1);
+    }
+  });
+}
+
 // One unit (inputs k0 on) of a block into the MR rows' sums `acc`; x and sums start at the
-// tile's first row. kPredecoded: the codes come from decode_unit's `decoded`, else from the
+// tile's first row. kPredecoded: the codes come from decode_pairs's `decoded`, else from the
 // unit itself.
 template <typename Rows, int MR, bool kPredecoded>
 inline void unit_rows(const Decoders& d, const QuantOperands<Rows>& a, const uint8_t* unit, int64_t format,
@@ -315,56 +388,19 @@ inline void unit_rows(const Decoders& d, const QuantOperands<Rows>& a, const uin
   const int64_t K = a.K, groups_per_row = K / kMinGroup;
   const uint8_t* codes = unit + header_bytes;
   __m512 part[2 * MR];
-  // The products of `pairs` pair rows from pair row `first` (inputs k0 + 2 first on).
-  const auto products = [&](const auto& decoder, int64_t first, int64_t pairs) {
+  with_decoder(d, format, [&](const auto& decoder) {
     using Codes = std::decay_t<decltype(decoder)>;
-    if constexpr (kPredecoded) {
-      group_sums<Rows, Decoded, MR>(Decoded{}, decoded + first * Decoded::kBytes, pairs, x, K, k0 + 2 * first, part);
-    } else {
-      group_sums<Rows, Codes, MR>(decoder, codes + first * Codes::kBytes, pairs, x, K, k0 + 2 * first, part);
-    }
-  };
-  switch (format) {
-    case kQ8_0:
-      products(d.int8, 0, 16);
-      scale_into<MR>(acc, part, halves(unit, 0), halves(unit, 1));
-      break;
-    case kQ4_0:
-      products(d.signed4, 0, 16);
-      scale_into<MR>(acc, part, halves(unit, 0), halves(unit, 1));
-      break;
-    case kQ4_1:
-      products(d.unsigned4, 0, 16);
-      scale_into<MR>(acc, part, halves(unit, 0), halves(unit, 1));
-      add_mins<MR>(acc, halves(unit + 64, 0), halves(unit + 64, 1), sums + k0 / kMinGroup, groups_per_row);
-      break;
-    case kQ4_K: {
-      const __m512 d_lo = halves(unit, 0), d_hi = halves(unit, 1);
-      const __m512 dmin_lo = halves(unit + 64, 0), dmin_hi = halves(unit + 64, 1);
-      const uint8_t* sc = unit + 128;
-      const uint8_t* mins = sc + 8 * 32;
-      for (int64_t j = 0; j < 8; ++j) {
-        products(d.unsigned4, 16 * j, 16);
-        scale_into<MR>(acc, part, _mm512_mul_ps(d_lo, bytes_as_floats(sc + 32 * j, false)),
-                       _mm512_mul_ps(d_hi, bytes_as_floats(sc + 32 * j + 16, false)));
-        // -(dmin m): exact, as the dequantised weight's term.
-        add_mins<MR>(acc, _mm512_mul_ps(dmin_lo, _mm512_sub_ps(_mm512_setzero_ps(), bytes_as_floats(mins + 32 * j, false))),
-                     _mm512_mul_ps(dmin_hi, _mm512_sub_ps(_mm512_setzero_ps(), bytes_as_floats(mins + 32 * j + 16, false))),
-                     sums + (k0 + 32 * j) / kMinGroup, groups_per_row);
+    unit_groups(unit, format, [&](int64_t first, int64_t pairs, const GroupScales& g) {
+      // The products of `pairs` pair rows from pair row `first` (inputs k0 + 2 first on).
+      if constexpr (kPredecoded) {
+        group_sums<Rows, Decoded, MR>(Decoded{}, decoded + first * Decoded::kBytes, pairs, x, K, k0 + 2 * first, part);
+      } else {
+        group_sums<Rows, Codes, MR>(decoder, codes + first * Codes::kBytes, pairs, x, K, k0 + 2 * first, part);
       }
-      break;
-    }
-    default: {  // kQ6_K
-      const __m512 d_lo = halves(unit, 0), d_hi = halves(unit, 1);
-      const uint8_t* sc = unit + 64;
-      for (int64_t j = 0; j < 16; ++j) {
-        products(d.six, 8 * j, 8);
-        scale_into<MR>(acc, part, _mm512_mul_ps(d_lo, bytes_as_floats(sc + 32 * j, true)),
-                       _mm512_mul_ps(d_hi, bytes_as_floats(sc + 32 * j + 16, true)));
-      }
-      break;
-    }
-  }
+      scale_into<MR>(acc, part, g.scale_lo, g.scale_hi);
+      if (g.has_min) add_mins<MR>(acc, g.min_lo, g.min_hi, sums + (k0 + 2 * first) / kMinGroup, groups_per_row);
+    });
+  });
 }
 
 // Row m's outputs of the block at column n: its sums plus the bias.
@@ -420,7 +456,7 @@ void block_tiles(const Decoders& d, const QuantOperands<Rows>& a, int64_t block,
   const int64_t per_unit = unit_bytes(shape), tiles = num_balanced_parts(a.M, kQuantTileRows);
   std::fill(sums_out, sums_out + a.M * kBlockColumns, 0.f);
   for (int64_t k0 = 0; k0 < a.K; k0 += shape.unit_inputs, unit += per_unit) {
-    decode_unit(d, unit + shape.header_bytes, format, shape.unit_inputs / 2, decoded);
+    decode_pairs(d, format, unit + shape.header_bytes, 0, shape.unit_inputs / 2, decoded);
     for (int64_t tile = 0, m = 0; tile < tiles; ++tile) {
       const int64_t rows = balanced_part(a.M, tiles, tile);
       switch (rows) {
@@ -461,6 +497,182 @@ void walk(const QuantOperands<Rows>& a, int64_t begin, int64_t end) {
   }
 }
 
+#if defined(SPECDEC_HAS_AMX)
+// ---- AMX: bf16 rows by tile products (Sapphire Rapids and later) ----
+//
+// Where the CPU has AMX tiles (and the kernel lets it use them: `gguf_use_amx`), bf16 rows
+// take this path for every row count, one row included: a group's pair rows, decoded as above
+// into a buffer, are a tile of weights in the layout `tdpbf16ps` reads (16 pair rows of 16
+// columns), the rows' inputs of that group a tile of up to 16 rows, so one instruction gives
+// up to 16 rows' products for 16 columns. A verify window's further rows then cost a tile's
+// rows, not two `vdpbf16ps` a pair row each. The tile's fp32 sums are not `vdpbf16ps`'s
+// (its order of rounding is the hardware's own), so one path serves all row counts: a row's
+// products are the same tile operations whatever the call's other rows, and its sums take
+// them group by group in input order as above (scaled into the row's sums, plus the min).
+//
+// Q6_K's groups are 16 inputs, half a tile's depth: two of them share one product, each row
+// of inputs given as two tile rows (the first group's 16 inputs then zeros, zeros then the
+// second's), so the product's rows 2m and 2m + 1 are row m's two groups. Its tiles hold 8
+// rows of inputs, and every Q6_K product is made so whatever the call's rows.
+//
+// Up to one tile of rows, each unit is decoded while the tile products of the unit before it
+// run; more rows, each block is decoded whole once into a per-thread buffer that every tile
+// reads.
+constexpr int64_t kAmxRows = 16;
+
+struct alignas(64) TileConfig {
+  uint8_t palette_id, start_row, reserved[14];
+  uint16_t colsb[16];
+  uint8_t rows[16];
+};
+
+// Tiles 0, 1: a product's sums for columns 0-15 and 16-31 (fp32); 2: its inputs, `rows` tile
+// rows of 32 bf16; 3, 4: its weights for the two column halves (16 pair rows of 16 columns).
+SPECDEC_AMX_TARGET void configure_tiles(int64_t rows) {
+  TileConfig c;
+  std::memset(&c, 0, sizeof(c));
+  c.palette_id = 1;
+  const auto set = [&](int tile, int64_t tile_rows) {
+    c.rows[tile] = static_cast<uint8_t>(tile_rows), c.colsb[tile] = 64;
+  };
+  set(0, rows), set(1, rows), set(2, rows), set(3, 16), set(4, 16);
+  _tile_loadconfig(&c);
+}
+
+// part (the configured rows, 32 floats each) = the tile of inputs at `x` (rows `stride` bytes
+// apart) times 16 decoded pair rows.
+SPECDEC_AMX_TARGET inline void amx_product(const uint8_t* decoded, const at::BFloat16* x, int64_t stride, float* part) {
+  _tile_zero(0);
+  _tile_zero(1);
+  _tile_loadd(2, x, stride);
+  _tile_loadd(3, decoded, Decoded::kBytes);
+  _tile_loadd(4, decoded + 64, Decoded::kBytes);
+  _tile_dpbf16ps(0, 2, 3);
+  _tile_dpbf16ps(1, 2, 4);
+  _tile_stored(0, part, kBlockColumns * sizeof(float));
+  _tile_stored(1, part + 16, kBlockColumns * sizeof(float));
+}
+
+// A group whose product is made, waiting to be scaled into the rows' sums: row m's part at
+// part + m * step.
+struct PendingGroup {
+  GroupScales scales;
+  int64_t k;
+  const float* part;
+  int64_t step;
+};
+
+// Each of `rows` rows' sums (32 floats a row, in `out`) += its part * the group's scales
+// (+ its min times the row's input sum of the group at input k), as scale_into and add_mins.
+inline void scale_rows(float* out, const PendingGroup& group, int64_t rows, const float* sums, int64_t sums_per_row) {
+  const GroupScales& g = group.scales;
+  for (int64_t m = 0; m < rows; ++m) {
+    float* o = out + m * kBlockColumns;
+    const float* q = group.part + m * group.step;
+    __m512 lo = _mm512_fmadd_ps(_mm512_loadu_ps(q), g.scale_lo, _mm512_loadu_ps(o));
+    __m512 hi = _mm512_fmadd_ps(_mm512_loadu_ps(q + 16), g.scale_hi, _mm512_loadu_ps(o + 16));
+    if (g.has_min) {
+      const __m512 s = _mm512_set1_ps(sums[m * sums_per_row + group.k / kMinGroup]);
+      lo = _mm512_fmadd_ps(g.min_lo, s, lo);
+      hi = _mm512_fmadd_ps(g.min_hi, s, hi);
+    }
+    _mm512_storeu_ps(o, lo);
+    _mm512_storeu_ps(o + 16, hi);
+  }
+}
+
+// Q6_K's inputs as its products read them: for each 32 inputs, each row as two tile rows (the
+// first 16 inputs then zeros, zeros then the last 16): [K / 32][2 M][32].
+std::vector<at::BFloat16> split_halves(const at::BFloat16* x, int64_t M, int64_t K) {
+  std::vector<at::BFloat16> halves(K / 32 * 2 * M * 32, at::BFloat16(0.f));
+  for (int64_t c = 0; c < K / 32; ++c) {
+    for (int64_t m = 0; m < M; ++m) {
+      at::BFloat16* first = halves.data() + (c * 2 * M + 2 * m) * 32;
+      std::memcpy(first, x + m * K + 32 * c, 16 * sizeof(at::BFloat16));
+      std::memcpy(first + 32 + 16, x + m * K + 32 * c + 16, 16 * sizeof(at::BFloat16));
+    }
+  }
+  return halves;
+}
+
+// Blocks [begin, end) of a call of bf16 rows, by tile products; `halves`: split_halves's
+// inputs where a block is Q6_K.
+SPECDEC_AMX_TARGET void amx_walk(const QuantOperands<Bf16Rows>& a, const at::BFloat16* halves, int64_t begin,
+                                 int64_t end) {
+  const Decoders d;
+  const int64_t M = a.M, K = a.K, sums_per_row = K / kMinGroup;
+  std::vector<float> out(M * kBlockColumns);
+  alignas(64) float parts[2][kAmxRows * kBlockColumns];
+  const int64_t buffer_pairs = std::max(2 * kMaxUnitPairs, K / 2);
+  auto* buffer = static_cast<uint8_t*>(std::aligned_alloc(64, buffer_pairs * Decoded::kBytes));
+  int64_t configured = -1;
+  for (int64_t block = begin; block < end; ++block) {
+    const int64_t* row = a.table + 4 * block;
+    const uint8_t* first_unit = a.bytes + row[0];
+    const int64_t format = row[1];
+    FormatShape shape;
+    shape_of(format, shape);
+    const int64_t per_unit = unit_bytes(shape), unit_pairs = shape.unit_inputs / 2, units = K / shape.unit_inputs;
+    const bool paired = format == kQ6_K;  // two groups a product
+    const int64_t tiles = num_balanced_parts(M, paired ? kAmxRows / 2 : kAmxRows);
+    const bool one_tile = tiles == 1;
+    // Unit u's decoded pair rows: two buffers in turn for one tile, the block whole for more.
+    const auto decoded_unit = [&](int64_t u) {
+      return buffer + (one_tile ? u % 2 * kMaxUnitPairs : u * unit_pairs) * Decoded::kBytes;
+    };
+    const auto decode = [&](int64_t u) {
+      decode_pairs(d, format, first_unit + u * per_unit + shape.header_bytes, 0, unit_pairs, decoded_unit(u));
+    };
+    std::fill(out.begin(), out.end(), 0.f);
+    for (int64_t u = 0; u < (one_tile ? 1 : units); ++u) decode(u);
+    for (int64_t tile = 0, m0 = 0; tile < tiles; ++tile) {
+      const int64_t rows = balanced_part(M, tiles, tile), tile_rows = paired ? 2 * rows : rows;
+      if (tile_rows != configured) configure_tiles(tile_rows), configured = tile_rows;
+      float* tile_out = out.data() + m0 * kBlockColumns;
+      const float* tile_sums = a.sums == nullptr ? nullptr : a.sums + m0 * sums_per_row;
+      // The groups of the last product made, scaled in once the next one is issued (so that
+      // no load waits on the tile stores just before it; a row's operations keep their order).
+      PendingGroup pending[2];
+      int64_t num_pending = 0, products = 0;
+      const auto scale_pending = [&]() {
+        for (int64_t i = 0; i < num_pending; ++i) scale_rows(tile_out, pending[i], rows, tile_sums, sums_per_row);
+        num_pending = 0;
+      };
+      for (int64_t u = 0; u < units; ++u) {
+        if (one_tile && u + 1 < units) decode(u + 1);
+        const uint8_t* decoded = decoded_unit(u);
+        const int64_t k0 = u * shape.unit_inputs;
+        unit_groups(first_unit + u * per_unit, format, [&](int64_t first, int64_t /*pairs*/, const GroupScales& g) {
+          const int64_t k = k0 + 2 * first;
+          const bool second_half = paired && first % 16 != 0;
+          if (!second_half) {
+            float* part = parts[products++ % 2];
+            if (paired) {
+              amx_product(decoded + first * Decoded::kBytes, halves + (k / 32 * 2 * M + 2 * m0) * 32,
+                          32 * sizeof(at::BFloat16), part);
+            } else {
+              amx_product(decoded + first * Decoded::kBytes, a.x + m0 * K + k, K * sizeof(at::BFloat16), part);
+            }
+            scale_pending();
+          }
+          const float* part = parts[(products - 1) % 2];
+          pending[num_pending++] = paired ? PendingGroup{g, k, part + (second_half ? kBlockColumns : 0), 2 * kBlockColumns}
+                                          : PendingGroup{g, k, part, kBlockColumns};
+        });
+      }
+      scale_pending();
+      m0 += rows;
+    }
+    for (int64_t m = 0; m < M; ++m) {
+      const float* s = out.data() + m * kBlockColumns;
+      store_row(a, m, row[2], row[3], _mm512_loadu_ps(s), _mm512_loadu_ps(s + 16));
+    }
+  }
+  std::free(buffer);
+  _tile_release();
+}
+#endif  // SPECDEC_HAS_AMX
+
 template <typename Rows>
 void gguf_rows(const at::Tensor& x, const at::Tensor& bytes, const at::Tensor& table,
                const c10::optional<at::Tensor>& bias, at::Tensor& out) {
@@ -481,12 +693,54 @@ void gguf_rows(const at::Tensor& x, const at::Tensor& bytes, const at::Tensor& t
   const QuantOperands<Rows> operands{M, K, out.size(1), static_cast<const uint8_t*>(bytes.data_ptr()), rows, xs,
                                      has_mins ? sums.data() : nullptr,
                                      bias.has_value() ? bias->data_ptr<T>() : nullptr, out.data_ptr<T>()};
+#if defined(SPECDEC_HAS_AMX)
+  if constexpr (std::is_same_v<Rows, Bf16Rows>) {
+    if (amx_enabled().load(std::memory_order_relaxed)) {
+      bool has_q6_k = false;
+      for (int64_t b = 0; b < blocks; ++b) has_q6_k |= rows[4 * b + 1] == kQ6_K;
+      const std::vector<at::BFloat16> halves = has_q6_k ? split_halves(xs, M, K) : std::vector<at::BFloat16>();
+      at::parallel_for(0, blocks, kMinBlocksPerThread,
+                       [&](int64_t begin, int64_t end) { amx_walk(operands, halves.data(), begin, end); });
+      return;
+    }
+  }
+#endif
   at::parallel_for(0, blocks, kMinBlocksPerThread,
                    [&](int64_t begin, int64_t end) { walk<Rows>(operands, begin, end); });
 }
 
 }  // namespace
 #endif
+
+#if defined(SPECDEC_HAS_AMX)
+namespace {
+// Whether this CPU has AMX tiles with bf16 products and Linux grants this process their state.
+bool amx_available() {
+  static const bool available = [] {
+    unsigned eax = 0, ebx = 0, ecx = 0, edx = 0;
+    if (!__get_cpuid_count(7, 0, &eax, &ebx, &ecx, &edx)) return false;
+    const bool tile = (edx >> 24) & 1u, bf16 = (edx >> 22) & 1u;
+    constexpr long kRequestPermission = 0x1023, kTileData = 18;  // ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA
+    return tile && bf16 && syscall(SYS_arch_prctl, kRequestPermission, kTileData) == 0;
+  }();
+  return available;
+}
+}  // namespace
+std::atomic<bool>& amx_enabled() {
+  static std::atomic<bool> enabled{amx_available()};
+  return enabled;
+}
+#endif
+
+bool gguf_use_amx(c10::optional<bool> enable) {
+#if defined(SPECDEC_HAS_AMX)
+  if (enable.has_value()) amx_enabled().store(*enable && amx_available());
+  return amx_enabled().load();
+#else
+  (void)enable;
+  return false;
+#endif
+}
 
 bool gguf_linear_supported(at::ScalarType dtype) {
 #if defined(SPECDEC_HAS_GGUF_KERNEL)

@@ -574,6 +574,8 @@ TORCH_LIBRARY(specdec_cpu, m) {
   m.def("pack_weight_int8(Tensor weight) -> Tensor", &specdec_cpu::pack_weight_int8);
   m.def("gguf_supports(ScalarType dtype) -> bool",
         [](at::ScalarType dtype) { return specdec_cpu::gguf_linear_supported(dtype); });
+  m.def("gguf_amx(bool? enable=None) -> bool",
+        [](c10::optional<bool> enable) { return specdec_cpu::gguf_use_amx(enable); });
   m.def("linear_supports(ScalarType dtype, bool int8_weights=False) -> bool",
         [](at::ScalarType dtype, bool int8_weights) { return specdec_cpu::linear_supports(dtype, int8_weights); });
 }
