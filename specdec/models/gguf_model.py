@@ -32,7 +32,7 @@ import torch
 from specdec.errors import ConfigError
 from specdec.models.gguf_blocks import TYPE_NAMES, QuantFields, unpack
 from specdec.models.gguf_linear import GgufEmbedding, GgufLinear, gguf_kernel_supports
-from specdec.models.gguf_writer import rope_permutation
+from specdec.models.gguf_names import rope_permutation
 from specdec.models.llama import LlamaForCausalLM
 from specdec.models.loader import load_model, load_model_config
 from specdec.models.model_config import ModelConfig

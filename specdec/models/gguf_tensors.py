@@ -21,7 +21,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from specdec.models.gguf_writer import hf_tensor_name, rope_permutation
+from specdec.models.gguf_names import hf_tensor_name, rope_permutation
 
 
 def iter_gguf_tensors(source: Path | Any, wanted: Callable[[str], bool] | None = None
