@@ -6,10 +6,10 @@ process. This runs the same start (`SpecdecEngine.start` on a `bench scale` pres
 `bench scale` runs it) and reads the process's memory at each step: the imports, the CPU
 kernels, the tokenizer, the GGUF reader, the dense part of the model, the blocks, the
 engine's KV cache and forward, a warm-up and a measured request. Each row gives the resident
-memory (VmRSS), its anonymous and file-backed parts (RssAnon, RssFile: a file's pages stay
-counted while any view of its mapping is alive) and what glibc's heap holds free but has not
-returned (mallinfo2's free bytes). At the end `malloc_trim(0)` shows how much of that free
-heap was resident.
+memory (VmRSS), its anonymous, file-backed and shared parts (RssAnon, RssFile: a file's
+pages stay counted while any view of its mapping is alive; RssShmem), what glibc's heap
+holds free (mallinfo2's free bytes, resident or not) and the peak so far (VmHWM). At the
+end `malloc_trim(0)` shows how much of that free heap was resident.
 
 The steps are read by wrapping the functions the start calls (the wrappers only read
 /proc), so the figures are those of the real path.
@@ -42,10 +42,10 @@ def _libc() -> Any | None:
 
 
 def memory_mb() -> dict[str, float]:
-    """This process's VmRSS, RssAnon, RssFile and RssShmem (MB; 0 where /proc is missing)
-    and the free bytes in glibc's heap (MB; 0 without mallinfo2)."""
-    values = {"rss": 0.0, "anon": 0.0, "file": 0.0, "shmem": 0.0, "heap_free": 0.0}
-    keys = {"VmRSS:": "rss", "RssAnon:": "anon", "RssFile:": "file", "RssShmem:": "shmem"}
+    """This process's VmRSS, its peak so far (VmHWM), RssAnon, RssFile and RssShmem (MB; 0
+    where /proc is missing) and the free bytes in glibc's heap (MB; 0 without mallinfo2)."""
+    values = {"rss": 0.0, "peak": 0.0, "anon": 0.0, "file": 0.0, "shmem": 0.0, "heap_free": 0.0}
+    keys = {"VmRSS:": "rss", "VmHWM:": "peak", "RssAnon:": "anon", "RssFile:": "file", "RssShmem:": "shmem"}
     try:
         for line in Path("/proc/self/status").read_text().splitlines():
             key = keys.get(line.split(":")[0] + ":")
@@ -111,13 +111,13 @@ class Steps:
         setattr(owner, attribute, wrapped)
 
     def table(self, file_mb: float) -> str:
-        lines = ["| step | resident MB | + | anonymous | file-backed | shared | glibc heap free |",
-                 "|---|---|---|---|---|---|---|"]
+        lines = ["| step | resident MB | + | anonymous | file-backed | shared | glibc heap free | peak so far |",
+                 "|---|---|---|---|---|---|---|---|"]
         previous = None
         for name, values in self.rows:
             delta = "" if previous is None else f"{values['rss'] - previous['rss']:+.0f}"
             lines.append(f"| {name} | {values['rss']:.0f} | {delta} | {values['anon']:.0f} | {values['file']:.0f} "
-                         f"| {values['shmem']:.0f} | {values['heap_free']:.0f} |")
+                         f"| {values['shmem']:.0f} | {values['heap_free']:.0f} | {values['peak']:.0f} |")
             previous = values
         lines.append(f"\nfile: {file_mb:.0f} MB")
         return "\n".join(lines)

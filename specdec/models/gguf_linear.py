@@ -55,9 +55,22 @@ class GgufLinear(nn.Module):
     def __init__(self, parts: list[QuantFields], bias: torch.Tensor | None = None) -> None:
         super().__init__()
         packed, table = pack_rows(parts, allocate=own_pages)
-        self.in_features = int(parts[0].codes.shape[1])
-        self.out_features = int(sum(part.codes.shape[0] for part in parts))
-        self.qtypes = tuple(sorted({TYPE_NAMES[part.qtype] for part in parts}))
+        self._hold(packed, table, int(parts[0].codes.shape[1]), bias)
+
+    @classmethod
+    def from_blocks(cls, packed: np.ndarray, table: np.ndarray, in_features: int,
+                    bias: torch.Tensor | None = None) -> GgufLinear:
+        """The layer on blocks already laid out for rows of `in_features` (`pack_rows`'
+        operands), kept as they are."""
+        linear = cls.__new__(cls)
+        nn.Module.__init__(linear)
+        linear._hold(packed, table, in_features, bias)
+        return linear
+
+    def _hold(self, packed: np.ndarray, table: np.ndarray, in_features: int, bias: torch.Tensor | None) -> None:
+        self.in_features = in_features
+        self.out_features = int(table[:, 3].sum())
+        self.qtypes = tuple(sorted({TYPE_NAMES[int(qtype)] for qtype in np.unique(table[:, 1])}))
         self.register_buffer("packed", torch.from_numpy(packed), persistent=False)
         self.register_buffer("table", torch.from_numpy(table), persistent=False)
         self.bias = bias

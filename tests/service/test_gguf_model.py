@@ -161,6 +161,26 @@ def test_the_blocks_hold_the_dequantised_weights(gguf_files: dict[str, Path], pr
     assert all(p.dim() == 1 for p in native.parameters())
 
 
+@needs_kernel
+def test_blocks_laid_out_chunk_by_chunk_are_the_whole_matrix(gguf_files: dict[str, Path],
+                                                            monkeypatch: pytest.MonkeyPatch) -> None:
+    """Loading lays a matrix out CHUNK_ROWS rows at a time (the LM head's temporaries whole
+    took ~500 MB at 0.8B): the same blocks and table as all rows at once, fused parts and
+    per-head q/k reordering included."""
+    model_dir = resolve_model(str(gguf_files["Q4_K_M"]))
+    whole = load_gguf_model(gguf_files["Q4_K_M"], model_dir, torch.float32, CPU)
+    monkeypatch.setattr("specdec.models.gguf_model.CHUNK_ROWS", 32)
+    chunked = load_gguf_model(gguf_files["Q4_K_M"], model_dir, torch.float32, CPU)
+    names = [name for name, module in whole.named_modules() if isinstance(module, GgufLinear)]
+    assert "model.layers.0.self_attn.qkv_proj" in names and "lm_head" in names
+    for name in names:
+        expected, got = whole.get_submodule(name), chunked.get_submodule(name)
+        assert got.table.shape[0] > 1 and torch.equal(got.table, expected.table), name
+        assert torch.equal(got.packed, expected.packed), name
+        assert (got.in_features, got.out_features, got.qtypes) == (expected.in_features, expected.out_features,
+                                                                    expected.qtypes)
+
+
 def _mapped(path: Path) -> bool:
     """Whether this process maps `path` (/proc/self/maps)."""
     return any(line.rstrip().endswith(str(path)) for line in Path("/proc/self/maps").read_text().splitlines())
