@@ -8,8 +8,9 @@ kernels, the tokenizer, the GGUF reader, the dense part of the model, the blocks
 engine's KV cache and forward, a warm-up and a measured request. Each row gives the resident
 memory (VmRSS), its anonymous, file-backed and shared parts (RssAnon, RssFile: a file's
 pages stay counted while any view of its mapping is alive; RssShmem), what glibc's heap
-holds free (mallinfo2's free bytes, resident or not) and the peak so far (VmHWM). At the
-end `malloc_trim(0)` shows how much of that free heap was resident.
+holds free (mallinfo2's free bytes, resident or not), the peak so far (VmHWM) and the
+seconds since the start. At the end `malloc_trim(0)` shows how much of that free heap was
+resident.
 
 The steps are read by wrapping the functions the start calls (the wrappers only read
 /proc), so the figures are those of the real path.
@@ -74,9 +75,10 @@ class Steps:
 
     def __init__(self) -> None:
         self.rows: list[tuple[str, dict[str, float]]] = []
+        self.started = time.perf_counter()
 
     def mark(self, name: str) -> None:
-        self.rows.append((name, memory_mb()))
+        self.rows.append((name, {**memory_mb(), "seconds": time.perf_counter() - self.started}))
         print(f"  {name}: {self.rows[-1][1]['rss']:.0f} MB", file=sys.stderr, flush=True)
 
     def after(self, owner: Any, attribute: str, name: str, before: str | None = None, once: bool = False) -> None:
@@ -111,13 +113,14 @@ class Steps:
         setattr(owner, attribute, wrapped)
 
     def table(self, file_mb: float) -> str:
-        lines = ["| step | resident MB | + | anonymous | file-backed | shared | glibc heap free | peak so far |",
-                 "|---|---|---|---|---|---|---|---|"]
+        lines = ["| step | resident MB | + | anonymous | file-backed | shared | glibc heap free | peak so far | s |",
+                 "|---|---|---|---|---|---|---|---|---|"]
         previous = None
         for name, values in self.rows:
             delta = "" if previous is None else f"{values['rss'] - previous['rss']:+.0f}"
             lines.append(f"| {name} | {values['rss']:.0f} | {delta} | {values['anon']:.0f} | {values['file']:.0f} "
-                         f"| {values['shmem']:.0f} | {values['heap_free']:.0f} | {values['peak']:.0f} |")
+                         f"| {values['shmem']:.0f} | {values['heap_free']:.0f} | {values['peak']:.0f} "
+                         f"| {values['seconds']:.1f} |")
             previous = values
         lines.append(f"\nfile: {file_mb:.0f} MB")
         return "\n".join(lines)
