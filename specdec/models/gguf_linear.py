@@ -31,8 +31,8 @@ def own_pages(num_bytes: int) -> np.ndarray:
 
     Why: a model's blocks are tens of MB a matrix, below the size (up to 32 MiB) under which
     glibc's malloc serves them from its heap; freed there (the C++ decoder stack copies them
-    into its one buffer, `specdec.models.weight_arena`) they stayed resident: 290 MB of the
-    0.8B Q4_0 model's 455 MB."""
+    into its one buffer, `specdec.models.weight_arena`) they stayed resident: ~300 MB at
+    0.8B Q4_0 (a 455 MB file)."""
     pages = mmap.mmap(-1, max(num_bytes, 1), flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
     return np.frombuffer(pages, dtype=np.uint8, count=num_bytes)
 

@@ -9,9 +9,11 @@ dense (norms, biases, any matrix in a type the kernel does not read) dequantised
 matrices the file holds as Q8_0, Q4_0, Q4_1, Q4_K or Q6_K, a `GgufLinear` over the file's
 own blocks (the projections fused as the model fuses them; llama.cpp's per-head q/k row
 order undone, as transformers undoes it), and a quantized embedding stays in its blocks too
-(`GgufEmbedding` dequantises the rows a step looks up). Those weights are never
-dequantised whole: the resident weights are the file's blocks plus the dense tensors
-(norms, biases, matrices in other types).
+(`GgufEmbedding` dequantises the rows a step looks up; tied to the LM head, it reads them
+out of the head's blocks). Those weights are never dequantised whole: the resident weights
+are the file's blocks, each matrix once, plus the dense tensors (norms, biases, matrices in
+other types). Loading lays each matrix out a chunk of rows at a time, drops the file's
+pages once read and keeps nothing of the reader (docs/performance.md, "Memory").
 
 When: a GGUF file served at `--dtype auto` on a CPU whose kernels read the blocks runs as
 the file is, unless `--quantization int8` asks otherwise; an explicit `--dtype` (bfloat16,
