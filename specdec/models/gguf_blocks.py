@@ -17,13 +17,17 @@ along the input):
 
 `unpack` turns a tensor's raw rows into `QuantFields` (codes and per-group header fields);
 `pack_rows` lays row-concatenated parts out as the kernel's blocks of 32 output columns
-plus the table that says each block's offset, type and columns. The kernel's decoding of
+plus the table that says each block's offset, type and columns; `unpack_columns` reads
+chosen output columns back out of those blocks (a tied embedding's rows, looked up in the
+LM head's blocks). The kernel's decoding of
 every type's codes (byte lookups per index, then unpacks within 128-bit lanes) fixes the
 order of a pair row's codes: `_POSITION_OF_WORD`.
 """
 
 from __future__ import annotations
 
+import functools
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -194,11 +198,13 @@ def _header_bytes(fields: QuantFields, num_padded: int) -> np.ndarray:
     return np.concatenate(parts, axis=-1)
 
 
-def pack_rows(parts: list[QuantFields]) -> tuple[np.ndarray, np.ndarray]:
+def pack_rows(parts: list[QuantFields], allocate: Callable[[int], np.ndarray] | None = None
+              ) -> tuple[np.ndarray, np.ndarray]:
     """The kernel's operands for the row-concatenation of `parts` (one input width, each in
     its own type): the blocks, uint8 [total bytes], and the table, int64 [blocks, 4] of
     (byte offset, GGML type, first output column, columns). A part's rows fill blocks of 32
-    columns of their own (its last one possibly partial)."""
+    columns of their own (its last one possibly partial). `allocate(bytes)`: where the
+    blocks are written (a uint8 array of that size), else a new array."""
     in_features = parts[0].codes.shape[1]
     chunks, table = [], []
     offset = column = 0
@@ -218,4 +224,87 @@ def pack_rows(parts: list[QuantFields]) -> tuple[np.ndarray, np.ndarray]:
             table.append((offset, fields.qtype, column, columns))
             offset += blocks.shape[1]
             column += columns
-    return np.concatenate(chunks), np.asarray(table, dtype=np.int64)
+    out = None if allocate is None else allocate(sum(chunk.size for chunk in chunks))
+    return np.concatenate(chunks, out=out), np.asarray(table, dtype=np.int64)
+
+
+# Each type's header fields, in the kernel's order: (dtype, values a unit).
+_HEADER_FIELDS: dict[int, tuple[tuple[type, int], ...]] = {
+    Q8_0: ((np.float16, 1),), Q4_0: ((np.float16, 1),), Q4_1: ((np.float16, 1), (np.float16, 1)),
+    Q4_K: ((np.float16, 1), (np.float16, 1), (np.uint8, 8), (np.uint8, 8)), Q6_K: ((np.float16, 1), (np.int8, 16))}
+# Bytes of a pair row's codes (64 codes): int8, 4 bits, or 4 + 2 bits.
+_PAIR_ROW_BYTES = {Q8_0: 64, Q4_0: 32, Q4_1: 32, Q4_K: 32, Q6_K: 48}
+
+
+@functools.lru_cache(maxsize=16)
+def _column_bytes(qtype: int, in_features: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Where a block's output column c keeps its values: the byte offsets within the block,
+    [32, bytes] (each header field's values, unit by unit, then each unit's pair rows' two
+    code bytes, then for Q6_K their two bytes of top bits), and the shifts that take the
+    two codes out of their bytes, [32, 2] for the low bits and the top bits."""
+    unit_inputs = _UNIT_INPUTS[qtype]
+    units, pairs = in_features // unit_inputs, unit_inputs // 2
+    header_bytes = sum(count * BLOCK_COLUMNS * np.dtype(dtype).itemsize for dtype, count in _HEADER_FIELDS[qtype])
+    unit_bytes = header_bytes + pairs * _PAIR_ROW_BYTES[qtype]
+    unit_starts = np.arange(units)[:, None] * unit_bytes
+    offsets, low_shifts, high_shifts = [], [], []
+    for column in range(BLOCK_COLUMNS):
+        parts = []
+        start = 0
+        for dtype, count in _HEADER_FIELDS[qtype]:
+            size = np.dtype(dtype).itemsize
+            at = start + (np.arange(count)[:, None] * BLOCK_COLUMNS + column) * size + np.arange(size)
+            parts.append((unit_starts + at.reshape(-1)).reshape(-1))
+            start += count * BLOCK_COLUMNS * size
+        positions = _POSITION_OF_WORD[2 * column + np.arange(2)]  # in the index register
+        pair_starts = unit_starts[:, :, None] + header_bytes + np.arange(pairs)[None, :, None] * _PAIR_ROW_BYTES[qtype]
+        if qtype == Q8_0:
+            parts.append((pair_starts + positions).reshape(-1))
+        else:  # position p: the low nibble of byte p, or the high one of byte p - 32
+            parts.append((pair_starts + positions % 32).reshape(-1))
+            if qtype == Q6_K:  # the top 2 bits: bits 2 (p // 16) of byte 32 + p % 16
+                parts.append((pair_starts + 32 + positions % 16).reshape(-1))
+        offsets.append(np.concatenate(parts))
+        low_shifts.append(4 * (positions // 32))
+        high_shifts.append(2 * (positions // 16))
+    return (np.stack(offsets), np.stack(low_shifts).astype(np.uint8), np.stack(high_shifts).astype(np.uint8))
+
+
+def unpack_columns(packed: np.ndarray, blocks: np.ndarray, columns: np.ndarray, qtype: int,
+                   in_features: int) -> QuantFields:
+    """The fields of output column `columns[i]` (0-31) of block `blocks[i]` of `packed` (uint8
+    [bytes]: the blocks of one `qtype` matrix as `pack_rows` lays them out), one row each:
+    exactly the rows `pack_rows` was given (`unpack`'s fields of the file's rows). Reads only
+    those rows' bytes."""
+    offsets, low_shifts, high_shifts = _column_bytes(qtype, in_features)
+    units = in_features // _UNIT_INPUTS[qtype]
+    num_rows = len(blocks)
+    block_bytes = kernel_block_bytes(qtype, in_features)
+    columns = np.asarray(columns, dtype=np.int64)
+    picked = packed[np.asarray(blocks, dtype=np.int64)[:, None] * block_bytes + offsets[columns]]  # [n, bytes]
+    header = []
+    start = 0
+    for dtype, count in _HEADER_FIELDS[qtype]:
+        size = units * count * np.dtype(dtype).itemsize
+        field: np.ndarray = np.ascontiguousarray(picked[:, start:start + size]).view(dtype)
+        header.append(field.reshape(num_rows, units, count))
+        start += size
+    code_count = in_features  # one byte a code, then (Q6_K) one more for its top bits
+    shape = (num_rows, in_features // 2, 2)
+    code_bytes = picked[:, start:start + code_count].reshape(shape)
+    codes: np.ndarray
+    if qtype == Q8_0:
+        codes = code_bytes.view(np.int8)
+    else:
+        codes = (code_bytes >> low_shifts[columns][:, None, :]) & 0x0F
+        if qtype == Q6_K:
+            top = picked[:, start + code_count:].reshape(shape)
+            codes = codes | (((top >> high_shifts[columns][:, None, :]) & 0x03) << 4)
+    return QuantFields(qtype, codes.reshape(num_rows, in_features), tuple(header))
+
+
+def kernel_block_bytes(qtype: int, in_features: int) -> int:
+    """Bytes of one block of 32 output columns in the kernel's layout."""
+    unit_inputs = _UNIT_INPUTS[qtype]
+    header_bytes = sum(count * BLOCK_COLUMNS * np.dtype(dtype).itemsize for dtype, count in _HEADER_FIELDS[qtype])
+    return in_features // unit_inputs * (header_bytes + unit_inputs // 2 * _PAIR_ROW_BYTES[qtype])

@@ -6,7 +6,9 @@ with ngram speculation giving the quantized model's own greedy output.
 from __future__ import annotations
 
 import argparse
+import weakref
 from pathlib import Path
+from typing import Any
 
 import gguf
 import pytest
@@ -139,21 +141,80 @@ def test_the_blocks_hold_the_dequantised_weights(gguf_files: dict[str, Path], pr
         assert native.model.layers[1].mlp.down_proj.qtypes == ("Q6_K",)
     # The LM head tied to the embedding: on the embedding's blocks.
     assert native.lm_head.qtypes == (precision[:4],)
-    # The embedding stays in its blocks too; a looked-up row is the dense model's.
-    assert isinstance(native.model.embed_tokens, GgufEmbedding)
+    # The embedding stays in its blocks too, the tied LM head's (held once); a looked-up row
+    # is the dense model's, every row of the vocabulary in any order.
+    embed = native.model.embed_tokens
+    assert isinstance(embed, GgufEmbedding) and embed.blocks is native.lm_head.packed
     token_ids = torch.tensor([[0, 7, 259], [3, 3, 100]])
-    assert torch.equal(native.model.embed_tokens(token_ids), dense.model.embed_tokens(token_ids))
+    assert torch.equal(embed(token_ids), dense.model.embed_tokens(token_ids))
+    every_row = torch.randperm(embed.num_embeddings)
+    assert torch.equal(embed(every_row), dense.model.embed_tokens.weight[every_row])
+    with pytest.raises(IndexError):
+        embed(torch.tensor([embed.num_embeddings]))
     # What stays resident: the blocks, about the size of the file's (Q4_K's 6-bit scales and
     # mins take a byte each, 148 bytes a super-block instead of 144; a matrix's last block of
-    # 32 rows is padded whole; the tied LM head's blocks beside the embedding's), and the
-    # norms. Nothing dense of a matrix's size.
+    # 32 rows is padded whole), and the norms. Nothing dense of a matrix's size.
     blocks = sum(native.get_submodule(name).packed.numel() for name in names)
-    blocks += native.model.embed_tokens.blocks.numel()
     tensors = gguf.GGUFReader(gguf_files[precision]).tensors
     in_file = sum(int(t.n_bytes) for t in tensors if t.data.ndim == 2)
-    embedding = next(int(t.n_bytes) for t in tensors if t.name == "token_embd.weight")
-    assert in_file <= blocks <= (in_file + embedding) * 1.05
+    assert in_file <= blocks <= in_file * 1.05
     assert all(p.dim() == 1 for p in native.parameters())
+
+
+@needs_kernel
+def test_blocks_laid_out_chunk_by_chunk_are_the_whole_matrix(gguf_files: dict[str, Path],
+                                                            monkeypatch: pytest.MonkeyPatch) -> None:
+    """Loading lays a matrix out CHUNK_ROWS rows at a time (the LM head's temporaries whole
+    took ~500 MB at 0.8B): the same blocks and table as all rows at once, fused parts and
+    per-head q/k reordering included."""
+    model_dir = resolve_model(str(gguf_files["Q4_K_M"]))
+    whole = load_gguf_model(gguf_files["Q4_K_M"], model_dir, torch.float32, CPU)
+    monkeypatch.setattr("specdec.models.gguf_model.CHUNK_ROWS", 32)
+    chunked = load_gguf_model(gguf_files["Q4_K_M"], model_dir, torch.float32, CPU)
+    names = [name for name, module in whole.named_modules() if isinstance(module, GgufLinear)]
+    assert "model.layers.0.self_attn.qkv_proj" in names and "lm_head" in names
+    for name in names:
+        expected, got = whole.get_submodule(name), chunked.get_submodule(name)
+        assert got.table.shape[0] > 1 and torch.equal(got.table, expected.table), name
+        assert torch.equal(got.packed, expected.packed), name
+        assert (got.in_features, got.out_features, got.qtypes) == (expected.in_features, expected.out_features,
+                                                                    expected.qtypes)
+
+
+def _mapped(path: Path) -> bool:
+    """Whether this process maps `path` (/proc/self/maps)."""
+    return any(line.rstrip().endswith(str(path)) for line in Path("/proc/self/maps").read_text().splitlines())
+
+
+@needs_kernel
+@pytest.mark.skipif(not Path("/proc/self/maps").is_file(), reason="needs /proc")
+@pytest.mark.parametrize("tied", [True, False])
+def test_a_loaded_model_keeps_nothing_of_the_files_mapping(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                           tied: bool) -> None:
+    """The reader maps the whole file; a view of that mapping kept by the model would keep
+    every page of it that loading touched resident. Once loaded (no garbage collection
+    asked for), neither the reader nor its mapping is alive, and the file is not mapped;
+    an untied embedding holds its own copy of the file's rows."""
+    hf_dir = make_gguf_ready_llama(tmp_path / "hf", num_layers=1, tie_word_embeddings=tied)
+    path = write_llama_gguf(hf_dir, tmp_path / "tiny.Q4_0.gguf", "Q4_0").resolve()
+    model_dir = resolve_model(str(path))
+    readers: list[weakref.ref[Any]] = []
+    opened = gguf.GGUFReader
+
+    class Watched(opened):  # type: ignore[misc,valid-type]
+        def __init__(self, *args: Any, **kwargs: Any) -> None:
+            super().__init__(*args, **kwargs)
+            readers.extend([weakref.ref(self), weakref.ref(self.data)])
+
+    monkeypatch.setattr(gguf, "GGUFReader", Watched)
+    model = load_gguf_model(path, model_dir, torch.bfloat16, CPU)
+    assert readers and all(reader() is None for reader in readers)
+    assert not _mapped(path)
+    embed = model.model.embed_tokens
+    assert isinstance(embed, GgufEmbedding)
+    assert (embed.blocks is model.lm_head.packed) == tied
+    dense = load_model(model_dir, torch.bfloat16, CPU)
+    assert torch.equal(embed(torch.arange(embed.num_embeddings)), dense.model.embed_tokens.weight)
 
 
 @needs_kernel

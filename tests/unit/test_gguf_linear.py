@@ -20,8 +20,8 @@ import numpy as np
 import pytest
 import torch
 
-from specdec.models.gguf_blocks import (Q4_0, Q4_1, Q4_K, Q6_K, Q8_0, TYPE_NAMES, QuantFields, dequantize_fields,
-                                        inputs_per_block, unpack)
+from specdec.models.gguf_blocks import (BLOCK_COLUMNS, Q4_0, Q4_1, Q4_K, Q6_K, Q8_0, TYPE_NAMES, QuantFields,
+                                        dequantize_fields, inputs_per_block, pack_rows, unpack, unpack_columns)
 from specdec.models.gguf_linear import GgufLinear, gguf_kernel_supports
 
 TYPES = (Q8_0, Q4_0, Q4_1, Q4_K, Q6_K)
@@ -107,6 +107,27 @@ def test_fields_hold_exactly_the_files_values(qtype: int) -> None:
     raw = random_blocks(qtype, 37, in_features, seed=qtype)
     fields = unpack(raw, qtype, in_features)
     np.testing.assert_array_equal(dequantize_fields(fields), _gguf_dequantized(raw, qtype))
+
+
+@pytest.mark.parametrize("qtype", TYPES, ids=[TYPE_NAMES[t] for t in TYPES])
+def test_rows_read_back_from_the_kernels_blocks(qtype: int) -> None:
+    """A tied embedding looks its rows up in the LM head's blocks: `unpack_columns` gives
+    back exactly the fields (so the dequantised rows) that were packed, any row, in any
+    order, the last partial block of 32 included."""
+    in_features, num_rows = max(512, inputs_per_block(qtype)), 77
+    raw = random_blocks(qtype, num_rows, in_features, seed=qtype)
+    fields = unpack(raw, qtype, in_features)
+    packed, _ = pack_rows([fields])
+    rows = np.array([76, 0, 31, 32, 5, 5, 64, 63, 40])
+    read = unpack_columns(packed, rows // BLOCK_COLUMNS, rows % BLOCK_COLUMNS, qtype, in_features)
+    np.testing.assert_array_equal(read.codes, fields.codes[rows])
+    assert len(read.header) == len(fields.header)
+    for got, expected in zip(read.header, fields.header):
+        assert got.dtype == expected.dtype and got.shape == expected[rows].shape
+        np.testing.assert_array_equal(got.view(np.uint8), expected[rows].view(np.uint8))
+    values = dequantize_fields(read)
+    np.testing.assert_array_equal(values.view(np.uint32), dequantize_fields(fields)[rows].view(np.uint32))
+    np.testing.assert_array_equal(values, _gguf_dequantized(raw, qtype)[rows])
 
 
 def _shapes(qtype: int) -> list[tuple[int, int]]:
