@@ -478,7 +478,7 @@ void block_tiles(const Decoders& d, const QuantOperands<Rows>& a, int64_t block,
 
 template <typename Rows>
 void walk(const QuantOperands<Rows>& a, int64_t begin, int64_t end) {
-  const Decoders decoders;
+  static const Decoders decoders;  // its lookup tables, built once
   if (a.M > kQuantTileRows) {
     alignas(64) uint8_t decoded[kMaxUnitPairs * Decoded::kBytes];
     std::vector<float> sums_out(a.M * kBlockColumns);
@@ -599,7 +599,7 @@ std::vector<at::BFloat16> split_halves(const at::BFloat16* x, int64_t M, int64_t
 // inputs where a block is Q6_K.
 SPECDEC_AMX_TARGET void amx_walk(const QuantOperands<Bf16Rows>& a, const at::BFloat16* halves, int64_t begin,
                                  int64_t end) {
-  const Decoders d;
+  static const Decoders d;
   const int64_t M = a.M, K = a.K, sums_per_row = K / kMinGroup;
   std::vector<float> out(M * kBlockColumns);
   alignas(64) float parts[2][kAmxRows * kBlockColumns];
