@@ -17,9 +17,11 @@ pages once read and keeps nothing of the reader (docs/performance.md, "Memory").
 
 When: a GGUF file served at `--dtype auto` on a CPU whose kernels read the blocks runs as
 the file is, unless `--quantization int8` asks otherwise; an explicit `--dtype` (bfloat16,
-float32, float16) dequantises as before. The default model (its shipped Q4_1 file) keeps
-its dequantised bf16 default; `--quantization gguf` (vLLM's name) asks for the file's
-blocks for it, or refuses where they cannot run.
+float32, float16) dequantises as before. The default model is its shipped Q4_1 file, so it
+too runs on its blocks by default (docs/performance.md, "The default model", has the
+evidence: faster, as accurate); where the blocks cannot run (another device, no AVX512-BF16
+and VBMI, tensor parallelism) it is dequantised, as any GGUF. `--quantization gguf` (vLLM's
+name) asks for the blocks and refuses where they cannot run.
 """
 
 from __future__ import annotations
@@ -66,7 +68,7 @@ def native_gguf_file(model: str, dtype_name: str, quantization: str | None, devi
     asked = quantization == GGUF_QUANTIZATION
     if quantization not in (None, GGUF_QUANTIZATION):
         return None
-    if not asked and (dtype_name != "auto" or model.strip().lower() == DEFAULT_MODEL):
+    if not asked and dtype_name != "auto":
         return None
     source = gguf_file_of(model)
     if source is None:

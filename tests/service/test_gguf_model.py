@@ -55,10 +55,15 @@ def test_which_gguf_runs_on_its_blocks(gguf_files: dict[str, Path], monkeypatch:
     path = str(gguf_files["Q4_0"])
     assert native_gguf_file(path, "auto", None, CPU, torch.bfloat16, 1) == gguf_files["Q4_0"]
     assert native_gguf_file(path, "auto", "gguf", CPU, torch.bfloat16, 1) == gguf_files["Q4_0"]
-    # A dtype given, int8 asked for, or the default model not asked: dequantised.
+    # A dtype given or int8 asked for: dequantised.
     assert native_gguf_file(path, "bfloat16", None, CPU, torch.bfloat16, 1) is None
     assert native_gguf_file(path, "auto", "int8", CPU, torch.bfloat16, 1) is None
-    assert native_gguf_file("smollm2-135m-instruct", "auto", None, CPU, torch.bfloat16, 1) is None
+    # The default model is its shipped Q4_1 file: on its blocks by default too.
+    default_file = native_gguf_file("smollm2-135m-instruct", "auto", None, CPU, torch.bfloat16, 1)
+    assert default_file is not None and default_file.name.endswith(".Q4_1.gguf")
+    assert native_gguf_file("smollm2-135m-instruct", "bfloat16", None, CPU, torch.bfloat16, 1) is None
+    # Another device: dequantised.
+    assert native_gguf_file("smollm2-135m-instruct", "auto", None, torch.device("meta"), torch.bfloat16, 1) is None
     # Where the blocks cannot run: dequantised, or refused when asked for.
     assert native_gguf_file(path, "auto", None, CPU, torch.bfloat16, 2) is None
     with pytest.raises(ConfigError, match="tensor parallelism") as error:
