@@ -143,8 +143,10 @@ async def start_engine(args: argparse.Namespace, spec: SpeculativeConfig, model_
     options = ModelOptions(target_model=str(model_dir), dtype=args.dtype, device=args.device)
     drafter, drafter_port = await start_drafter_server(spec, "127.0.0.1", 0, options=options)
     given: dict[str, object] = {} if adaptive is None else {"adaptive_speculation": adaptive}
+    # The model as given (a name, directory or .gguf), as `serve` gives it: a GGUF (the default
+    # model's Q4_1 file included) then runs on its blocks, as served.
     config = build_config(
-        VerifierConfig, args, model=str(model_dir), max_model_len=args.max_model_len or 2048,
+        VerifierConfig, args, model=args.model, max_model_len=args.max_model_len or 2048,
         max_num_seqs=max_num_seqs, num_kv_blocks=args.num_gpu_blocks_override or 512,
         speculative_config=spec, drafter_targets=(f"127.0.0.1:{drafter_port}",), compile=None,
         **given)

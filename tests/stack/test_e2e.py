@@ -29,6 +29,7 @@ from specdec.config import SpeculativeConfig
 from specdec.config_flags import build_config
 from specdec.engine.sampling_params import SamplingParams
 from specdec.layers.cpu_extension import linear_supports
+from specdec.models.gguf_linear import GgufLinear, gguf_kernel_supports
 from specdec.models.model_files import DEFAULT_MODEL, load_tokenizer, resolve_model
 from tests.support.engine_harness import generate
 from verifier_svc.builder import VerifierConfig, build_engine
@@ -59,8 +60,10 @@ async def run_invariance(model_dir: Path, device: str, dtype: str,
     spec = SpeculativeConfig.parse({"method": "ngram", "num_speculative_tokens": 5,
                                     "prompt_lookup_min": 1, "prompt_lookup_max": 4})
     drafter, port = await start_drafter_server(spec, "127.0.0.1", 0)
-    # bf16 runs compiled, as the CPU default serves it (fp32 runs eagerly).
-    config = build_config(VerifierConfig, model=str(model_dir), device=device, dtype=dtype,
+    # bf16 runs compiled (fp32 eagerly); "auto": the default model by name, as `serve` gives
+    # it, which runs its shipped Q4_1 file on its blocks where the kernels read them.
+    model = DEFAULT_MODEL if dtype == "auto" else str(model_dir)
+    config = build_config(VerifierConfig, model=model, device=device, dtype=dtype,
                           compile=dtype == "bfloat16" and device == "cpu",
                           max_model_len=1024, max_num_seqs=4, num_kv_blocks=256,
                           speculative_config=spec, drafter_targets=(f"127.0.0.1:{port}",),
@@ -88,11 +91,15 @@ BF16_EXACT = pytest.mark.skipif(not linear_supports(torch.bfloat16),
                                 reason="bf16 is exact only with the AVX512-BF16 CPU kernels")
 
 
-@pytest.mark.parametrize("dtype", ["float32", pytest.param("bfloat16", marks=BF16_EXACT)])
+@pytest.mark.parametrize("dtype", ["float32", pytest.param("bfloat16", marks=BF16_EXACT), "auto"])
 def test_greedy_invariance_default_model(model_dir: Path, device, dtype: str) -> None:
-    if dtype == "bfloat16" and device.type != "cpu":
+    if dtype in ("bfloat16", "auto") and device.type != "cpu":
         pytest.skip("bf16 exactness is a property of the CPU kernels")
+    if dtype == "auto" and not gguf_kernel_supports(torch.bfloat16):
+        pytest.skip("the default model's Q4_1 blocks run on the AVX512-BF16 and VBMI kernels only")
     outputs, engine = asyncio.run(run_invariance(model_dir, str(device), dtype))
+    if dtype == "auto":  # served as the file is
+        assert isinstance(engine.runner.model.lm_head, GgufLinear)
     for k in (1, 3, 5):
         for index, (plain, speculative) in enumerate(zip(outputs[0], outputs[k])):
             assert speculative == plain, f"k={k}, prompt {index}: {speculative} != {plain}"
