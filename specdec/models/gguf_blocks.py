@@ -244,8 +244,7 @@ def _column_bytes(qtype: int, in_features: int) -> tuple[np.ndarray, np.ndarray,
     two codes out of their bytes, [32, 2] for the low bits and the top bits."""
     unit_inputs = _UNIT_INPUTS[qtype]
     units, pairs = in_features // unit_inputs, unit_inputs // 2
-    header_bytes = sum(count * BLOCK_COLUMNS * np.dtype(dtype).itemsize for dtype, count in _HEADER_FIELDS[qtype])
-    unit_bytes = header_bytes + pairs * _PAIR_ROW_BYTES[qtype]
+    header_bytes, unit_bytes = _unit_header_bytes(qtype), _unit_bytes(qtype)
     unit_starts = np.arange(units)[:, None] * unit_bytes
     offsets, low_shifts, high_shifts = [], [], []
     for column in range(BLOCK_COLUMNS):
@@ -305,6 +304,14 @@ def unpack_columns(packed: np.ndarray, blocks: np.ndarray, columns: np.ndarray, 
 
 def kernel_block_bytes(qtype: int, in_features: int) -> int:
     """Bytes of one block of 32 output columns in the kernel's layout."""
-    unit_inputs = _UNIT_INPUTS[qtype]
-    header_bytes = sum(count * BLOCK_COLUMNS * np.dtype(dtype).itemsize for dtype, count in _HEADER_FIELDS[qtype])
-    return in_features // unit_inputs * (header_bytes + unit_inputs // 2 * _PAIR_ROW_BYTES[qtype])
+    return in_features // _UNIT_INPUTS[qtype] * _unit_bytes(qtype)
+
+
+def _unit_header_bytes(qtype: int) -> int:
+    """Bytes of a unit's header fields for a block's 32 columns, in the kernel's layout."""
+    return sum(count * BLOCK_COLUMNS * np.dtype(dtype).itemsize for dtype, count in _HEADER_FIELDS[qtype])
+
+
+def _unit_bytes(qtype: int) -> int:
+    """Bytes of one unit (its header, then its pair rows of codes) for 32 columns."""
+    return _unit_header_bytes(qtype) + _UNIT_INPUTS[qtype] // 2 * _PAIR_ROW_BYTES[qtype]
