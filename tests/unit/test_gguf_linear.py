@@ -162,8 +162,10 @@ def test_a_row_is_bit_identical_alone_and_in_a_batch(dtype: torch.dtype, qtype: 
     layer = GgufLinear([fields], torch.randn(out_features).to(dtype))
     x = torch.randn(70, in_features, generator=torch.Generator().manual_seed(2)).to(dtype)
     alone = torch.cat([layer(x[i:i + 1]) for i in range(x.shape[0])])
-    # Around the tiles of 6 rows (vdpbf16ps) and 16 (AMX), and several of each.
-    for num_rows in (2, 5, 6, 7, 9, 13, 16, 17, 33, 64, 70):
+    # Around the tiles of 6 rows (vdpbf16ps) and, on the AMX path, the rows whose sums stay in
+    # registers (8), the one or two tiles that read a ring of decoded products (16 rows, 8 for
+    # Q6_K, each) and the block decoded whole beyond them.
+    for num_rows in (2, 5, 6, 7, 8, 9, 13, 16, 17, 32, 33, 64, 70):
         assert torch.equal(layer(x[:num_rows]), alone[:num_rows]), f"{num_rows} rows"
 
 

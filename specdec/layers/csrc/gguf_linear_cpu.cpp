@@ -102,11 +102,10 @@ int64_t gguf_block_bytes(int64_t format, int64_t in_features) {
 
 #if defined(__AVX512F__) && defined(__AVX512BF16__) && defined(__AVX512VL__) && defined(__AVX512VBMI__)
 #define SPECDEC_HAS_GGUF_KERNEL 1
-#if defined(__x86_64__) && defined(__linux__) && defined(__GNUC__)
-// The AMX path is compiled into the AVX-512 build and taken where the CPU has the tiles and
-// the kernel grants the process their state (Linux 5.16 on).
+#if defined(__x86_64__) && defined(__linux__) && defined(__GNUC__) && !defined(__clang__)
+// The AMX path is compiled into the AVX-512 build (by GCC, whose target pragma it uses) and
+// taken where the CPU has the tiles and the kernel grants the process their state (Linux 5.16 on).
 #define SPECDEC_HAS_AMX 1
-#define SPECDEC_AMX_TARGET __attribute__((target("amx-tile,amx-bf16")))
 // Whether bf16 rows take the AMX path (see there; gguf_use_amx sets it).
 std::atomic<bool>& amx_enabled();
 #endif
@@ -205,7 +204,11 @@ struct Bf16Rows {
   static void store(T* out, __m512 sums, __mmask16 mask) {
     _mm256_mask_storeu_epi16(out, mask, (__m256i)_mm512_cvtneps_pbh(sums));
   }
-  static float value(T v) { return to_float(v); }
+  // 16 values from p as fp32.
+  static __m512 widen(const T* p) {
+    const __m256i bits = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(bits), 16));
+  }
 };
 
 struct Fp32Rows {
@@ -224,7 +227,7 @@ struct Fp32Rows {
   }
   static __m512 load_bias(const T* b, __mmask16 mask) { return _mm512_maskz_loadu_ps(mask, b); }
   static void store(T* out, __m512 sums, __mmask16 mask) { _mm512_mask_storeu_ps(out, mask, sums); }
-  static float value(T v) { return v; }
+  static __m512 widen(const T* p) { return _mm512_loadu_ps(p); }
 };
 
 // A unit's pair rows decoded once (bf16 pairs, 2 registers a pair row), for calls with more
@@ -515,10 +518,24 @@ void walk(const QuantOperands<Rows>& a, int64_t begin, int64_t end) {
 // second's), so the product's rows 2m and 2m + 1 are row m's two groups. Its tiles hold 8
 // rows of inputs, and every Q6_K product is made so whatever the call's rows.
 //
-// Up to one tile of rows, each product's 16 pair rows are decoded a few products before it is
-// made (so that its tile loads never wait on the stores just made); more rows, each block is
-// decoded whole once into a per-thread buffer that every tile reads.
+// Up to two tiles of rows (a verify window), each product's 16 pair rows are decoded a few
+// products before it is made, into a ring of buffers (so that its tile loads never wait on
+// the stores just made), and both tiles read them; up to kRegisterRows rows, the rows' sums
+// stay in registers through the block. More rows (a prefill chunk), each block is decoded
+// whole once into a per-thread buffer that every tile reads.
+//
+// (This part is compiled for the tile instructions as a whole, lambdas included, so that the
+// products and the decoding inline into each walk.)
+#pragma GCC push_options
+#pragma GCC target("amx-tile,amx-bf16")
+
 constexpr int64_t kAmxRows = 16;
+constexpr int64_t kProductPairs = 16;  // a product's pair rows (32 inputs)
+// How many products ahead of its tile product the ring is decoded (bench forward at 0.8B
+// Q4_K_M, one row: 1 ahead 1.15-1.18x the vdpbf16ps path's time, 2 1.11x, 3 1.06-1.10x, 5 1.12x).
+constexpr int64_t kAhead = 3;
+// The most rows whose sums a block holds in registers (two a row).
+constexpr int64_t kRegisterRows = 8;
 
 struct alignas(64) TileConfig {
   uint8_t palette_id, start_row, reserved[14];
@@ -526,49 +543,66 @@ struct alignas(64) TileConfig {
   uint8_t rows[16];
 };
 
-// Tiles 0, 1: a product's sums for columns 0-15 and 16-31 (fp32); 2: its inputs, `rows` tile
-// rows of 32 bf16; 3, 4: its weights for the two column halves (16 pair rows of 16 columns).
-SPECDEC_AMX_TARGET void configure_tiles(int64_t rows) {
+// Two sets of tiles share the weights (tiles 3, 4: 16 pair rows of 16 columns, the two column
+// halves): set 0's sums for columns 0-15 and 16-31 in tiles 0, 1 and its inputs in tile 2
+// (`rows0` tile rows of 32 bf16), set 1's in tiles 5, 6 and 7 (`rows1` tile rows).
+void configure_tiles(int64_t rows0, int64_t rows1) {
   TileConfig c;
   std::memset(&c, 0, sizeof(c));
   c.palette_id = 1;
   const auto set = [&](int tile, int64_t tile_rows) {
     c.rows[tile] = static_cast<uint8_t>(tile_rows), c.colsb[tile] = 64;
   };
-  set(0, rows), set(1, rows), set(2, rows), set(3, 16), set(4, 16);
+  set(0, rows0), set(1, rows0), set(2, rows0), set(3, 16), set(4, 16);
+  if (rows1 > 0) set(5, rows1), set(6, rows1), set(7, rows1);
   _tile_loadconfig(&c);
 }
 
-// part (the configured rows, 32 floats each) = the tile of inputs at `x` (rows `stride` bytes
-// apart) times 16 decoded pair rows.
-SPECDEC_AMX_TARGET inline void amx_product(const uint8_t* decoded, const at::BFloat16* x, int64_t stride, float* part) {
-  _tile_zero(0);
-  _tile_zero(1);
-  _tile_loadd(2, x, stride);
-  _tile_loadd(3, decoded, Decoded::kBytes);
-  _tile_loadd(4, decoded + 64, Decoded::kBytes);
-  _tile_dpbf16ps(0, 2, 3);
-  _tile_dpbf16ps(1, 2, 4);
-  _tile_stored(0, part, kBlockColumns * sizeof(float));
-  _tile_stored(1, part + 16, kBlockColumns * sizeof(float));
+// part (the set's configured rows, 32 floats each) = the tile of inputs at `x` (rows `stride`
+// bytes apart) times 16 decoded pair rows, on tile set S.
+template <int S>
+inline void amx_product(const uint8_t* decoded, const at::BFloat16* x, int64_t stride, float* part) {
+  if constexpr (S == 0) {
+    _tile_zero(0);
+    _tile_zero(1);
+    _tile_loadd(2, x, stride);
+    _tile_loadd(3, decoded, Decoded::kBytes);
+    _tile_loadd(4, decoded + 64, Decoded::kBytes);
+    _tile_dpbf16ps(0, 2, 3);
+    _tile_dpbf16ps(1, 2, 4);
+    _tile_stored(0, part, kBlockColumns * sizeof(float));
+    _tile_stored(1, part + 16, kBlockColumns * sizeof(float));
+  } else {
+    _tile_zero(5);
+    _tile_zero(6);
+    _tile_loadd(7, x, stride);
+    _tile_loadd(3, decoded, Decoded::kBytes);
+    _tile_loadd(4, decoded + 64, Decoded::kBytes);
+    _tile_dpbf16ps(5, 7, 3);
+    _tile_dpbf16ps(6, 7, 4);
+    _tile_stored(5, part, kBlockColumns * sizeof(float));
+    _tile_stored(6, part + 16, kBlockColumns * sizeof(float));
+  }
 }
 
+// Products' sums: for each tile set, two products' worth (the one just made, the one waiting).
+using Parts = float[2][2][kAmxRows * kBlockColumns];
+
 // A group whose product is made, waiting to be scaled into the rows' sums: row m's part at
-// part + m * step.
+// parts[set][slot] + offset + m * step.
 struct PendingGroup {
   GroupScales scales;
-  int64_t k;
-  const float* part;
-  int64_t step;
+  int64_t k, slot, offset, step;
 };
 
 // Each of `rows` rows' sums (32 floats a row, in `out`) += its part * the group's scales
 // (+ its min times the row's input sum of the group at input k), as scale_into and add_mins.
-inline void scale_rows(float* out, const PendingGroup& group, int64_t rows, const float* sums, int64_t sums_per_row) {
+inline void scale_rows(float* out, const PendingGroup& group, const float* part, int64_t rows, const float* sums,
+                       int64_t sums_per_row) {
   const GroupScales& g = group.scales;
   for (int64_t m = 0; m < rows; ++m) {
     float* o = out + m * kBlockColumns;
-    const float* q = group.part + m * group.step;
+    const float* q = part + m * group.step;
     __m512 lo = _mm512_fmadd_ps(_mm512_loadu_ps(q), g.scale_lo, _mm512_loadu_ps(o));
     __m512 hi = _mm512_fmadd_ps(_mm512_loadu_ps(q + 16), g.scale_hi, _mm512_loadu_ps(o + 16));
     if (g.has_min) {
@@ -578,6 +612,23 @@ inline void scale_rows(float* out, const PendingGroup& group, int64_t rows, cons
     }
     _mm512_storeu_ps(o, lo);
     _mm512_storeu_ps(o + 16, hi);
+  }
+}
+
+// The same for R rows whose sums are held in registers (row m's in acc[2 m], acc[2 m + 1]).
+template <int R>
+inline void scale_registers(__m512* acc, const PendingGroup& group, const float* part, const float* sums,
+                            int64_t sums_per_row) {
+  const GroupScales& g = group.scales;
+  for (int m = 0; m < R; ++m) {
+    const float* q = part + m * group.step;
+    acc[2 * m] = _mm512_fmadd_ps(_mm512_loadu_ps(q), g.scale_lo, acc[2 * m]);
+    acc[2 * m + 1] = _mm512_fmadd_ps(_mm512_loadu_ps(q + 16), g.scale_hi, acc[2 * m + 1]);
+    if (g.has_min) {
+      const __m512 s = _mm512_set1_ps(sums[m * sums_per_row + group.k / kMinGroup]);
+      acc[2 * m] = _mm512_fmadd_ps(g.min_lo, s, acc[2 * m]);
+      acc[2 * m + 1] = _mm512_fmadd_ps(g.min_hi, s, acc[2 * m + 1]);
+    }
   }
 }
 
@@ -595,94 +646,192 @@ std::vector<at::BFloat16> split_halves(const at::BFloat16* x, int64_t M, int64_t
   return halves;
 }
 
-// Blocks [begin, end) of a call of bf16 rows, by tile products; `halves`: split_halves's
-// inputs where a block is Q6_K.
-SPECDEC_AMX_TARGET void amx_walk(const QuantOperands<Bf16Rows>& a, const at::BFloat16* halves, int64_t begin,
-                                 int64_t end) {
-  static const Decoders d;
-  const int64_t M = a.M, K = a.K, sums_per_row = K / kMinGroup;
-  std::vector<float> out(M * kBlockColumns);
-  alignas(64) float parts[2][kAmxRows * kBlockColumns];
-  constexpr int64_t kProductPairs = 16;  // a product's pair rows (32 inputs)
-  // How many products ahead of its tile product a one-tile call decodes (bench forward at 0.8B
-  // Q4_K_M, one row: 1 ahead 1.15-1.18x the vdpbf16ps path's time, 2 1.11x, 3 1.06-1.10x, 5 1.12x).
-  constexpr int64_t kAhead = 3;
-  const int64_t buffer_pairs = std::max((kAhead + 1) * kProductPairs, K / 2);
-  auto* buffer = static_cast<uint8_t*>(std::aligned_alloc(64, buffer_pairs * Decoded::kBytes));
-  int64_t configured = -1;
-  for (int64_t block = begin; block < end; ++block) {
-    const int64_t* row = a.table + 4 * block;
-    const uint8_t* first_unit = a.bytes + row[0];
-    const int64_t format = row[1];
-    FormatShape shape;
-    shape_of(format, shape);
-    const int64_t per_unit = unit_bytes(shape), unit_pairs = shape.unit_inputs / 2, units = K / shape.unit_inputs;
-    const bool paired = format == kQ6_K;  // two groups a product
-    const int64_t tiles = num_balanced_parts(M, paired ? kAmxRows / 2 : kAmxRows);
-    const bool one_tile = tiles == 1;
-    // One tile: each product's 16 pair rows decoded kAhead products before it is made, into a
-    // ring of buffers. More tiles: the block decoded whole, read by every tile.
-    const int64_t unit_products = unit_pairs / kProductPairs, num_products = units * unit_products;
-    const auto ring = [&](int64_t p) { return buffer + p % (kAhead + 1) * kProductPairs * Decoded::kBytes; };
-    const auto decode_product = [&](int64_t p) {
-      decode_pairs(d, format, first_unit + p / unit_products * per_unit + shape.header_bytes,
-                   p % unit_products * kProductPairs, kProductPairs, ring(p));
-    };
-    std::fill(out.begin(), out.end(), 0.f);
-    if (one_tile) {
-      for (int64_t p = 0; p < std::min(kAhead, num_products); ++p) decode_product(p);
-    } else {
-      for (int64_t u = 0; u < units; ++u) {
-        decode_pairs(d, format, first_unit + u * per_unit + shape.header_bytes, 0, unit_pairs,
-                     buffer + u * unit_pairs * Decoded::kBytes);
+// One block on the AMX path: where its units are and how they are laid out.
+struct AmxBlock {
+  const uint8_t* first_unit;
+  int64_t format, per_unit, units, header_bytes, unit_products;
+  bool paired;  // Q6_K: two groups a product
+  int64_t products() const { return units * unit_products; }
+};
+
+// A block's products over its units in input order for the rows of `Sets` tile sets (set s's
+// first row m0[s]); each group's part handed to scale(set, group, part) once the next product
+// is issued (so that no load waits on the tile stores just before it; a row's operations keep
+// their order). decoded(product, k): where the product's pair rows are; after_issue(product):
+// called once each product is issued on every set.
+template <int Sets, typename DecodedAt, typename AfterIssue, typename Scale>
+inline void tile_products(const AmxBlock& b, const QuantOperands<Bf16Rows>& a, const at::BFloat16* halves,
+                          const int64_t* m0, Parts& parts, DecodedAt&& decoded, AfterIssue&& after_issue,
+                          Scale&& scale) {
+  const int64_t M = a.M, K = a.K, unit_inputs = K / b.units;
+  PendingGroup pending[2];
+  int64_t num_pending = 0, products = 0;
+  const auto scale_pending = [&]() {
+    for (int64_t i = 0; i < num_pending; ++i) {
+      const PendingGroup& group = pending[i];
+      scale(0, group, parts[0][group.slot] + group.offset);
+      if constexpr (Sets == 2) scale(1, group, parts[1][group.slot] + group.offset);
+    }
+    num_pending = 0;
+  };
+  for (int64_t u = 0; u < b.units; ++u) {
+    const int64_t k0 = u * unit_inputs;
+    unit_groups(b.first_unit + u * b.per_unit, b.format, [&](int64_t first, int64_t /*pairs*/, const GroupScales& g) {
+      const int64_t k = k0 + 2 * first;
+      const bool second_half = b.paired && first % 16 != 0;
+      if (!second_half) {
+        const int64_t product = products++;
+        const uint8_t* w = decoded(product, k);
+        for (int s = 0; s < Sets; ++s) {
+          const at::BFloat16* x = b.paired ? halves + (k / 32 * 2 * M + 2 * m0[s]) * 32 : a.x + m0[s] * K + k;
+          const int64_t stride = (b.paired ? 32 : K) * static_cast<int64_t>(sizeof(at::BFloat16));
+          if (s == 0) amx_product<0>(w, x, stride, parts[0][product % 2]);
+          else amx_product<1>(w, x, stride, parts[1][product % 2]);
+        }
+        after_issue(product);
+        scale_pending();
       }
+      const int64_t slot = (products - 1) % 2;
+      pending[num_pending++] = b.paired ? PendingGroup{g, k, slot, second_half ? kBlockColumns : 0, 2 * kBlockColumns}
+                                        : PendingGroup{g, k, slot, 0, kBlockColumns};
+    });
+  }
+  scale_pending();
+}
+
+// The ring of buffers a block's products are decoded into, kAhead products before each is made.
+struct DecodeRing {
+  const Decoders& d;
+  const AmxBlock& b;
+  uint8_t* buffer;  // (kAhead + 1) products' pair rows
+  uint8_t* at(int64_t p) const { return buffer + p % (kAhead + 1) * kProductPairs * Decoded::kBytes; }
+  void decode(int64_t p) const {
+    decode_pairs(d, b.format, b.first_unit + p / b.unit_products * b.per_unit + b.header_bytes,
+                 p % b.unit_products * kProductPairs, kProductPairs, at(p));
+  }
+  void start() const {
+    for (int64_t p = 0; p < std::min(kAhead, b.products()); ++p) decode(p);
+  }
+  void after_issue(int64_t p) const {
+    if (p + kAhead < b.products()) decode(p + kAhead);
+  }
+};
+
+// A block of R <= kRegisterRows rows (one tile set), the rows' sums in registers.
+template <int R>
+__attribute__((flatten)) void amx_block_registers(const DecodeRing& ring, const QuantOperands<Bf16Rows>& a,
+                                                  const at::BFloat16* halves, Parts& parts, const int64_t* row) {
+  const int64_t sums_per_row = a.K / kMinGroup, m0[1] = {0};
+  __m512 acc[2 * R];
+  for (int i = 0; i < 2 * R; ++i) acc[i] = _mm512_setzero_ps();
+  ring.start();
+  tile_products<1>(
+      ring.b, a, halves, m0, parts, [&](int64_t product, int64_t) { return ring.at(product); },
+      [&](int64_t product) { ring.after_issue(product); },
+      [&](int, const PendingGroup& group, const float* part) {
+        scale_registers<R>(acc, group, part, a.sums, sums_per_row);
+      });
+  for (int m = 0; m < R; ++m) store_row(a, m, row[2], row[3], acc[2 * m], acc[2 * m + 1]);
+}
+
+// A block of more rows, their sums in `out` (M x 32 floats): up to two tile sets read the ring;
+// more, the block is decoded whole into `buffer` (K / 2 pair rows) and read tile by tile.
+__attribute__((flatten)) void amx_block_memory(const DecodeRing& ring, const QuantOperands<Bf16Rows>& a,
+                                               const at::BFloat16* halves, Parts& parts, float* out,
+                                               int64_t (&configured)[2], const int64_t* row) {
+  const AmxBlock& b = ring.b;
+  const int64_t M = a.M, sums_per_row = a.K / kMinGroup;
+  const int64_t tiles = num_balanced_parts(M, b.paired ? kAmxRows / 2 : kAmxRows), fold = b.paired ? 2 : 1;
+  const auto configure = [&](int64_t rows0, int64_t rows1) {
+    if (rows0 != configured[0] || rows1 != configured[1]) {
+      configure_tiles(rows0, rows1), configured[0] = rows0, configured[1] = rows1;
+    }
+  };
+  const auto scale = [&](int64_t m0, int64_t rows) {
+    return [=, &a](int, const PendingGroup& group, const float* part) {
+      scale_rows(out + m0 * kBlockColumns, group, part, rows, a.sums == nullptr ? nullptr : a.sums + m0 * sums_per_row,
+                 sums_per_row);
+    };
+  };
+  std::fill(out, out + M * kBlockColumns, 0.f);
+  if (tiles <= 2) {
+    const int64_t rows0 = balanced_part(M, tiles, 0), rows1 = tiles == 2 ? balanced_part(M, tiles, 1) : 0;
+    configure(fold * rows0, fold * rows1);
+    ring.start();
+    const auto decoded = [&](int64_t product, int64_t) { return ring.at(product); };
+    const auto after_issue = [&](int64_t product) { ring.after_issue(product); };
+    if (tiles == 1) {
+      const int64_t m0[1] = {0};
+      tile_products<1>(b, a, halves, m0, parts, decoded, after_issue, scale(0, rows0));
+    } else {
+      const int64_t m0[2] = {0, rows0};
+      const auto scale0 = scale(0, rows0), scale1 = scale(rows0, rows1);
+      tile_products<2>(b, a, halves, m0, parts, decoded, after_issue,
+                       [&](int set, const PendingGroup& group, const float* part) {
+                         if (set == 0) scale0(set, group, part); else scale1(set, group, part);
+                       });
+    }
+  } else {
+    const int64_t unit_pairs = a.K / b.units / 2;
+    for (int64_t u = 0; u < b.units; ++u) {
+      decode_pairs(ring.d, b.format, b.first_unit + u * b.per_unit + b.header_bytes, 0, unit_pairs,
+                   ring.buffer + u * unit_pairs * Decoded::kBytes);
     }
     for (int64_t tile = 0, m0 = 0; tile < tiles; ++tile) {
-      const int64_t rows = balanced_part(M, tiles, tile), tile_rows = paired ? 2 * rows : rows;
-      if (tile_rows != configured) configure_tiles(tile_rows), configured = tile_rows;
-      float* tile_out = out.data() + m0 * kBlockColumns;
-      const float* tile_sums = a.sums == nullptr ? nullptr : a.sums + m0 * sums_per_row;
-      // The groups of the last product made, scaled in once the next one is issued (so that
-      // no load waits on the tile stores just before it; a row's operations keep their order).
-      PendingGroup pending[2];
-      int64_t num_pending = 0, products = 0;
-      const auto scale_pending = [&]() {
-        for (int64_t i = 0; i < num_pending; ++i) scale_rows(tile_out, pending[i], rows, tile_sums, sums_per_row);
-        num_pending = 0;
-      };
-      for (int64_t u = 0; u < units; ++u) {
-        const int64_t k0 = u * shape.unit_inputs;
-        unit_groups(first_unit + u * per_unit, format, [&](int64_t first, int64_t /*pairs*/, const GroupScales& g) {
-          const int64_t k = k0 + 2 * first;
-          const bool second_half = paired && first % 16 != 0;
-          if (!second_half) {
-            const int64_t product = products++;
-            const uint8_t* decoded = one_tile ? ring(product) : buffer + k / 2 * Decoded::kBytes;
-            float* part = parts[product % 2];
-            if (paired) {
-              amx_product(decoded, halves + (k / 32 * 2 * M + 2 * m0) * 32, 32 * sizeof(at::BFloat16), part);
-            } else {
-              amx_product(decoded, a.x + m0 * K + k, K * sizeof(at::BFloat16), part);
-            }
-            if (one_tile && product + kAhead < num_products) decode_product(product + kAhead);
-            scale_pending();
-          }
-          const float* part = parts[(products - 1) % 2];
-          pending[num_pending++] = paired ? PendingGroup{g, k, part + (second_half ? kBlockColumns : 0), 2 * kBlockColumns}
-                                          : PendingGroup{g, k, part, kBlockColumns};
-        });
-      }
-      scale_pending();
+      const int64_t rows = balanced_part(M, tiles, tile), first[1] = {m0};
+      configure(fold * rows, 0);
+      tile_products<1>(
+          b, a, halves, first, parts, [&](int64_t, int64_t k) { return ring.buffer + k / 2 * Decoded::kBytes; },
+          [](int64_t) {}, scale(m0, rows));
       m0 += rows;
     }
-    for (int64_t m = 0; m < M; ++m) {
-      const float* s = out.data() + m * kBlockColumns;
-      store_row(a, m, row[2], row[3], _mm512_loadu_ps(s), _mm512_loadu_ps(s + 16));
+  }
+  for (int64_t m = 0; m < M; ++m) {
+    const float* s = out + m * kBlockColumns;
+    store_row(a, m, row[2], row[3], _mm512_loadu_ps(s), _mm512_loadu_ps(s + 16));
+  }
+}
+
+// Blocks [begin, end) of a call of bf16 rows, by tile products; `halves`: split_halves's
+// inputs where a block is Q6_K.
+void amx_walk(const QuantOperands<Bf16Rows>& a, const at::BFloat16* halves, int64_t begin, int64_t end) {
+  static const Decoders d;
+  const int64_t M = a.M, K = a.K;
+  std::vector<float> out(M * kBlockColumns);
+  alignas(64) Parts parts;
+  const int64_t buffer_pairs = std::max((kAhead + 1) * kProductPairs, K / 2);
+  auto* buffer = static_cast<uint8_t*>(std::aligned_alloc(64, buffer_pairs * Decoded::kBytes));
+  int64_t configured[2] = {-1, -1};
+  for (int64_t block = begin; block < end; ++block) {
+    const int64_t* row = a.table + 4 * block;
+    FormatShape shape;
+    shape_of(row[1], shape);
+    const AmxBlock b{a.bytes + row[0], row[1], unit_bytes(shape), K / shape.unit_inputs, shape.header_bytes,
+                     shape.unit_inputs / 2 / kProductPairs, row[1] == kQ6_K};
+    const DecodeRing ring{d, b, buffer};
+    if (M > kRegisterRows) {
+      amx_block_memory(ring, a, halves, parts, out.data(), configured, row);
+      continue;
+    }
+    const int64_t tile_rows = b.paired ? 2 * M : M;
+    if (tile_rows != configured[0] || configured[1] != 0) {
+      configure_tiles(tile_rows, 0), configured[0] = tile_rows, configured[1] = 0;
+    }
+    switch (M) {
+      case 8: amx_block_registers<8>(ring, a, halves, parts, row); break;
+      case 7: amx_block_registers<7>(ring, a, halves, parts, row); break;
+      case 6: amx_block_registers<6>(ring, a, halves, parts, row); break;
+      case 5: amx_block_registers<5>(ring, a, halves, parts, row); break;
+      case 4: amx_block_registers<4>(ring, a, halves, parts, row); break;
+      case 3: amx_block_registers<3>(ring, a, halves, parts, row); break;
+      case 2: amx_block_registers<2>(ring, a, halves, parts, row); break;
+      default: amx_block_registers<1>(ring, a, halves, parts, row); break;
     }
   }
   std::free(buffer);
   _tile_release();
 }
+#pragma GCC pop_options
 #endif  // SPECDEC_HAS_AMX
 
 template <typename Rows>
@@ -693,14 +842,12 @@ void gguf_rows(const at::Tensor& x, const at::Tensor& bytes, const at::Tensor& t
   const int64_t* rows = table.data_ptr<int64_t>();
   bool has_mins = false;
   for (int64_t b = 0; b < blocks; ++b) has_mins |= rows[4 * b + 1] == kQ4_1 || rows[4 * b + 1] == kQ4_K;
-  // Each row's input sums per group of 32, in input order (the min terms' factor).
+  // Each row's input sums per group of 32 (the min terms' factor), the same for a row in any call.
   std::vector<float> sums(has_mins ? M * (K / kMinGroup) : 0);
   const T* xs = x.data_ptr<T>();
   for (size_t g = 0; g < sums.size(); ++g) {
     const T* p = xs + static_cast<int64_t>(g) * kMinGroup;
-    float s = 0.f;
-    for (int64_t i = 0; i < kMinGroup; ++i) s += Rows::value(p[i]);
-    sums[g] = s;
+    sums[g] = _mm512_reduce_add_ps(_mm512_add_ps(Rows::widen(p), Rows::widen(p + 16)));
   }
   const QuantOperands<Rows> operands{M, K, out.size(1), static_cast<const uint8_t*>(bytes.data_ptr()), rows, xs,
                                      has_mins ? sums.data() : nullptr,
