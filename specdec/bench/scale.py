@@ -10,9 +10,10 @@ interleaved round by round so that the machine's drift falls on both; tokens/s o
 request's wall time (prefill included), the median of the rounds. Beside it the bytes a
 decode step reads (the file's matrices: the layers' and the LM head's), the rate at which
 each system read them, each system's resident memory (what loading and running the model
-added to its process: llama.cpp runs in a child process) and the 1-minute load average at
-the row's end. A llama.cpp that crashes (see `specdec.bench.llama_cpp_system`) is named on
-stderr and its cells say so; specdec's figures stand.
+added to its process: each row runs in a fresh process of its own, llama.cpp in a child of
+that) and the 1-minute load average at the row's end. A llama.cpp that crashes (see
+`specdec.bench.llama_cpp_system`) is named on stderr and its cells say so; specdec's figures
+stand.
 """
 
 from __future__ import annotations
@@ -21,9 +22,12 @@ import argparse
 import asyncio
 import gc
 import logging
+import multiprocessing
 import os
 import statistics
 import sys
+import traceback
+from multiprocessing.connection import Connection
 from pathlib import Path
 from typing import Any
 
@@ -115,6 +119,37 @@ async def measure(preset: str, precision: str, args: argparse.Namespace, tokeniz
     return row
 
 
+def measure_in_process(preset: str, precision: str, args: argparse.Namespace, tokenizer_dir: Path) -> dict[str, Any]:
+    """`measure` in a fresh process, so that the row's memory is what its own model adds (in one
+    process a later row would reuse what an earlier one freed)."""
+    context = multiprocessing.get_context("spawn")
+    receiver, sender = context.Pipe(duplex=False)
+    process = context.Process(target=_measure_row, args=(sender, preset, precision, vars(args), tokenizer_dir),
+                              name=f"bench scale {preset} {precision}")
+    process.start()
+    sender.close()
+    try:
+        outcome, value = receiver.recv()
+    except EOFError:
+        outcome, value = "error", f"its process ended ({process.exitcode}) before its row"
+    finally:
+        process.join()
+    if outcome == "error":
+        raise RuntimeError(f"bench scale {preset} {precision}: {value}")
+    return value
+
+
+def _measure_row(sender: Connection, preset: str, precision: str, args: dict[str, Any], tokenizer_dir: Path) -> None:
+    setup_logging(args["log_level"], "specdec")
+    torch.set_num_threads(args["threads"])
+    try:
+        sender.send(("row", asyncio.run(measure(preset, precision, argparse.Namespace(**args), tokenizer_dir))))
+    except Exception:
+        sender.send(("error", traceback.format_exc()))
+    finally:
+        sender.close()
+
+
 TABLE_HEADER = ("| model | format | file MB | MB read a token | specdec tok/s (GB/s) "
                 "| llama.cpp tok/s (GB/s) | ratio | specdec MB | llama.cpp MB | load |\n"
                 "|---|---|---|---|---|---|---|---|---|---|")
@@ -171,7 +206,7 @@ def main(argv: list[str] | None = None) -> int:
     print(TABLE_HEADER, flush=True)
     for preset in presets:
         for precision in formats:
-            row = asyncio.run(measure(preset, precision, args, tokenizer_dir))
+            row = measure_in_process(preset, precision, args, tokenizer_dir)
             for reason in row["failures"].values():
                 print(f"{preset} {precision}: {reason}", file=sys.stderr, flush=True)
             print(format_row(row), flush=True)
