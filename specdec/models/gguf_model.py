@@ -26,7 +26,6 @@ name) asks for the blocks and refuses where they cannot run.
 
 from __future__ import annotations
 
-import ctypes
 import logging
 import mmap
 from pathlib import Path
@@ -43,6 +42,7 @@ from specdec.models.llama import LlamaForCausalLM
 from specdec.models.loader import load_model, load_model_config
 from specdec.models.model_config import ModelConfig
 from specdec.models.model_files import DEFAULT_MODEL, default_cache_dir, fetch_default_gguf
+from specdec.models.weight_arena import return_free_heap
 
 logger = logging.getLogger(__name__)
 
@@ -223,16 +223,3 @@ def load_gguf_model(gguf_path: Path, model_dir: Path, dtype: torch.dtype, device
     del reader, plan, embedding
     return_free_heap()
     return model
-
-
-def return_free_heap() -> None:
-    """Hands glibc's free heap pages back to the system (`malloc_trim(0)`). Loading unpacks
-    and lays out every matrix in temporaries of tens of MB, which glibc frees into its heap
-    and keeps resident. A no-op without glibc."""
-    try:
-        libc = ctypes.CDLL("libc.so.6")
-    except OSError:
-        return
-    trim = getattr(libc, "malloc_trim", None)
-    if trim is not None:
-        trim(0)
