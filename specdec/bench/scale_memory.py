@@ -29,6 +29,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from specdec.heap import return_free_heap
+
 
 class _MallInfo2(ctypes.Structure):
     _fields_ = [(name, ctypes.c_size_t) for name in ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks",
@@ -59,15 +61,6 @@ def memory_mb() -> dict[str, float]:
         libc.mallinfo2.restype = _MallInfo2
         values["heap_free"] = libc.mallinfo2().fordblks / 1e6
     return values
-
-
-def malloc_trim() -> bool:
-    """Returns glibc's free heap pages to the system; False where there is no glibc."""
-    libc = _libc()
-    if libc is None or not hasattr(libc, "malloc_trim"):
-        return False
-    libc.malloc_trim(0)
-    return True
 
 
 class Steps:
@@ -160,7 +153,7 @@ async def _run(args: argparse.Namespace, steps: Steps) -> float:
     steps.mark(f"a request ({generation.num_output_tokens / generation.seconds:.1f} tok/s)")
     gc.collect()
     steps.mark("gc.collect()")
-    if malloc_trim():
+    if return_free_heap():
         steps.mark("malloc_trim(0): the free heap's resident pages returned")
     await engine.stop()
     return gguf_path.stat().st_size / 1e6

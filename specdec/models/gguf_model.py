@@ -35,6 +35,7 @@ import numpy as np
 import torch
 
 from specdec.errors import ConfigError
+from specdec.heap import return_free_heap
 from specdec.models.gguf_blocks import BLOCK_COLUMNS, TYPE_NAMES, kernel_block_bytes, pack_rows, unpack
 from specdec.models.gguf_linear import GgufEmbedding, GgufLinear, gguf_kernel_supports, own_pages
 from specdec.models.gguf_names import rope_permutation
@@ -42,7 +43,6 @@ from specdec.models.llama import LlamaForCausalLM
 from specdec.models.loader import load_model, load_model_config
 from specdec.models.model_config import ModelConfig
 from specdec.models.model_files import DEFAULT_MODEL, default_cache_dir, fetch_default_gguf
-from specdec.models.weight_arena import return_free_heap
 
 logger = logging.getLogger(__name__)
 

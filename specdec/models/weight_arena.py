@@ -17,12 +17,13 @@ change. Where huge pages are not available the buffer is still one contiguous,
 
 from __future__ import annotations
 
-import ctypes
 import logging
 import mmap
 from collections.abc import Sequence
 
 import torch
+
+from specdec.heap import return_free_heap
 
 logger = logging.getLogger(__name__)
 
@@ -78,15 +79,3 @@ def move_into_arena(tensors: Sequence[torch.Tensor]) -> torch.Tensor | None:
                 len(groups), total / 2**20, "huge-page" if huge else "2 MiB-aligned")
     return arena
 
-
-def return_free_heap() -> None:
-    """Hands glibc's free heap pages back to the system (`malloc_trim(0)`): loading and
-    moving weights free temporaries and copies of tens of MB, which glibc keeps in its heap,
-    resident. A no-op without glibc."""
-    try:
-        libc = ctypes.CDLL("libc.so.6")
-    except OSError:
-        return
-    trim = getattr(libc, "malloc_trim", None)
-    if trim is not None:
-        trim(0)

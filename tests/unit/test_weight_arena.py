@@ -8,7 +8,8 @@ import sys
 import pytest
 import torch
 
-from specdec.models.weight_arena import move_into_arena, return_free_heap
+from specdec.heap import return_free_heap
+from specdec.models.weight_arena import move_into_arena
 
 
 def _rss_anon_bytes() -> int:
