@@ -559,31 +559,27 @@ void configure_tiles(int64_t rows0, int64_t rows1) {
 }
 
 // part (the set's configured rows, 32 floats each) = the tile of inputs at `x` (rows `stride`
-// bytes apart) times 16 decoded pair rows, on tile set S.
+// bytes apart) times 16 decoded pair rows, on tile set S. (The tile intrinsics take a tile's
+// number as a literal, hence the macro: sums in tiles LO and HI, inputs in tile INPUTS.)
+#define SPECDEC_TILE_PRODUCT(LO, HI, INPUTS)                         \
+  _tile_zero(LO);                                                   \
+  _tile_zero(HI);                                                   \
+  _tile_loadd(INPUTS, x, stride);                                   \
+  _tile_loadd(3, decoded, Decoded::kBytes);                         \
+  _tile_loadd(4, decoded + 64, Decoded::kBytes);                    \
+  _tile_dpbf16ps(LO, INPUTS, 3);                                    \
+  _tile_dpbf16ps(HI, INPUTS, 4);                                    \
+  _tile_stored(LO, part, kBlockColumns * sizeof(float));            \
+  _tile_stored(HI, part + 16, kBlockColumns * sizeof(float))
 template <int S>
 inline void amx_product(const uint8_t* decoded, const at::BFloat16* x, int64_t stride, float* part) {
   if constexpr (S == 0) {
-    _tile_zero(0);
-    _tile_zero(1);
-    _tile_loadd(2, x, stride);
-    _tile_loadd(3, decoded, Decoded::kBytes);
-    _tile_loadd(4, decoded + 64, Decoded::kBytes);
-    _tile_dpbf16ps(0, 2, 3);
-    _tile_dpbf16ps(1, 2, 4);
-    _tile_stored(0, part, kBlockColumns * sizeof(float));
-    _tile_stored(1, part + 16, kBlockColumns * sizeof(float));
+    SPECDEC_TILE_PRODUCT(0, 1, 2);
   } else {
-    _tile_zero(5);
-    _tile_zero(6);
-    _tile_loadd(7, x, stride);
-    _tile_loadd(3, decoded, Decoded::kBytes);
-    _tile_loadd(4, decoded + 64, Decoded::kBytes);
-    _tile_dpbf16ps(5, 7, 3);
-    _tile_dpbf16ps(6, 7, 4);
-    _tile_stored(5, part, kBlockColumns * sizeof(float));
-    _tile_stored(6, part + 16, kBlockColumns * sizeof(float));
+    SPECDEC_TILE_PRODUCT(5, 6, 7);
   }
 }
+#undef SPECDEC_TILE_PRODUCT
 
 // Products' sums: for each tile set, two products' worth (the one just made, the one waiting).
 using Parts = float[2][2][kAmxRows * kBlockColumns];
