@@ -558,6 +558,14 @@ void configure_tiles(int64_t rows0, int64_t rows1) {
   _tile_loadconfig(&c);
 }
 
+// Tiles configured for rows0 and rows1 tile rows unless they are already (`configured`: the
+// thread's current pair, {-1, -1} before any).
+void use_tiles(int64_t (&configured)[2], int64_t rows0, int64_t rows1) {
+  if (rows0 != configured[0] || rows1 != configured[1]) {
+    configure_tiles(rows0, rows1), configured[0] = rows0, configured[1] = rows1;
+  }
+}
+
 // part (the set's configured rows, 32 floats each) = the tile of inputs at `x` (rows `stride`
 // bytes apart) times 16 decoded pair rows, on tile set S. (The tile intrinsics take a tile's
 // number as a literal, hence the macro: sums in tiles LO and HI, inputs in tile INPUTS.)
@@ -591,21 +599,28 @@ struct PendingGroup {
   int64_t k, slot, offset, step;
 };
 
-// Each of `rows` rows' sums (32 floats a row, in `out`) += its part * the group's scales
+// Row m's sums (lo: columns 0-15, hi: 16-31) += its part of the group * the group's scales
 // (+ its min times the row's input sum of the group at input k), as scale_into and add_mins.
+inline void scale_row(__m512& lo, __m512& hi, const PendingGroup& group, const float* part, int64_t m,
+                      const float* sums, int64_t sums_per_row) {
+  const GroupScales& g = group.scales;
+  const float* q = part + m * group.step;
+  lo = _mm512_fmadd_ps(_mm512_loadu_ps(q), g.scale_lo, lo);
+  hi = _mm512_fmadd_ps(_mm512_loadu_ps(q + 16), g.scale_hi, hi);
+  if (g.has_min) {
+    const __m512 s = _mm512_set1_ps(sums[m * sums_per_row + group.k / kMinGroup]);
+    lo = _mm512_fmadd_ps(g.min_lo, s, lo);
+    hi = _mm512_fmadd_ps(g.min_hi, s, hi);
+  }
+}
+
+// scale_row for each of `rows` rows whose sums are in `out` (32 floats a row).
 inline void scale_rows(float* out, const PendingGroup& group, const float* part, int64_t rows, const float* sums,
                        int64_t sums_per_row) {
-  const GroupScales& g = group.scales;
   for (int64_t m = 0; m < rows; ++m) {
     float* o = out + m * kBlockColumns;
-    const float* q = part + m * group.step;
-    __m512 lo = _mm512_fmadd_ps(_mm512_loadu_ps(q), g.scale_lo, _mm512_loadu_ps(o));
-    __m512 hi = _mm512_fmadd_ps(_mm512_loadu_ps(q + 16), g.scale_hi, _mm512_loadu_ps(o + 16));
-    if (g.has_min) {
-      const __m512 s = _mm512_set1_ps(sums[m * sums_per_row + group.k / kMinGroup]);
-      lo = _mm512_fmadd_ps(g.min_lo, s, lo);
-      hi = _mm512_fmadd_ps(g.min_hi, s, hi);
-    }
+    __m512 lo = _mm512_loadu_ps(o), hi = _mm512_loadu_ps(o + 16);
+    scale_row(lo, hi, group, part, m, sums, sums_per_row);
     _mm512_storeu_ps(o, lo);
     _mm512_storeu_ps(o + 16, hi);
   }
@@ -615,17 +630,7 @@ inline void scale_rows(float* out, const PendingGroup& group, const float* part,
 template <int R>
 inline void scale_registers(__m512* acc, const PendingGroup& group, const float* part, const float* sums,
                             int64_t sums_per_row) {
-  const GroupScales& g = group.scales;
-  for (int m = 0; m < R; ++m) {
-    const float* q = part + m * group.step;
-    acc[2 * m] = _mm512_fmadd_ps(_mm512_loadu_ps(q), g.scale_lo, acc[2 * m]);
-    acc[2 * m + 1] = _mm512_fmadd_ps(_mm512_loadu_ps(q + 16), g.scale_hi, acc[2 * m + 1]);
-    if (g.has_min) {
-      const __m512 s = _mm512_set1_ps(sums[m * sums_per_row + group.k / kMinGroup]);
-      acc[2 * m] = _mm512_fmadd_ps(g.min_lo, s, acc[2 * m]);
-      acc[2 * m + 1] = _mm512_fmadd_ps(g.min_hi, s, acc[2 * m + 1]);
-    }
-  }
+  for (int m = 0; m < R; ++m) scale_row(acc[2 * m], acc[2 * m + 1], group, part, m, sums, sums_per_row);
 }
 
 // Q6_K's inputs as its products read them: for each 32 inputs, each row as two tile rows (the
@@ -738,11 +743,6 @@ __attribute__((flatten)) void amx_block_memory(const DecodeRing& ring, const Qua
   const AmxBlock& b = ring.b;
   const int64_t M = a.M, sums_per_row = a.K / kMinGroup;
   const int64_t tiles = num_balanced_parts(M, b.paired ? kAmxRows / 2 : kAmxRows), fold = b.paired ? 2 : 1;
-  const auto configure = [&](int64_t rows0, int64_t rows1) {
-    if (rows0 != configured[0] || rows1 != configured[1]) {
-      configure_tiles(rows0, rows1), configured[0] = rows0, configured[1] = rows1;
-    }
-  };
   const auto scale = [&](int64_t m0, int64_t rows) {
     return [=, &a](int, const PendingGroup& group, const float* part) {
       scale_rows(out + m0 * kBlockColumns, group, part, rows, a.sums == nullptr ? nullptr : a.sums + m0 * sums_per_row,
@@ -752,7 +752,7 @@ __attribute__((flatten)) void amx_block_memory(const DecodeRing& ring, const Qua
   std::fill(out, out + M * kBlockColumns, 0.f);
   if (tiles <= 2) {
     const int64_t rows0 = balanced_part(M, tiles, 0), rows1 = tiles == 2 ? balanced_part(M, tiles, 1) : 0;
-    configure(fold * rows0, fold * rows1);
+    use_tiles(configured, fold * rows0, fold * rows1);
     ring.start();
     const auto decoded = [&](int64_t product, int64_t) { return ring.at(product); };
     const auto after_issue = [&](int64_t product) { ring.after_issue(product); };
@@ -775,7 +775,7 @@ __attribute__((flatten)) void amx_block_memory(const DecodeRing& ring, const Qua
     }
     for (int64_t tile = 0, m0 = 0; tile < tiles; ++tile) {
       const int64_t rows = balanced_part(M, tiles, tile), first[1] = {m0};
-      configure(fold * rows, 0);
+      use_tiles(configured, fold * rows, 0);
       tile_products<1>(
           b, a, halves, first, parts, [&](int64_t, int64_t k) { return ring.buffer + k / 2 * Decoded::kBytes; },
           [](int64_t) {}, scale(m0, rows));
@@ -809,10 +809,7 @@ void amx_walk(const QuantOperands<Bf16Rows>& a, const at::BFloat16* halves, int6
       amx_block_memory(ring, a, halves, parts, out.data(), configured, row);
       continue;
     }
-    const int64_t tile_rows = b.paired ? 2 * M : M;
-    if (tile_rows != configured[0] || configured[1] != 0) {
-      configure_tiles(tile_rows, 0), configured[0] = tile_rows, configured[1] = 0;
-    }
+    use_tiles(configured, b.paired ? 2 * M : M, 0);
     switch (M) {
       case 8: amx_block_registers<8>(ring, a, halves, parts, row); break;
       case 7: amx_block_registers<7>(ring, a, halves, parts, row); break;
